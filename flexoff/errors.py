@@ -1,0 +1,37 @@
+"""User-facing errors: each one becomes a single line and exit code 2 in the CLI."""
+
+
+class FlexoffError(Exception):
+    """Base class for every error caused by user input or the user's environment."""
+
+
+class UnknownModelError(FlexoffError):
+    """A model name that is neither in the registry nor a checkpoint directory."""
+
+
+class CheckpointError(FlexoffError):
+    """A checkpoint file that is missing, unreadable, corrupt or of the wrong shape."""
+
+
+class UnsupportedModelError(FlexoffError):
+    """A checkpoint whose architecture or format flexoff cannot run faithfully."""
+
+
+class PromptError(FlexoffError):
+    """Prompts that cannot be run: empty, too long, or malformed in a file."""
+
+
+class SamplingError(FlexoffError):
+    """Sampling parameters out of range."""
+
+
+class PolicyError(FlexoffError):
+    """A policy that is invalid, or that cannot fit the machine."""
+
+
+class ConfigError(FlexoffError):
+    """Malformed sizes, profiles or other configuration values."""
+
+
+class TokenizerError(FlexoffError):
+    """No usable tokenizer for text input or output."""

@@ -1,0 +1,147 @@
+"""The policy: where weights, KV cache and activations live, batch sizes, and the run switches.
+
+A Policy is frozen and validated on construction, so every consumer (placement, schedule,
+cost model) can trust it. It round-trips through JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from ..errors import PolicyError
+from ..fileio import write_text_atomic
+
+TIERS = ("gpu", "cpu", "disk")
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class TierFractions:
+    """Shares of one kind of data on each tier; they sum to 1."""
+
+    gpu: float = 1.0
+    cpu: float = 0.0
+    disk: float = 0.0
+
+    def validate(self, what: str) -> None:
+        for tier in TIERS:
+            value = getattr(self, tier)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise PolicyError(f"{what} fraction on {tier} must be a number, got {value!r}")
+            if value < 0:
+                raise PolicyError(f"{what} fraction on {tier} is negative ({value})")
+        total = self.gpu + self.cpu + self.disk
+        if abs(total - 1.0) > 1e-6:
+            raise PolicyError(
+                f"{what} fractions gpu/cpu/disk = {self.gpu}/{self.cpu}/{self.disk} sum to {total:g}, not 1"
+            )
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return (self.gpu, self.cpu, self.disk)
+
+    @classmethod
+    def from_percent(cls, gpu_percent: float, cpu_percent: float) -> "TierFractions":
+        """FlexGen-style: gpu and cpu given in percent, disk takes the rest."""
+        disk = 100.0 - gpu_percent - cpu_percent
+        if abs(disk) < 1e-9:
+            disk = 0.0
+        return cls(gpu_percent / 100.0, cpu_percent / 100.0, disk / 100.0)
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """Group-wise asymmetric quantization settings."""
+
+    bits: int = 4
+    group_size: int = 64
+
+    def validate(self, what: str) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise PolicyError(f"{what}: {self.bits}-bit compression is not supported; use one of {SUPPORTED_BITS}")
+        if not isinstance(self.group_size, int) or self.group_size < 2:
+            raise PolicyError(f"{what}: group size must be an integer >= 2, got {self.group_size!r}")
+
+
+@dataclass(frozen=True)
+class Policy:
+    gpu_batch_size: int = 1
+    num_gpu_batches: int = 1
+    weights: TierFractions = field(default_factory=TierFractions)
+    cache: TierFractions = field(default_factory=TierFractions)
+    activations: TierFractions = field(default_factory=TierFractions)
+    cpu_attention: bool = False
+    overlap: bool = True
+    pin_cpu_memory: bool = True
+    compress_weight: CompressionConfig | None = None
+    compress_cache: CompressionConfig | None = None
+
+    def __post_init__(self):
+        for name in ("gpu_batch_size", "num_gpu_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PolicyError(f"{name} must be an integer >= 1, got {value!r}")
+        self.weights.validate("weight")
+        self.cache.validate("cache")
+        self.activations.validate("activation")
+        if self.compress_weight is not None:
+            self.compress_weight.validate("weight compression")
+        if self.compress_cache is not None:
+            self.compress_cache.validate("cache compression")
+
+    @property
+    def block_size(self) -> int:
+        """Sequences processed together: one weight load serves all of them."""
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @property
+    def uses_disk(self) -> bool:
+        return any(f.disk > 0 for f in (self.weights, self.cache, self.activations))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(Path(path), self.to_json())
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "policy") -> "Policy":
+        if not isinstance(data, dict):
+            raise PolicyError(f"{source}: a policy must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise PolicyError(f"{source}: unknown policy field {unknown[0]!r}; known fields: {', '.join(sorted(known))}")
+        kwargs = dict(data)
+        for name in ("weights", "cache", "activations"):
+            if name in kwargs:
+                kwargs[name] = _sub(TierFractions, kwargs[name], f"{source}: {name}")
+        for name in ("compress_weight", "compress_cache"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = _sub(CompressionConfig, kwargs[name], f"{source}: {name}")
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Policy":
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise PolicyError(f"cannot read policy file {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise PolicyError(f"policy file {path} is not valid JSON: {exc}") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _sub(kind, value, where: str):
+    if not isinstance(value, dict):
+        raise PolicyError(f"{where} must be a JSON object")
+    allowed = {f.name for f in fields(kind)}
+    unknown = sorted(set(value) - allowed)
+    if unknown:
+        raise PolicyError(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(sorted(allowed))}")
+    return kind(**value)
