@@ -212,9 +212,17 @@ def _opt_from_json(name: str, raw: dict) -> ModelConfig:
     )
 
 
+def _rope_parameters(raw: dict) -> dict:
+    """RoPE settings from either layout: newer exports nest theta and scaling in rope_parameters."""
+    params = dict(raw.get("rope_scaling") or {})
+    params.update(raw.get("rope_parameters") or {})
+    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
+    return params
+
+
 def _rope_from_json(name: str, raw: dict) -> RopeScaling:
-    scaling = raw.get("rope_scaling")
-    if not scaling:
+    scaling = _rope_parameters(raw)
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         return RopeScaling()
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
@@ -252,7 +260,7 @@ def _llama_from_json(name: str, raw: dict) -> ModelConfig:
         intermediate_size=raw["intermediate_size"], max_positions=max_positions,
         norm_eps=raw.get("rms_norm_eps", 1e-6), tie_word_embeddings=raw.get("tie_word_embeddings", False),
         bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_tuple(raw.get("eos_token_id")),
-        pad_token_id=raw.get("pad_token_id"), rope_theta=float(raw.get("rope_theta", 10000.0)),
+        pad_token_id=raw.get("pad_token_id"), rope_theta=float(_rope_parameters(raw)["rope_theta"]),
         rope_scaling=_rope_from_json(name, raw),
         attention_bias=raw.get("attention_bias", qwen),
     )

@@ -1,0 +1,241 @@
+"""The Python batch API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as SequenceOf
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .errors import FlexoffError, PromptError, SamplingError, TokenizerError, UnknownModelError
+from .models import ModelConfig, resolve_model_config, stage_names, stage_specs
+from .runtime.batching import form_blocks
+from .runtime.engine import Engine, Sequence
+from .runtime.metrics import Metrics
+from .runtime.policy import Policy
+from .runtime.sampling import SamplingParams, SequenceSampler
+from .tokenizer import Tokenizer
+from .weights import CheckpointWeights, DummyWeights
+
+_DTYPES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32,
+}
+
+
+# Everything on the compute device, in batches large enough to keep it busy.
+DEFAULT_POLICY = Policy(gpu_batch_size=32)
+
+
+@dataclass
+class RequestOutput:
+    index: int  # position in the list given to generate()
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str | None
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each generated token under the model
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+@dataclass
+class ScoreOutput:
+    token_ids: list[int]
+    logprobs: list[float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.logprobs)
+
+
+class GenerationResult(list):
+    """The outputs in input order, with the run's metrics record."""
+
+    def __init__(self, outputs: list[RequestOutput], metrics: Metrics):
+        super().__init__(outputs)
+        self.metrics = metrics
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise FlexoffError("device 'cuda' was asked for, but CUDA is not available on this machine")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # fp16 is the GPU's native format; CPUs compute fp32 fastest and most exactly.
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise FlexoffError(f"unknown dtype {dtype!r}; use auto, float16, bfloat16 or float32")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """A model ready to generate: weights from a checkpoint directory, or seeded dummy weights."""
+
+    def __init__(self, model: str, *, dummy: bool = False, policy: Policy | str | None = None,
+                 dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
+                 tokenizer: str | None = None):
+        self.config: ModelConfig = resolve_model_config(model)
+        path = Path(model)
+        if not dummy and not path.is_dir():
+            raise UnknownModelError(
+                f"{model!r} names a model size but no checkpoint directory; pass dummy=True (--dummy) "
+                "for seeded random weights, or give a local checkpoint directory"
+            )
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.seed = seed
+        self.policy = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else DEFAULT_POLICY
+        tokenizer_dir = Path(tokenizer) if tokenizer else path if path.is_dir() else None
+        self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir and Tokenizer.available(tokenizer_dir) else None
+        source = DummyWeights(seed) if dummy else CheckpointWeights(path)
+        source.check({stage: stage_specs(self.config, stage) for stage in stage_names(self.config)})
+        self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, seed)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Input checks
+    def _encode(self, prompts: SequenceOf) -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, SequenceOf):
+            raise PromptError("prompts must be a list of strings or of token-id lists")
+        if len(prompts) == 0:
+            raise PromptError("the prompt list is empty")
+        encoded = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise TokenizerError(
+                        f"prompt {i} is text, but model {self.config.name!r} has no tokenizer; "
+                        "give token ids, or a checkpoint directory with tokenizer files"
+                    )
+                ids = self.tokenizer.encode(prompt)
+            else:
+                ids = list(prompt)
+                bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size), None)
+                if bad is not None:
+                    raise PromptError(f"prompt {i} has token id {bad!r}, outside the vocabulary of "
+                                      f"{self.config.vocab_size}")
+            if not ids:
+                raise PromptError(f"prompt {i} is empty")
+            encoded.append(ids)
+        return encoded
+
+    def _params(self, params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise SamplingError(f"{len(params)} sampling parameter sets for {count} prompts")
+        return params
+
+    def _check_lengths(self, ids: list[list[int]], params: list[SamplingParams]) -> None:
+        limit = self.config.max_positions
+        for i, (prompt, p) in enumerate(zip(ids, params)):
+            if len(prompt) + p.max_new_tokens > limit:
+                raise PromptError(
+                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={p.max_new_tokens} it needs "
+                    f"{len(prompt) + p.max_new_tokens} positions, but {self.config.name} has {limit}"
+                )
+        if self.tokenizer is None and any(p.stop for p in params):
+            raise TokenizerError("stop strings need a tokenizer, and this model has none")
+
+    # Generation
+    def _stop_check(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.token_ids)
+        return any(stop in text for stop in seq.params.stop)
+
+    def _finish(self, seq: Sequence, prompt) -> RequestOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.token_ids)
+            cuts = [text.find(stop) for stop in seq.params.stop if stop in text]
+            if cuts:
+                text = text[:min(cuts)]
+        return RequestOutput(
+            index=seq.index, prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=seq.prompt_ids, text=text, token_ids=list(seq.token_ids),
+            logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "length",
+        )
+
+    def generate(self, prompts: SequenceOf, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                 *, progress: bool = False,
+                 on_block: Callable[[list[RequestOutput], Metrics], None] | None = None) -> GenerationResult:
+        """Generate a continuation of every prompt. Outputs come back in input order."""
+        ids = self._encode(prompts)
+        params = self._params(params, len(ids))
+        self._check_lengths(ids, params)
+        blocks = form_blocks([len(p) for p in ids], [p.max_new_tokens for p in params], self.policy.block_size)
+        outputs: list[RequestOutput | None] = [None] * len(ids)
+        total = Metrics()
+        bar = tqdm(total=sum(p.max_new_tokens for p in params), unit="tok", disable=not progress,
+                   desc="generating", dynamic_ncols=True)
+        try:
+            for block in blocks:
+                seqs = [Sequence(i, ids[i], params[i], SequenceSampler(params[i], self.seed + i)) for i in block]
+                budget = sum(s.params.max_new_tokens for s in seqs)
+                metrics = self.engine.generate_block(
+                    seqs, self._stop_check if self.tokenizer is not None else None, on_step=bar.update)
+                # Sequences that stopped early leave part of their budget unused; count it as done.
+                bar.update(budget - metrics.generated_tokens)
+                block_outputs = [self._finish(seq, prompts[seq.index]) for seq in seqs]
+                for out in block_outputs:
+                    outputs[out.index] = out
+                total.add(metrics)
+                bar.set_postfix(tok_s=f"{total.total_throughput:.1f}")
+                if on_block is not None:
+                    on_block(block_outputs, metrics)
+        finally:
+            bar.close()
+        return GenerationResult(outputs, total)
+
+    def next_token_logits(self, prompts: SequenceOf) -> torch.Tensor:
+        """Logits for the token after each prompt: (len(prompts), vocab), fp32 on the CPU."""
+        ids = self._encode(prompts)
+        self._check_lengths(ids, [SamplingParams(max_new_tokens=1)] * len(ids))
+        out = torch.empty(len(ids), self.config.vocab_size)
+        for block in form_blocks([len(p) for p in ids], [1] * len(ids), self.policy.block_size):
+            out[block] = self.engine.last_logits([ids[i] for i in block])
+        return out
+
+    def score(self, prompts: SequenceOf, continuations: SequenceOf) -> list[ScoreOutput]:
+        """Per-token log-probabilities of each continuation given its prompt, in one prefill pass."""
+        prompt_ids = self._encode(prompts)
+        if isinstance(continuations, (str, bytes)) or len(continuations) != len(prompt_ids):
+            raise PromptError(f"score() needs one continuation per prompt ({len(prompt_ids)})")
+        cont_ids = self._encode(continuations)
+        for i, (p, c) in enumerate(zip(prompt_ids, cont_ids)):
+            if len(p) + len(c) > self.config.max_positions:
+                raise PromptError(f"prompt {i} plus its continuation has {len(p) + len(c)} tokens, "
+                                  f"more than the {self.config.max_positions} positions of {self.config.name}")
+        # Scored continuations are not new prompts: drop the BOS a tokenizer adds to text.
+        for i, cont in enumerate(continuations):
+            if isinstance(cont, str) and self.config.bos_token_id is not None and len(cont_ids[i]) > 1 \
+                    and cont_ids[i][0] == self.config.bos_token_id:
+                cont_ids[i] = cont_ids[i][1:]
+        blocks = form_blocks([len(p) + len(c) for p, c in zip(prompt_ids, cont_ids)], [1] * len(prompt_ids),
+                             self.policy.block_size)
+        results: list[ScoreOutput | None] = [None] * len(prompt_ids)
+        for block in blocks:
+            logprobs = self.engine.score_block([prompt_ids[i] for i in block], [cont_ids[i] for i in block])
+            for i, values in zip(block, logprobs):
+                results[i] = ScoreOutput(cont_ids[i], values)
+        return results

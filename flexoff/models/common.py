@@ -1,0 +1,72 @@
+"""Pieces every architecture shares: weight specs, the attention interface, and the attention math.
+
+The model files know nothing of where tensors live. A layer receives its weights as a dict and an
+``attend`` callable from the runtime; ``attend`` stores the new keys/values wherever the cache
+lives and returns the attention output, so the same layer math serves every placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# attend(q, k_new, v_new) -> out. q: (batch, heads, seq, head_dim); k_new, v_new:
+# (batch, kv_heads, seq, head_dim) for the tokens of this step; out has q's shape.
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One weight tensor of a stage: its key inside the stage, checkpoint names, shape and dummy init."""
+
+    name: str
+    checkpoint_keys: tuple[str, ...]  # first match wins; later keys cover other exports and tied weights
+    shape: tuple[int, ...]
+    init: str = "normal"  # "normal" | "norm" | "bias": how dummy weights are drawn
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+
+def spec(name: str, shape: tuple[int, ...], prefixes: tuple[str, ...], init: str = "normal",
+         extra_keys: tuple[str, ...] = ()) -> WeightSpec:
+    return WeightSpec(name, tuple(prefix + name for prefix in prefixes) + extra_keys, shape, init)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention with grouped KV heads.
+
+    q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, keys, head_dim);
+    mask: bool (batch, 1, seq, keys), True where a query may attend. Every row must allow at
+    least one key, otherwise softmax yields NaN that would leak through the cache.
+    """
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def attention_mask(valid: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
+    """Mask for queries at cache slots [start, start + num_queries) over keys [0, start + num_queries).
+
+    valid: bool (batch, slots), False at left padding. Queries see earlier valid keys and always
+    themselves, so padded query rows stay finite without affecting real ones.
+    Returns bool (batch, 1, num_queries, start + num_queries).
+    """
+    total = start + num_queries
+    key_index = torch.arange(total, device=valid.device)
+    query_index = torch.arange(start, total, device=valid.device)
+    causal = key_index[None, :] <= query_index[:, None]
+    diagonal = key_index[None, :] == query_index[:, None]
+    mask = (causal[None] & valid[:, None, :total]) | diagonal[None]
+    return mask[:, None]

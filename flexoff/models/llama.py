@@ -1,0 +1,120 @@
+"""Llama family (Llama 2/3, Mistral, Qwen2): RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .common import Attend, WeightSpec, linear, spec
+from .config import ModelConfig
+
+_PREFIX = ("model.",)
+
+
+def embed_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    return [spec("embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size), _PREFIX)]
+
+
+def layer_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
+    h, ffn = cfg.hidden_size, cfg.intermediate_size
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    prefixes = (f"model.layers.{index}.",)
+    specs = [
+        spec("input_layernorm.weight", (h,), prefixes, "norm"),
+        spec("self_attn.q_proj.weight", (q_dim, h), prefixes),
+        spec("self_attn.k_proj.weight", (kv_dim, h), prefixes),
+        spec("self_attn.v_proj.weight", (kv_dim, h), prefixes),
+        spec("self_attn.o_proj.weight", (h, q_dim), prefixes),
+        spec("post_attention_layernorm.weight", (h,), prefixes, "norm"),
+        spec("mlp.gate_proj.weight", (ffn, h), prefixes),
+        spec("mlp.up_proj.weight", (ffn, h), prefixes),
+        spec("mlp.down_proj.weight", (h, ffn), prefixes),
+    ]
+    if cfg.attention_bias:
+        for name, size in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
+            specs.append(spec(f"self_attn.{name}.bias", (size,), prefixes, "bias"))
+    return specs
+
+
+def head_specs(cfg: ModelConfig) -> list[WeightSpec]:
+    tied = ("model.embed_tokens.weight",) if cfg.tie_word_embeddings else ()
+    return [
+        spec("norm.weight", (cfg.hidden_size,), _PREFIX, "norm"),
+        spec("lm_head.weight", (cfg.vocab_size, cfg.hidden_size), ("",), extra_keys=tied),
+    ]
+
+
+def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """RoPE inverse frequencies (head_dim / 2,), fp32, with the config's scaling applied."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = cfg.rope_scaling
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        # Long wavelengths are stretched by `factor`, short ones kept, and the band between blended.
+        low_wavelen = scaling.original_max_positions / scaling.low_freq_factor
+        high_wavelen = scaling.original_max_positions / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (scaling.original_max_positions / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor)
+        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def step_context(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (batch, 1, seq, head_dim), shared by every layer of one step."""
+    inv_freq = inverse_frequencies(cfg).to(positions.device)
+    angles = positions.float()[..., None] * inv_freq  # (batch, seq, head_dim / 2)
+    angles = torch.cat((angles, angles), dim=-1)[:, None]
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _rms_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    # Normalised in fp32, as the reference implementation does, so fp16 runs do not overflow.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+    return weight * x32.to(x.dtype)
+
+
+def embed(cfg: ModelConfig, w: dict, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """input_ids: (batch, seq) -> hidden (batch, seq, hidden). Positions enter through RoPE."""
+    return F.embedding(input_ids, w["embed_tokens.weight"])
+
+
+def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:
+    """One decoder layer: (batch, seq, hidden) -> (batch, seq, hidden)."""
+    cos, sin = context
+    batch, seq, _ = hidden.shape
+
+    x = _rms_norm(cfg, hidden, w["input_layernorm.weight"])
+
+    def project(name: str, heads: int) -> torch.Tensor:
+        out = linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias"))
+        return out.view(batch, seq, heads, cfg.head_dim).transpose(1, 2)
+
+    q = _rotate(project("q_proj", cfg.num_heads), cos, sin)
+    k = _rotate(project("k_proj", cfg.num_kv_heads), cos, sin)
+    attn = attend(q, k, project("v_proj", cfg.num_kv_heads))
+    attn = attn.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim)
+    hidden = hidden + linear(attn, w["self_attn.o_proj.weight"])
+
+    x = _rms_norm(cfg, hidden, w["post_attention_layernorm.weight"])
+    x = F.silu(linear(x, w["mlp.gate_proj.weight"])) * linear(x, w["mlp.up_proj.weight"])
+    return hidden + linear(x, w["mlp.down_proj.weight"])
+
+
+def head(cfg: ModelConfig, w: dict, hidden: torch.Tensor) -> torch.Tensor:
+    """(batch, seq, hidden) -> logits (batch, seq, vocab)."""
+    return linear(_rms_norm(cfg, hidden, w["norm.weight"]), w["lm_head.weight"])

@@ -1,0 +1,89 @@
+"""Sampling parameters and next-token selection: greedy, or seeded temperature / top-k / top-p."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SamplingError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to continue one prompt. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceSampler:
+    """Draws one sequence's tokens from its own generator, so a seed gives the same text whatever
+    the batch it lands in."""
+
+    def __init__(self, params: SamplingParams, default_seed: int):
+        self.params = params
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else default_seed)
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """logits: (vocab,) fp32 on the CPU."""
+        params = self.params
+        if params.greedy:
+            return int(torch.argmax(logits))
+        scaled = logits / params.temperature
+        if params.top_k and params.top_k < scaled.numel():
+            threshold = torch.topk(scaled, params.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < threshold, -math.inf)
+        probs = torch.softmax(scaled, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+            drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= params.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def choose_tokens(samplers: list[SequenceSampler], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Pick the next token of each row and its log-probability under the model.
+
+    logits: (batch, vocab). The logprob is of the raw distribution (before temperature, top-k
+    and top-p), which is what scoring and evaluation need.
+    """
+    logits = logits.float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if all(s.params.greedy for s in samplers):
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        cpu_logits = logits.cpu()
+        tokens = torch.tensor([s.choose(cpu_logits[i]) for i, s in enumerate(samplers)], device=logits.device)
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()

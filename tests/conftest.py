@@ -1,0 +1,109 @@
+"""Tiny random Hugging Face models, built and saved by the tests themselves (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+WORDS = [
+    "the", "a", "cat", "dog", "sat", "on", "mat", "ran", "to", "house", "big", "small", "red", "blue",
+    "and", "then", "it", "was", "happy", "sad", "tree", "car", "moved", "slowly", "quickly", "over",
+    "under", "bird", "sang", "song", "night", "day", "sun", "moon", "cold", "warm", "river", "stone",
+]
+PROMPTS = [
+    "the cat sat on the mat",
+    "a dog",
+    "the big red car moved slowly over the river and then it was",
+    "bird sang",
+    "the moon was cold and the sun was warm",
+]
+
+
+def build_tokenizer(directory, bos: str, eos: str, pad: str):
+    """A word-level tokenizer over WORDS with the model family's special tokens, saved as tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = list(dict.fromkeys([pad, bos, eos, "<unk>"]))
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, vocab[bos])])
+    from tokenizers import decoders
+
+    raw.decoder = decoders.WordPiece(prefix="##")  # joins word tokens with spaces
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token=bos, eos_token=eos, pad_token=pad, unk_token="<unk>")
+    tok.save_pretrained(directory)
+    return tok, vocab
+
+
+def _opt(pre_norm: bool, proj_dim: int | None):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    kwargs = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=48, num_attention_heads=4,
+        max_position_embeddings=64, do_layer_norm_before=pre_norm, pad_token_id=1, bos_token_id=2,
+        eos_token_id=2, dropout=0.0, attention_dropout=0.0,
+    )
+    if proj_dim:
+        kwargs["word_embed_proj_dim"] = proj_dim
+    return OPTForCausalLM(OPTConfig(**kwargs)), ("</s>", "</s>", "<pad>")
+
+
+def _llama(model_type: str):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    common = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=40, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, rms_norm_eps=1e-6,
+    )
+    if model_type == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0)), ("<s>", "</s>", "<pad>")
+    if model_type == "llama3":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16}
+        return LlamaForCausalLM(LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling)), \
+            ("<s>", "</s>", "<pad>")
+    return LlamaForCausalLM(LlamaConfig(**common)), ("<s>", "</s>", "<pad>")
+
+
+BUILDERS = {
+    "opt-pre": lambda: _opt(True, None),
+    "opt-post-proj": lambda: _opt(False, 16),
+    "llama-gqa": lambda: _llama("llama"),
+    "llama3-rope": lambda: _llama("llama3"),
+    "qwen2-bias": lambda: _llama("qwen2"),
+}
+
+
+def build_model(directory, kind: str, safetensors: bool = True, seed: int = 0):
+    """Save a tiny random model of ``kind`` (with a tokenizer) to ``directory``; return the HF model."""
+    torch.manual_seed(seed)
+    model, (bos, eos, pad) = BUILDERS[kind]()
+    with torch.no_grad():  # larger-than-default weights make greedy choices decisive, not near-ties
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.eval()
+    model.save_pretrained(directory)
+    if not safetensors:  # the classic pickle format, which newer save_pretrained no longer writes
+        for file in directory.glob("*.safetensors"):
+            file.unlink()
+        torch.save({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "pytorch_model.bin")
+    build_tokenizer(directory, bos, eos, pad)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Factory: tiny_model_dir(kind, safetensors=True) -> (path, hf_model), built once per session."""
+    cache = {}
+
+    def make(kind: str, safetensors: bool = True):
+        key = (kind, safetensors)
+        if key not in cache:
+            directory = tmp_path_factory.mktemp(f"{kind}-{'st' if safetensors else 'bin'}")
+            cache[key] = (directory, build_model(directory, kind, safetensors))
+        return cache[key]
+
+    return make
