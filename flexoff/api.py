@@ -120,6 +120,8 @@ class LLM:
         encoded = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
+                if not prompt.strip():
+                    raise PromptError(f"prompt {i} is empty")
                 if self.tokenizer is None:
                     raise TokenizerError(
                         f"prompt {i} is text, but model {self.config.name!r} has no tokenizer; "

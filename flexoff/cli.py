@@ -1,0 +1,179 @@
+"""The ``flexoff`` command line. Thin: it parses flags, calls the API, and prints.
+
+Every user error ends as one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import FlexoffError
+from .fileio import write_text_atomic
+from .units import format_size
+
+DEFAULT_MODEL = "opt-125m"
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model",
+                       help="registry name (e.g. opt-30b, llama-3-8b) or a local Hugging Face checkpoint "
+                            f"directory (default: {DEFAULT_MODEL} with dummy weights)")
+    group.add_argument("--dummy", action="store_true",
+                       help="seeded random weights instead of a checkpoint (no download; for benchmarks)")
+    group.add_argument("--dtype", default="auto",
+                       help="float16, bfloat16, float32, or auto (float16 on CUDA, float32 on CPU)")
+    group.add_argument("--device", default="auto", help="compute device: cuda, cpu, or auto")
+    group.add_argument("--tokenizer", help="directory with tokenizer files, if not the checkpoint's")
+
+
+def add_policy_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("policy")
+    group.add_argument("--policy", help="policy JSON file (see `flexoff search --output`)")
+    group.add_argument("--gpu-batch-size", type=int, help="sequences per GPU batch")
+    group.add_argument("--num-gpu-batches", type=int, help="GPU batches per block (they share one weight load)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
+    group.add_argument("--seed", type=int, default=0, help="seed for sampling and dummy weights")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                       help="stop a sequence when its text contains TEXT (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def policy_from_args(args):
+    """The policy the flags describe: a file, then batch-size flags on top; None for the default."""
+    from dataclasses import replace
+
+    from .api import DEFAULT_POLICY
+    from .runtime.policy import Policy
+
+    policy = Policy.load(args.policy) if args.policy else None
+    overrides = {name: getattr(args, name) for name in ("gpu_batch_size", "num_gpu_batches")
+                 if getattr(args, name, None) is not None}
+    if overrides:
+        policy = replace(policy or DEFAULT_POLICY, **overrides)
+    return policy
+
+
+def sampling_from_args(args, max_new_tokens: int, stop=()):
+    from .runtime.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        seed=args.seed, stop=tuple(args.stop) + tuple(stop), ignore_eos=args.ignore_eos,
+    )
+
+
+def make_llm(args):
+    from .api import LLM
+
+    model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
+    return LLM(model, dummy=dummy, policy=policy_from_args(args), dtype=args.dtype, device=args.device,
+               seed=args.seed, tokenizer=args.tokenizer)
+
+
+def format_summary(llm, metrics) -> str:
+    policy = llm.policy
+    lines = [
+        f"model      {llm.config.name} · {str(llm.dtype).removeprefix('torch.')} on {llm.device} · "
+        f"{metrics.num_sequences} prompts · gpu batch {policy.gpu_batch_size} × {policy.num_gpu_batches}",
+        f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
+        f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",
+        f"total      {metrics.total_throughput:12.1f} token/s  ({metrics.total_time:.3f} s)",
+        f"tokens     prompt {metrics.prompt_tokens} actual / {metrics.padded_prompt_tokens} padded · "
+        f"generated {metrics.generated_tokens} actual / {metrics.padded_generated_tokens} padded · "
+        f"efficiency {100 * metrics.efficiency:.1f}%",
+        "peak mem   " + " · ".join(f"{tier} {format_size(value)}" for tier, value in metrics.peak_memory.items()),
+    ]
+    return "\n".join(lines)
+
+
+def cmd_run(args) -> int:
+    from .prompts import read_prompts, synthetic_prompts
+
+    llm = make_llm(args)
+    try:
+        if args.prompts:
+            lines = read_prompts(args.prompts)
+            prompts = [line.prompt for line in lines]
+            params = [sampling_from_args(args, line.max_new_tokens or args.gen_len, line.stop) for line in lines]
+            ids = [line.id for line in lines]
+        else:
+            prompts = synthetic_prompts(llm.config, args.num_prompts, args.prompt_len, args.seed)
+            params = [sampling_from_args(args, args.gen_len)] * len(prompts)
+            ids = [None] * len(prompts)
+        result = llm.generate(prompts, params, progress=not args.quiet)
+    finally:
+        llm.close()
+    if args.output:
+        rows = []
+        for out, line_id in zip(result, ids):
+            rows.append(json.dumps({
+                "index": out.index, "id": line_id, "prompt": out.prompt, "text": out.text,
+                "token_ids": out.token_ids, "logprobs": out.logprobs, "finish_reason": out.finish_reason,
+            }))
+        write_text_atomic(args.output, "\n".join(rows) + "\n")
+    if args.metrics_json:
+        write_text_atomic(args.metrics_json, json.dumps(result.metrics.to_dict(), indent=2) + "\n")
+    print(format_summary(llm, result.metrics))
+    if args.output:
+        print(f"wrote {len(result)} results to {args.output}")
+    return 0
+
+
+def register_run(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run", help="generate for a batch of prompts and report throughput",
+        description="Generate for prompts from a file, or for synthetic prompts of a fixed length, and print "
+                    "prefill / decode / total throughput, padding and peak memory. With no flags it runs "
+                    f"{DEFAULT_MODEL} with dummy weights on synthetic prompts.",
+    )
+    add_model_args(parser)
+    source = parser.add_argument_group("prompts")
+    source.add_argument("--prompts", metavar="FILE",
+                        help=".jsonl (objects with \"prompt\" and optional \"id\", \"max_new_tokens\", \"stop\") "
+                             "or a text file with one prompt per line")
+    source.add_argument("--prompt-len", type=int, default=64, help="synthetic prompt length in tokens (default 64)")
+    source.add_argument("--num-prompts", type=int, default=16, help="number of synthetic prompts (default 16)")
+    source.add_argument("--gen-len", "--max-new-tokens", dest="gen_len", type=int, default=32,
+                        help="tokens to generate per prompt (default 32)")
+    add_policy_args(parser)
+    add_sampling_args(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--output", metavar="FILE.jsonl", help="write one JSON result per prompt (atomically)")
+    out.add_argument("--metrics-json", metavar="FILE", help="write the metrics record as JSON")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(handler=cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flexoff",
+        description="High-throughput batch LLM inference on one GPU with too little memory.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register_run(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except FlexoffError as exc:
+        print(f"flexoff: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flexoff: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
