@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import dataclass
+import os
 from pathlib import Path
 
 import torch
@@ -12,11 +13,14 @@ from tqdm import tqdm
 from .errors import FlexoffError, PromptError, SamplingError, TokenizerError, UnknownModelError
 from .models import ModelConfig, resolve_model_config, stage_names, stage_specs
 from .runtime.batching import form_blocks
-from .runtime.engine import Engine, Sequence
+from .runtime.batch import Sequence
+from .runtime.engine import Engine
+from .runtime.memory import machine_capacity
 from .runtime.metrics import Metrics
 from .runtime.policy import Policy
 from .runtime.sampling import SamplingParams, SequenceSampler
 from .tokenizer import Tokenizer
+from .units import parse_size
 from .weights import CheckpointWeights, DummyWeights
 
 _DTYPES = {
@@ -84,7 +88,8 @@ class LLM:
 
     def __init__(self, model: str, *, dummy: bool = False, policy: Policy | str | None = None,
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, offload_dir: str | None = None,
+                 gpu_mem: str | int | None = None, cpu_mem: str | int | None = None):
         self.config: ModelConfig = resolve_model_config(model)
         path = Path(model)
         if not dummy and not path.is_dir():
@@ -100,7 +105,16 @@ class LLM:
         self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir and Tokenizer.available(tokenizer_dir) else None
         source = DummyWeights(seed) if dummy else CheckpointWeights(path)
         source.check({stage: stage_specs(self.config, stage) for stage in stage_names(self.config)})
-        self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, seed)
+        offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
+        capacity = machine_capacity(self.device, parse_size(gpu_mem) if gpu_mem else None,
+                                    parse_size(cpu_mem) if cpu_mem else None,
+                                    offload_dir if self.policy.uses_disk else None)
+        if gpu_mem and self.device.type == "cuda":
+            # Emulate a smaller card: the allocator refuses anything past the cap.
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, capacity.gpu / total), self.device)
+        self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, seed,
+                             offload_dir=offload_dir, capacity=capacity)
 
     def close(self) -> None:
         self.engine.close()

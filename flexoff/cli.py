@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 
 from .errors import FlexoffError
 from .fileio import write_text_atomic
@@ -30,10 +32,24 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_policy_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("policy")
+    group = parser.add_argument_group(
+        "policy", "Where weights, KV cache and activations live, and how blocks are batched. Flags given "
+                  "here override the --policy file; without either, everything stays on the GPU.")
     group.add_argument("--policy", help="policy JSON file (see `flexoff search --output`)")
+    group.add_argument("--percent", type=float, nargs=6, metavar=("W_GPU", "W_CPU", "C_GPU", "C_CPU", "A_GPU", "A_CPU"),
+                       help="percent of weights, KV cache and activations on gpu and cpu; the rest goes to disk")
     group.add_argument("--gpu-batch-size", type=int, help="sequences per GPU batch")
     group.add_argument("--num-gpu-batches", type=int, help="GPU batches per block (they share one weight load)")
+    group.add_argument("--cpu-attention", action="store_true", default=None,
+                       help="run decode attention on the CPU for cache rows held off the GPU")
+    group.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
+                       help="run loads, stores and compute one after another (for measuring)")
+    group.add_argument("--no-pin", dest="pin_cpu_memory", action="store_false", default=None,
+                       help="do not pin host memory (slower copies, but no page-locked RAM)")
+    group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR); "
+                                             "flexoff makes a private folder inside it and removes it on exit")
+    group.add_argument("--gpu-mem", metavar="SIZE", help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card)")
+    group.add_argument("--cpu-mem", metavar="SIZE", help="cap flexoff's host memory, e.g. 200GiB")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -52,11 +68,17 @@ def policy_from_args(args):
     from dataclasses import replace
 
     from .api import DEFAULT_POLICY
-    from .runtime.policy import Policy
+    from .runtime.policy import Policy, TierFractions
 
     policy = Policy.load(args.policy) if args.policy else None
-    overrides = {name: getattr(args, name) for name in ("gpu_batch_size", "num_gpu_batches")
+    overrides = {name: getattr(args, name) for name in ("gpu_batch_size", "num_gpu_batches", "cpu_attention",
+                                                        "overlap", "pin_cpu_memory")
                  if getattr(args, name, None) is not None}
+    if getattr(args, "percent", None):
+        w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = args.percent
+        overrides.update(weights=TierFractions.from_percent(w_gpu, w_cpu),
+                         cache=TierFractions.from_percent(c_gpu, c_cpu),
+                         activations=TierFractions.from_percent(a_gpu, a_cpu))
     if overrides:
         policy = replace(policy or DEFAULT_POLICY, **overrides)
     return policy
@@ -76,14 +98,24 @@ def make_llm(args):
 
     model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
     return LLM(model, dummy=dummy, policy=policy_from_args(args), dtype=args.dtype, device=args.device,
-               seed=args.seed, tokenizer=args.tokenizer)
+               seed=args.seed, tokenizer=args.tokenizer, offload_dir=getattr(args, "offload_dir", None),
+               gpu_mem=getattr(args, "gpu_mem", None), cpu_mem=getattr(args, "cpu_mem", None))
+
+
+def _split(fractions) -> str:
+    return "/".join(f"{100 * value:.1f}" for value in fractions)
 
 
 def format_summary(llm, metrics) -> str:
     policy = llm.policy
+    placement = llm.engine.placement_report
     lines = [
         f"model      {llm.config.name} · {str(llm.dtype).removeprefix('torch.')} on {llm.device} · "
         f"{metrics.num_sequences} prompts · gpu batch {policy.gpu_batch_size} × {policy.num_gpu_batches}",
+        f"policy     weights gpu/cpu/disk % requested {_split(placement['requested'].values())}, realised "
+        f"{_split(placement['realised'].values())} · cache {_split(policy.cache.as_tuple())} · "
+        f"activations {_split(policy.activations.as_tuple())} · cpu attention "
+        f"{'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}",
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
         f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",
         f"total      {metrics.total_throughput:12.1f} token/s  ({metrics.total_time:.3f} s)",
@@ -165,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         return args.handler(args)
     except FlexoffError as exc:
@@ -173,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("flexoff: interrupted", file=sys.stderr)
         return 130
+
+
+def _terminate(signum, frame):
+    # Unwinding through the handlers' finally blocks removes offload files on SIGTERM too.
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

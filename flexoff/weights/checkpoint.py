@@ -103,9 +103,8 @@ class CheckpointWeights:
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor {key!r} from {file}: {exc}") from None
 
-    def load_stage(self, stage: str, specs: list[WeightSpec], device: torch.device,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return {spec.name: self.read(stage, spec).to(device=device, dtype=dtype) for spec in specs}
+    def load_tensor(self, stage: str, spec: WeightSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.read(stage, spec).to(device=device, dtype=dtype)
 
     def close(self) -> None:
         self._handles.clear()

@@ -46,9 +46,8 @@ class DummyWeights:
             flat[start:start + length].copy_(window[:length])
         return out
 
-    def load_stage(self, stage: str, specs: list[WeightSpec], device: torch.device,
-                   dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        return {spec.name: self.make(stage, spec, device, dtype) for spec in specs}
+    def load_tensor(self, stage: str, spec: WeightSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        return self.make(stage, spec, device, dtype)
 
     def check(self, stages: dict[str, list[WeightSpec]]) -> None:
         """Dummy weights always match their specs."""

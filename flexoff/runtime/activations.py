@@ -1,0 +1,72 @@
+"""Hidden states between stages, for one GPU batch, split by rows across gpu, cpu and disk."""
+
+from __future__ import annotations
+
+import torch
+
+from .placement import split_rows
+from .policy import TierFractions
+from .tiers import DiskTier, Streams, host_empty
+
+
+class BatchActivations:
+    """Holds a batch's hidden state (batch, seq, hidden) between stages on the policy's tiers.
+
+    Rows on the GPU stay in place; the others are copied out after a stage and back before the
+    next, which lowers the GPU's peak during long prefills at the price of the copies.
+    """
+
+    def __init__(self, rows: int, max_numel_per_row: int, fractions: TierFractions, device: torch.device,
+                 dtype: torch.dtype, pin: bool, streams: Streams, disk: DiskTier | None, name: str):
+        self.pieces = split_rows(rows, fractions)
+        self.device = device
+        self.streams = streams
+        self.offloaded = any(p.tier != "gpu" for p in self.pieces)
+        self.host: dict[str, torch.Tensor] = {}
+        self.region = None
+        for piece in self.pieces:
+            numel = (piece.stop - piece.start) * max_numel_per_row
+            if piece.tier != "gpu":
+                self.host[piece.tier] = host_empty((numel,), dtype, pin)
+            if piece.tier == "disk":
+                self.region = disk.allocate(f"{name}.hidden", numel * dtype.itemsize)
+        self._hidden: torch.Tensor | None = None
+        self._shape = None
+
+    def put(self, hidden: torch.Tensor) -> None:
+        """Keep ``hidden`` (batch, seq, hidden) after a stage, sending off-GPU rows to their tier."""
+        if not self.offloaded:
+            self._hidden = hidden
+            return
+        self._shape = hidden.shape
+        self._hidden = hidden[self.pieces[0].start:self.pieces[0].stop] if self.pieces[0].tier == "gpu" else None
+        for piece in self.pieces:
+            if piece.tier == "gpu":
+                continue
+            rows = hidden[piece.start:piece.stop]
+            host = self.host[piece.tier][:rows.numel()].view(rows.shape)
+            host.copy_(rows)
+            if piece.tier == "disk":
+                self.region.write(host)
+
+    def get(self) -> torch.Tensor:
+        """The hidden state on the compute device, rows reassembled in order."""
+        if not self.offloaded:
+            return self._hidden
+        parts = []
+        for piece in self.pieces:
+            if piece.tier == "gpu":
+                parts.append(self._hidden)
+                continue
+            shape = (piece.stop - piece.start, *self._shape[1:])
+            host = self.host[piece.tier][:shape[0] * self._shape[1] * self._shape[2]].view(shape)
+            if piece.tier == "disk":
+                self.region.read_into(host)
+            parts.append(host.to(self.device, non_blocking=True))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def nbytes_by_tier(self) -> dict[str, int]:
+        sizes = {tier: t.numel() * t.element_size() for tier, t in self.host.items()}
+        if self.region is not None:
+            sizes["disk"] = self.region.num_bytes
+        return sizes

@@ -1,0 +1,84 @@
+"""Sequences in flight and the GPU batches that carry them through the stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models import ModelConfig, architecture
+from ..models.common import attention_mask
+from .activations import BatchActivations
+from .kv import BatchKV
+from .sampling import SamplingParams, SequenceSampler
+
+
+@dataclass
+class Sequence:
+    """One prompt in flight: its inputs, what it has produced, and why it stopped."""
+
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    sampler: SequenceSampler
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class GpuBatch:
+    """One GPU batch of a block: left-padded inputs, its cache and activations, and step state.
+
+    The cache has a slot per prompt position (padding included) and per generated token.
+    """
+
+    def __init__(self, cfg: ModelConfig, seqs: list[Sequence], device: torch.device, dtype: torch.dtype,
+                 extra_slots: int, make_kv, make_activations):
+        self.cfg = cfg
+        self.seqs = seqs
+        self.device = device
+        self.dtype = dtype
+        self.prompt_len = max(len(s.prompt_ids) for s in seqs)
+        self.slots = self.prompt_len + extra_slots
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        rows = [[pad] * (self.prompt_len - len(s.prompt_ids)) + s.prompt_ids for s in seqs]
+        self.prompt_ids = torch.tensor(rows, device=device)  # (batch, prompt_len)
+        self.lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=device)
+        slot = torch.arange(self.slots, device=device)
+        # (batch, slots): False on left padding; every generated slot is real.
+        self.valid = slot[None, :] >= (self.prompt_len - self.lengths)[:, None]
+        self.kv: BatchKV = make_kv(len(seqs), self.slots)
+        self.activations: BatchActivations = make_activations(len(seqs), self.prompt_len)
+        self.hidden: torch.Tensor | None = None
+        self.active = True
+
+    def slot_start(self, token: int) -> int:
+        """First cache slot written at ``token`` (0 is the prefill)."""
+        return 0 if token == 0 else self.prompt_len + token - 1
+
+    def begin_token(self, token: int) -> None:
+        """Set the token's input ids, positions, slot range and attention mask."""
+        if token == 0:
+            self.input_ids = self.prompt_ids
+            self.positions = (torch.cumsum(self.valid[:, :self.prompt_len].long(), dim=1) - 1).clamp(min=0)
+        else:
+            last = [s.token_ids[-1] for s in self.seqs]
+            self.input_ids = torch.tensor(last, device=self.device)[:, None]
+            self.positions = (self.lengths + token - 1)[:, None]
+        self.start = self.slot_start(token)
+        self.mask = attention_mask(self.valid, self.start, self.input_ids.shape[1])
+        self.context = architecture(self.cfg).step_context(self.cfg, self.positions, self.dtype)
+
+    def run_stage(self, stage: str, weights: dict) -> None:
+        """Compute one stage for this batch; the head is left to the caller (it samples or scores)."""
+        arch = architecture(self.cfg)
+        if stage == "embed":
+            self.hidden = arch.embed(self.cfg, weights, self.input_ids, self.positions)
+        elif stage != "head":
+            layer = int(stage.split(".", 1)[1])
+            attend = self.kv.attender(layer, self.start, self.mask)
+            self.hidden = arch.layer(self.cfg, weights, self.hidden, self.context, attend)

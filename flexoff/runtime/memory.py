@@ -1,0 +1,110 @@
+"""What a policy will hold on each tier, estimated before anything large is allocated, and the
+capacities it must fit in."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from ..errors import PolicyError
+from ..models import ModelConfig, stage_names, stage_specs
+from ..units import format_size
+from .placement import place_stage, split_rows
+from .policy import TIERS, Policy
+from .weight_store import stage_kind
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Bytes flexoff may use on each tier (None: no limit known)."""
+
+    gpu: int | None
+    cpu: int | None
+    disk: int | None
+
+
+def machine_capacity(device: torch.device, gpu_mem: int | None, cpu_mem: int | None,
+                     offload_dir: str | None) -> Capacity:
+    if gpu_mem is None and device.type == "cuda":
+        gpu_mem = torch.cuda.get_device_properties(device).total_memory
+    if cpu_mem is None:
+        cpu_mem = psutil.virtual_memory().available
+    disk = shutil.disk_usage(usable_offload_dir(offload_dir)).free if offload_dir else None
+    return Capacity(gpu_mem, cpu_mem, disk)
+
+
+def usable_offload_dir(path: str) -> Path:
+    """The offload directory, created if needed; refused unless it can be written."""
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PolicyError(f"cannot use offload directory {path}: {exc.strerror or exc}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PolicyError(f"cannot use offload directory {path}: it is not writable")
+    return directory
+
+
+def weight_bytes(cfg: ModelConfig, policy: Policy, itemsize: int) -> dict[str, int]:
+    """Bytes of weights per tier, plus the GPU buffers that streamed stages are assembled in."""
+    sizes = {tier: 0 for tier in TIERS}
+    buffers: dict[str, int] = {}
+    for stage in stage_names(cfg):
+        placements = place_stage(stage_specs(cfg, stage), policy.weights)
+        streamed = 0
+        for placement in placements:
+            for tier in TIERS:
+                sizes[tier] += placement.numel_on(tier) * itemsize
+            if placement.only_tier != "gpu":
+                streamed += placement.spec.numel * itemsize
+        kind = stage_kind(stage)
+        copies = 2 if kind == "layer" and cfg.num_layers > 1 else 1
+        buffers[kind] = max(buffers.get(kind, 0), copies * streamed)
+    sizes["gpu"] += sum(buffers.values())
+    return sizes
+
+
+def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int) -> dict[str, int]:
+    """KV cache, activations and working memory of one full block, per tier."""
+    sizes = {tier: 0 for tier in TIERS}
+    slots = prompt_len + gen_len
+    rows = policy.gpu_batch_size
+    kv_per_row = slots * cfg.num_layers * cfg.kv_elements_per_token_per_layer * itemsize
+    offloaded_rows = 0
+    for piece in split_rows(rows, policy.cache):
+        count = piece.stop - piece.start
+        sizes[piece.tier] += count * kv_per_row * policy.num_gpu_batches
+        if piece.tier == "disk":
+            sizes["cpu"] += count * kv_per_row // cfg.num_layers  # one layer's staging per batch
+        if piece.tier != "gpu":
+            offloaded_rows += count
+    if offloaded_rows and not policy.cpu_attention:
+        sizes["gpu"] += 2 * offloaded_rows * slots * cfg.kv_elements_per_token_per_layer * itemsize
+    hidden_per_row = prompt_len * cfg.hidden_size * itemsize
+    for piece in split_rows(rows, policy.activations):
+        tier = "cpu" if piece.tier == "disk" else piece.tier  # disk rows are staged through host memory
+        sizes[tier] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
+        if piece.tier == "disk":
+            sizes["disk"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
+    # Working memory of the largest step, one batch at a time: the prefill's MLP intermediate,
+    # q/k/v, and fp32 logits of the last position.
+    working = rows * prompt_len * (cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize
+    working += rows * cfg.vocab_size * 4 * 2
+    sizes["gpu"] += working
+    return sizes
+
+
+def check_fits(needed: dict[str, int], capacity: Capacity, what: str) -> None:
+    for tier in TIERS:
+        limit = getattr(capacity, tier)
+        if limit is not None and needed[tier] > limit:
+            raise PolicyError(
+                f"{what} needs {format_size(needed[tier])} on the {tier} tier, but only {format_size(limit)} "
+                f"is available (short by {format_size(needed[tier] - limit)}); move data to another tier or "
+                "use a smaller batch"
+            )

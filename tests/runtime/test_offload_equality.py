@@ -1,0 +1,80 @@
+"""Every placement, schedule and switch gives exactly the greedy tokens of the all-on-device run."""
+
+import os
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy, SamplingParams, TierFractions
+from tests.conftest import PROMPTS
+
+ON_GPU = TierFractions(1, 0, 0)
+ON_CPU = TierFractions(0, 1, 0)
+ON_DISK = TierFractions(0, 0, 1)
+MIXED = TierFractions(0.3, 0.5, 0.2)
+
+
+def policy(**changes) -> Policy:
+    base = dict(gpu_batch_size=2, num_gpu_batches=3)
+    base.update(changes)
+    return Policy(**base)
+
+
+POLICIES = {
+    "weights-gpu": policy(),
+    "weights-cpu": policy(weights=ON_CPU),
+    "weights-disk": policy(weights=ON_DISK),
+    "weights-mixed": policy(weights=MIXED),
+    "cache-cpu": policy(cache=ON_CPU),
+    "cache-disk": policy(cache=ON_DISK),
+    "cache-mixed": policy(cache=TierFractions(0.34, 0.33, 0.33), gpu_batch_size=3, num_gpu_batches=2),
+    "cache-cpu-attention": policy(cache=ON_CPU, cpu_attention=True),
+    "cache-mixed-cpu-attention": policy(cache=TierFractions(0.34, 0.33, 0.33), gpu_batch_size=3,
+                                        num_gpu_batches=2, cpu_attention=True),
+    "activations-cpu": policy(activations=ON_CPU),
+    "activations-disk": policy(activations=ON_DISK),
+    "activations-mixed": policy(activations=TierFractions(0.5, 0.5, 0), gpu_batch_size=4, num_gpu_batches=1),
+    "one-gpu-batch": policy(weights=MIXED, cache=ON_CPU, num_gpu_batches=1, gpu_batch_size=5),
+    "no-overlap": policy(weights=MIXED, cache=ON_CPU, activations=ON_CPU, overlap=False),
+    "everything-off-gpu": policy(weights=TierFractions(0, 0.5, 0.5), cache=TierFractions(0, 0.5, 0.5),
+                                 activations=TierFractions(0, 0.5, 0.5), cpu_attention=True),
+}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model_dir):
+    """The plain run: everything on the device, one block holding every prompt."""
+    refs = {}
+    for kind in ("opt-post-proj", "llama-gqa"):
+        path, _ = tiny_model_dir(kind)
+        outs = LLM(str(path), policy=Policy(gpu_batch_size=8)).generate(PROMPTS, PARAMS)
+        refs[kind] = outs
+    return refs
+
+
+PARAMS = SamplingParams(max_new_tokens=7, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["opt-post-proj", "llama-gqa"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policy_matches_plain_run(tiny_model_dir, references, tmp_path, kind, name):
+    path, _ = tiny_model_dir(kind)
+    llm = LLM(str(path), policy=POLICIES[name], offload_dir=str(tmp_path))
+    try:
+        outs = llm.generate(PROMPTS, PARAMS)
+    finally:
+        llm.close()
+    ref = references[kind]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    torch.testing.assert_close(torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in ref]),
+                               rtol=1e-4, atol=1e-5)
+    assert os.listdir(tmp_path) == []  # offload files are gone once the model is closed
+
+
+def test_score_matches_under_offloading(tiny_model_dir, tmp_path):
+    path, _ = tiny_model_dir("llama-gqa")
+    plain = LLM(str(path)).score(PROMPTS[:3], ["the cat", "sat", "on the mat"])
+    offloaded = LLM(str(path), policy=POLICIES["everything-off-gpu"], offload_dir=str(tmp_path)).score(
+        PROMPTS[:3], ["the cat", "sat", "on the mat"])
+    for a, b in zip(plain, offloaded):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-5)

@@ -1,0 +1,70 @@
+"""Bad policies are refused with a clear message before anything large is allocated."""
+
+import json
+import os
+
+import pytest
+
+from flexoff import LLM, Policy, TierFractions
+from flexoff.errors import PolicyError
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: TierFractions(-0.1, 1.1, 0).validate("weight"), "negative"),
+    (lambda: Policy(weights=TierFractions(0.5, 0.4, 0)), "sum to 0.9"),
+    (lambda: Policy(gpu_batch_size=0), "gpu_batch_size"),
+    (lambda: Policy(num_gpu_batches=-1), "num_gpu_batches"),
+])
+def test_invalid_policy(make, message):
+    with pytest.raises(PolicyError, match=message):
+        make()
+
+
+def test_policy_json_round_trip_and_unknown_field(tmp_path):
+    policy = Policy(gpu_batch_size=48, num_gpu_batches=3, weights=TierFractions(0.2, 0.8, 0), cpu_attention=True)
+    path = tmp_path / "p.json"
+    policy.save(path)
+    assert Policy.load(path) == policy
+    data = json.loads(path.read_text())
+    data["weigths"] = data.pop("weights")
+    path.write_text(json.dumps(data))
+    with pytest.raises(PolicyError, match="weigths"):
+        Policy.load(path)
+
+
+def test_disk_without_offload_dir(monkeypatch):
+    monkeypatch.delenv("FLEXOFF_OFFLOAD_DIR", raising=False)
+    with pytest.raises(PolicyError, match="offload directory"):
+        LLM("opt-125m", dummy=True, policy=Policy(weights=TierFractions(0, 0.5, 0.5)))
+
+
+def test_unwritable_offload_dir(tmp_path):
+    target = tmp_path / "file-not-dir"
+    target.write_text("x")
+    with pytest.raises(PolicyError, match="offload directory"):
+        LLM("opt-125m", dummy=True, policy=Policy(weights=TierFractions(0, 0.5, 0.5)), offload_dir=str(target / "x"))
+
+
+def test_policy_that_cannot_fit_names_tier_and_shortfall():
+    with pytest.raises(PolicyError, match=r"gpu tier.*short by"):
+        LLM("opt-125m", dummy=True, gpu_mem="64MiB")
+    llm = LLM("opt-125m", dummy=True, policy=Policy(weights=TierFractions(0, 1, 0), gpu_batch_size=64),
+              gpu_mem="500MiB")
+    with pytest.raises(PolicyError, match=r"block of 64 sequences.*gpu tier"):
+        llm.generate([[5] * 1500] * 64)
+
+
+def test_failure_midway_leaves_no_offload_files(tmp_path, monkeypatch):
+    policy = Policy(weights=TierFractions(0, 0.5, 0.5), cache=TierFractions(0, 0, 1), gpu_batch_size=2)
+    llm = LLM("opt-125m", dummy=True, policy=policy, offload_dir=str(tmp_path))
+    assert len(os.listdir(tmp_path)) == 1
+    from flexoff.runtime import batch
+
+    def explode(self, stage, weights):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(batch.GpuBatch, "run_stage", explode)
+    with pytest.raises(RuntimeError):
+        llm.generate([[5, 6, 7]] * 3)
+    llm.close()
+    assert os.listdir(tmp_path) == []
