@@ -1,0 +1,161 @@
+"""The ``search`` and ``profile`` subcommands; the main CLI adds them with ``register``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ..errors import ConfigError
+from ..models.config import resolve_model_config
+from ..units import parse_size
+from .cost_model import Workload
+from .hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
+from .report import describe_hardware, format_frontier, format_prediction, plot_frontier, write_frontier_csv
+from .search import CHOICES, pareto_frontier, search_policy
+
+
+def register(subparsers) -> None:
+    """Add ``search`` and ``profile`` to an argparse subparsers object."""
+    search = subparsers.add_parser(
+        "search", help="find the best policy for a model on a machine, without running it",
+        description="Search GPU batch size x number of GPU batches, solving an LP over the nine placement "
+                    "fractions for each, and print the policy with the highest predicted throughput.",
+    )
+    search.add_argument("--model", required=True, help="registry name (e.g. opt-30b) or checkpoint directory")
+    search.add_argument("--prompt-len", type=int, default=512,
+                        help="prompt length in tokens, after padding (default 512)")
+    search.add_argument("--gen-len", type=int, default=32, help="tokens generated per prompt (default 32)")
+    search.add_argument("--num-prompts", type=int, default=None,
+                        help="prompts in the job; blocks larger than it waste work (default: an endless stream)")
+    search.add_argument("--hardware", default=None,
+                        help=f"profile: {' or '.join(sorted(set(PACKAGED_PROFILES)))} (packaged), or a JSON file; "
+                             f"default: this machine's profile from `flexoff profile` ({default_profile_path()})")
+    for tier in ("gpu", "cpu", "disk"):
+        search.add_argument(f"--{tier}-mem", default=None, metavar="SIZE",
+                            help=f"override the profile's {tier} memory, e.g. 16GiB or 1.5TB "
+                                 "(the profile's headroom still applies)")
+    search.add_argument("--compress", choices=CHOICES, default="auto",
+                        help="4-bit group-wise compression of weights and KV cache: try both (auto), always, never")
+    search.add_argument("--cpu-attention", choices=CHOICES, default="auto",
+                        help="decode attention on the CPU for the cache that is not on the GPU: auto, on, off")
+    search.add_argument("--max-latency", type=float, default=None, metavar="SECONDS",
+                        help="highest throughput whose block latency (prefill plus all decode steps of one block) "
+                             "is at most SECONDS")
+    search.add_argument("--pareto", action="store_true", help="also print the latency-throughput frontier")
+    search.add_argument("--pareto-csv", default=None, metavar="FILE",
+                        help="write the frontier as CSV (implies --pareto)")
+    search.add_argument("--pareto-plot", default=None, metavar="FILE.png",
+                        help="plot the frontier with matplotlib (implies --pareto)")
+    search.add_argument("--output", "-o", default=None, metavar="FILE",
+                        help="save the chosen policy as JSON for `flexoff run --policy FILE`")
+    search.set_defaults(handler=run_search)
+
+    profile = subparsers.add_parser(
+        "profile", help="measure this machine's bandwidths, FLOPS and memory for the planner",
+        description="Measure pinned copies, disk (O_DIRECT), matmuls at several row counts, attention and "
+                    "dequantization, and save a hardware profile. Without CUDA the CPU is the compute device.",
+    )
+    profile.add_argument("--output", "-o", default=None, metavar="FILE",
+                         help=f"where to save the profile (default {default_profile_path()}, "
+                              "which `flexoff search` reads)")
+    profile.add_argument("--quick", action="store_true", help="smaller transfers and matmuls (tens of seconds)")
+    profile.add_argument("--disk-dir", default=None, metavar="DIR",
+                         help="directory on the disk that will hold offloaded tensors (default: the temp dir)")
+    profile.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                         help="compute device to profile (default: cuda if available)")
+    profile.set_defaults(handler=run_profile)
+
+
+def _size_flag(args, tier: str):
+    text = getattr(args, f"{tier}_mem")
+    if text is None:
+        return None
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--{tier}-mem: {exc}") from None
+
+
+def run_search(args) -> int:
+    config = resolve_model_config(args.model)
+    workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
+    hardware = resolve_hardware(args.hardware)
+    hardware = hardware.with_memory(_size_flag(args, "gpu"), _size_flag(args, "cpu"), _size_flag(args, "disk"))
+    options = dict(compress=args.compress, cpu_attention=args.cpu_attention)
+    started = time.perf_counter()
+    result = search_policy(config, workload, hardware, max_latency=args.max_latency, **options)
+    print(format_prediction(result.prediction, title=(
+        f"{config.name} on {describe_hardware(hardware)}: prompt {workload.prompt_len}, generate {workload.gen_len}"
+        + (f", {workload.num_prompts} prompts" if workload.num_prompts else "")
+        + (f", block latency <= {args.max_latency:g} s" if args.max_latency else ""))))
+    print(f"searched {result.candidates} candidates, solved {result.lps_solved} LPs "
+          f"in {time.perf_counter() - started:.2f} s")
+    if args.pareto or args.pareto_csv or args.pareto_plot:
+        frontier = [r.prediction for r in pareto_frontier(config, workload, hardware, **options)]
+        if args.max_latency is not None:
+            frontier = [p for p in frontier if p.block_latency <= args.max_latency]
+        print("\nlatency-throughput frontier")
+        print(format_frontier(frontier))
+        if args.pareto_csv:
+            write_frontier_csv(frontier, args.pareto_csv)
+            print(f"wrote {args.pareto_csv}")
+        if args.pareto_plot:
+            plot_frontier(frontier, args.pareto_plot, title=f"{config.name} on {hardware.name}")
+            print(f"wrote {args.pareto_plot}")
+    if args.output:
+        try:
+            result.policy.save(args.output)
+        except OSError as exc:
+            raise ConfigError(f"cannot write {args.output}: {exc.strerror or exc}") from None
+        print(f"wrote {args.output}")
+    return 0
+
+
+def run_profile(args) -> int:
+    from .profiler import profile_machine  # imports torch; keep `flexoff search` light
+
+    device = None if args.device == "auto" else args.device
+    started = time.perf_counter()
+    profile = profile_machine(quick=args.quick, disk_dir=args.disk_dir, device=device,
+                              log=lambda message: print(f"  {message}", flush=True))
+    output = args.output or default_profile_path()
+    try:
+        profile.save(output)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {output}: {exc.strerror or exc}") from None
+    gb = 1e9
+    print(f"{profile.device}")
+    print(f"  cpu->gpu {profile.cpu_to_gpu_bandwidth / gb:.3g} GB/s, "
+          f"gpu->cpu {profile.gpu_to_cpu_bandwidth / gb:.3g} GB/s, "
+          f"disk read {profile.disk_to_cpu_bandwidth / gb:.3g} GB/s, "
+          f"write {profile.cpu_to_disk_bandwidth / gb:.3g} GB/s")
+    curve = ", ".join(f"m={m:g}: {f / 1e12:.3g}" for m, f in profile.matmul_flops)
+    print(f"  matmul TFLOP/s {curve}")
+    print(f"  attention prefill {profile.prefill_attention_flops / 1e12:.3g} TFLOP/s, decode "
+          f"{profile.decode_attention_flops / 1e12:.3g}, cpu {profile.cpu_attention_flops / 1e9:.3g} GFLOP/s; "
+          f"dequant {profile.gpu_dequant_throughput / 1e9:.3g} G elements/s")
+    print(f"wrote {output} in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """A parser with only these subcommands, for tests and ``python -m flexoff.planner.cli``."""
+    parser = argparse.ArgumentParser(prog="flexoff")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv=None) -> int:
+    from ..errors import FlexoffError
+    import sys
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except FlexoffError as exc:
+        print(f"flexoff: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

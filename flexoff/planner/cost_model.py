@@ -1,0 +1,370 @@
+"""The analytical cost model: time per layer and peak memory per tier for a policy.
+
+It follows FlexGen's Appendix A.3 (``shared`` notation: l layers, s prompt, n generated, bls block
+size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to:
+- compression: stored bytes shrink to bits/8 plus per-group metadata, dequantization costs time;
+- CPU attention: decode attention over the non-GPU cache runs on the CPU, so only the query and the
+  attention output cross PCIe instead of the cache;
+- grouped-query attention and SwiGLU, through the element counts in ``sizes``.
+
+Every time and memory term is affine in the placement fractions. The formulas take the fractions as
+floats or as numpy arrays, so the search reads the LP's coefficients off the same code that
+predicts a policy, and the two cannot drift apart.
+
+Embedding and head weights are spread evenly over the layers: they are placed with the weight
+fractions and streamed once per token like a layer's weights.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..errors import ConfigError
+from ..models.config import ModelConfig
+from ..runtime.policy import TIERS, CompressionConfig, Policy, TierFractions
+from .hardware import HardwareProfile
+from .sizes import (
+    FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
+    largest_matrix_numel, layer_matrix_numel, layer_vector_numel,
+)
+
+IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
+COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
+PHASES = ("prefill", "decode")
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A batch job: every prompt padded to ``prompt_len``, each generating ``gen_len`` tokens.
+
+    ``num_prompts`` None means an endless stream: no block is ever partly empty.
+    """
+
+    prompt_len: int
+    gen_len: int
+    num_prompts: int | None = None
+
+    def __post_init__(self):
+        for name in ("prompt_len", "gen_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
+        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
+            raise ConfigError(f"number of prompts must be an integer >= 1, got {self.num_prompts!r}")
+
+
+class Placement(NamedTuple):
+    """The nine fractions; each a float, or a numpy array to evaluate many placements at once."""
+
+    wg: object
+    wc: object
+    wd: object
+    cg: object
+    cc: object
+    cd: object
+    hg: object
+    hc: object
+    hd: object
+
+    @classmethod
+    def of(cls, policy: Policy) -> "Placement":
+        return cls(*policy.weights.as_tuple(), *policy.cache.as_tuple(), *policy.activations.as_tuple())
+
+
+@dataclass(frozen=True)
+class PolicyFrame:
+    """Everything in a Policy except the placement: what the search fixes before each LP."""
+
+    gpu_batch_size: int
+    num_gpu_batches: int
+    compress_weight: CompressionConfig | None = None
+    compress_cache: CompressionConfig | None = None
+    cpu_attention: bool = False
+    overlap: bool = True
+
+    @property
+    def block_size(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @classmethod
+    def of(cls, policy: Policy) -> "PolicyFrame":
+        return cls(policy.gpu_batch_size, policy.num_gpu_batches, policy.compress_weight,
+                   policy.compress_cache, policy.cpu_attention, policy.overlap)
+
+    def with_placement(self, fractions) -> Policy:
+        f = [float(x) for x in fractions]
+        return Policy(
+            gpu_batch_size=self.gpu_batch_size, num_gpu_batches=self.num_gpu_batches,
+            weights=TierFractions(*f[0:3]), cache=TierFractions(*f[3:6]), activations=TierFractions(*f[6:9]),
+            cpu_attention=self.cpu_attention, overlap=self.overlap,
+            compress_weight=self.compress_weight, compress_cache=self.compress_cache,
+        )
+
+
+@dataclass(frozen=True)
+class PhaseBreakdown:
+    """Seconds per layer of one phase, term by term, and the term that bounds it."""
+
+    phase: str
+    io: dict  # term -> seconds per layer
+    compute: dict  # sub-term -> seconds per layer; they add up
+    seconds_per_layer: float
+    bound: str  # an IO term, or "compute (<largest sub-term>)"
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(self.compute.values())
+
+
+@dataclass(frozen=True)
+class Prediction:
+    policy: Policy
+    workload: Workload
+    prefill: PhaseBreakdown
+    decode: PhaseBreakdown
+    prefill_seconds: float  # one block
+    decode_seconds: float  # one block
+    block_latency: float  # seconds from a block's first prefill to its last token
+    total_throughput: float  # generated tokens per second (FlexGen's generation throughput)
+    prefill_throughput: float  # prompt tokens per second of prefill
+    decode_throughput: float  # generated tokens per second of decode
+    peak_memory: dict  # tier -> bytes
+    capacity: dict  # tier -> usable bytes
+    memory_by_phase: dict = field(default_factory=dict)  # (tier, phase) -> bytes
+
+    @property
+    def fits(self) -> bool:
+        return all(self.peak_memory[t] <= self.capacity[t] * (1 + 1e-9) for t in TIERS)
+
+    @property
+    def over_capacity(self) -> list[str]:
+        return [t for t in TIERS if self.peak_memory[t] > self.capacity[t] * (1 + 1e-9)]
+
+
+class CostModel:
+    """Predicts time and memory of policies for one model, workload and machine."""
+
+    def __init__(self, config: ModelConfig, workload: Workload, hardware: HardwareProfile):
+        positions = workload.prompt_len + workload.gen_len
+        if positions > config.max_positions:
+            raise ConfigError(f"prompt {workload.prompt_len} + generate {workload.gen_len} needs {positions} "
+                              f"positions, but {config.name} has {config.max_positions}")
+        self.config, self.workload, self.hardware = config, workload, hardware
+        c, layers = config, config.num_layers
+        self.num_layers = layers
+        self.hidden = c.hidden_size
+        self.matrix_numel = layer_matrix_numel(c) + embedding_matrix_numel(c) / layers
+        self.vector_numel = layer_vector_numel(c) + embedding_vector_numel(c) / layers
+        self.layer_matmul_numel = layer_matrix_numel(c)
+        self.head_matmul_numel_per_layer = head_matmul_numel(c) / layers
+        self.largest_matrix_numel = largest_matrix_numel(c)
+        self.kv_numel = c.kv_elements_per_token_per_layer
+        self.query_width = c.num_heads * c.head_dim
+        self.kv_width = c.num_kv_heads * c.head_dim
+        self.mlp_buffers = 2 if c.family == "opt" else 3  # fc1 out; or gate, up and their product
+
+    # ---- sizes under a frame
+
+    def weight_bytes_per_layer(self, frame: PolicyFrame) -> float:
+        return self.matrix_numel * bytes_per_element(frame.compress_weight) + self.vector_numel * FP16_BYTES
+
+    def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
+        """Stored KV bytes of one token in one layer."""
+        return self.kv_numel * bytes_per_element(frame.compress_cache)
+
+    # ---- time
+
+    def phase_terms(self, frame: PolicyFrame, p: Placement) -> dict:
+        """{phase: (io terms, compute sub-terms)}, each in seconds per layer, affine in ``p``."""
+        hw, w = self.hardware, self.workload
+        s, n = w.prompt_len, w.gen_len
+        gbs, nb, bls = frame.gpu_batch_size, frame.num_gpu_batches, frame.block_size
+        W = self.weight_bytes_per_layer(frame)
+        kv = self.kv_bytes_per_token(frame)
+        kv16 = self.kv_numel * FP16_BYTES
+        act = FP16_BYTES * self.hidden  # one token's hidden state
+        s_avg = s + n / 2  # mean cache length over the decode steps (A.3)
+        w_off, c_off, h_off = p.wc + p.wd, p.cc + p.cd, p.hc + p.hd
+        cw, cc, cpu_att = frame.compress_weight is not None, frame.compress_cache is not None, frame.cpu_attention
+
+        prefill_io = {
+            "cpu_to_gpu": (w_off * W + h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
+            "gpu_to_cpu": c_off * kv * s * bls / hw.gtoc_cache_bandwidth
+            + h_off * act * s * bls / hw.gpu_to_cpu_bandwidth,
+            "disk_to_cpu": (p.wd * W + p.hd * act * s * bls) / hw.disk_to_cpu_bandwidth,
+            "cpu_to_disk": p.cd * kv * s * bls / hw.ctod_cache_bandwidth
+            + p.hd * act * s * bls / hw.cpu_to_disk_bandwidth,
+        }
+        # Prefill attention always runs on the GPU: the cache is produced there.
+        prefill_compute = {
+            "gpu_matmul": 2 * (self.layer_matmul_numel * s + self.head_matmul_numel_per_layer) * bls
+            / hw.matmul_flops_at(gbs * s),
+            "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
+            # Weights are dequantized for every GPU batch; new cache is quantized once.
+            "dequantize": ((nb * self.matrix_numel if cw else 0) + (bls * s * self.kv_numel if cc else 0))
+            / hw.gpu_dequant_throughput,
+            "cpu_attention": 0.0 * c_off,
+        }
+
+        gpu_att = p.cg + (0.0 if cpu_att else c_off)  # share of decode attention on the GPU
+        cpu_share = c_off if cpu_att else 0.0 * c_off
+        decode_io = {
+            "cpu_to_gpu": (w_off * W + h_off * act * bls
+                           + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))
+            / hw.cpu_to_gpu_bandwidth,
+            # New keys and values go to the cache's home; with CPU attention the query goes too.
+            "gpu_to_cpu": c_off * kv * bls / hw.gtoc_cache_bandwidth
+            + (h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
+            "disk_to_cpu": (p.wd * W + p.hd * act * bls + p.cd * kv * s_avg * bls) / hw.disk_to_cpu_bandwidth,
+            "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
+        }
+        attention_flops = 4 * s_avg * self.query_width  # per sequence: q.K^T and p.V
+        gpu_attention_seconds = max(attention_flops / hw.decode_attention_flops, s_avg * kv16 / hw.gpu_memory_bandwidth)
+        cpu_attention_seconds = attention_flops / hw.cpu_attention_flops
+        if cc:
+            cpu_attention_seconds += s_avg * self.kv_numel / hw.cpu_dequant_throughput
+        decode_compute = {
+            "gpu_matmul": 2 * (self.layer_matmul_numel + self.head_matmul_numel_per_layer) * bls
+            / hw.matmul_flops_at(gbs),
+            "gpu_attention": gpu_att * bls * gpu_attention_seconds,
+            "dequantize": ((nb * self.matrix_numel / hw.gpu_dequant_throughput) if cw else 0.0)
+            + ((gpu_att * bls * s_avg * self.kv_numel / hw.gpu_dequant_throughput) if cc else 0.0 * gpu_att),
+            "cpu_attention": cpu_share * bls * cpu_attention_seconds,
+        }
+        return {"prefill": (prefill_io, prefill_compute), "decode": (decode_io, decode_compute)}
+
+    @staticmethod
+    def phase_seconds(io: dict, compute: dict, overlap: bool):
+        """A phase's seconds per layer: the slowest stream with overlap, all of them without."""
+        compute_total = sum(compute.values())
+        if overlap:
+            result = compute_total
+            for value in io.values():
+                result = _maximum(result, value)
+            return result
+        return compute_total + sum(io.values())
+
+    # ---- memory
+
+    def memory_terms(self, frame: PolicyFrame, p: Placement) -> dict:
+        """{(tier, phase): peak bytes}, affine in ``p``."""
+        w, c = self.workload, self.config
+        s, n, layers = w.prompt_len, w.gen_len, self.num_layers
+        gbs, bls = frame.gpu_batch_size, frame.block_size
+        W = self.weight_bytes_per_layer(frame)
+        kv = self.kv_bytes_per_token(frame)
+        kv16 = self.kv_numel * FP16_BYTES
+        act = FP16_BYTES * self.hidden
+        s_max = s + n  # the cache is sized for the whole sequence (A.3)
+        weights_total = W * layers
+        kv_total = kv * s_max * bls * layers
+        c_off = p.cc + p.cd
+        gpu_att = p.cg + (0.0 if frame.cpu_attention else c_off)
+        dequant_buffer = self.largest_matrix_numel * FP16_BYTES if frame.compress_weight is not None else 0.0
+
+        def intermediates(rows: int, keys: int) -> float:
+            """Largest transient of one GPU batch: attention scores, MLP activations or logits."""
+            attention = rows * (self.query_width + 2 * self.kv_width) * FP16_BYTES \
+                + 2 * rows * c.num_heads * keys * FP16_BYTES  # scores and probabilities
+            mlp = self.mlp_buffers * rows * c.intermediate_size * FP16_BYTES
+            logits = gbs * c.vocab_size * FP32_BYTES
+            hidden_copies = 2 * rows * act  # normalized input and residual
+            return max(attention, mlp, logits) + hidden_copies
+
+        # Buffers of off-GPU data come in pairs: the batch computed now and the one being loaded.
+        gpu_prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
+                       + 2 * (1 - p.wg) * W + dequant_buffer
+                       + 2 * (1 - p.hg) * act * s * gbs
+                       + 2 * (1 - p.cg) * kv * s * gbs  # new cache waiting to be stored
+                       + intermediates(gbs * s, s))
+        gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
+                      + 2 * (1 - p.wg) * W + dequant_buffer
+                      + 2 * (1 - p.hg) * act * gbs
+                      + (0.0 * c_off if frame.cpu_attention else 2 * c_off * kv * s_max * gbs)
+                      + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att)
+                      + intermediates(gbs, s_max))
+        # The CPU stages what moves between disk and GPU.
+        cpu_home = p.wc * weights_total + p.cc * kv_total
+        cpu_prefill = (cpu_home + p.hc * act * s * bls + 2 * p.wd * W
+                       + 2 * p.hd * act * s * gbs + 2 * p.cd * kv * s * gbs)
+        cpu_workspace = 0.0 * c_off
+        if frame.cpu_attention:
+            # fp32 copy of one batch's keys and values, and its scores
+            cpu_workspace = c_off * gbs * s_max * (self.kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES)
+        cpu_decode = (cpu_home + p.hc * act * bls + 2 * p.wd * W
+                      + 2 * p.hd * act * gbs + 2 * p.cd * kv * s_max * gbs + cpu_workspace)
+        disk = p.wd * weights_total + p.hd * act * s * bls + p.cd * kv_total
+        return {
+            ("gpu", "prefill"): gpu_prefill, ("gpu", "decode"): gpu_decode,
+            ("cpu", "prefill"): cpu_prefill, ("cpu", "decode"): cpu_decode,
+            ("disk", "prefill"): disk, ("disk", "decode"): disk,
+        }
+
+    def capacities(self) -> dict:
+        return {t: self.hardware.capacity(t) for t in TIERS}
+
+    # ---- the whole prediction
+
+    def block_seconds(self, prefill_per_layer, decode_per_layer):
+        """Latency of one block: prefill every layer once, then gen_len - 1 decode steps (A.3)."""
+        layers, n = self.num_layers, self.workload.gen_len
+        return layers * prefill_per_layer + layers * (n - 1) * decode_per_layer
+
+    def useful_share(self, block_size: int) -> float:
+        """Share of a block's sequences that are real prompts, averaged over the whole job."""
+        total = self.workload.num_prompts
+        if total is None:
+            return 1.0
+        blocks = math.ceil(total / block_size)
+        return total / (blocks * block_size)
+
+    def predict(self, policy: Policy) -> Prediction:
+        frame, p = PolicyFrame.of(policy), Placement.of(policy)
+        terms = self.phase_terms(frame, p)
+        phases = {}
+        for phase in PHASES:
+            io, compute = terms[phase]
+            seconds = float(self.phase_seconds(io, compute, frame.overlap))
+            phases[phase] = PhaseBreakdown(phase, {k: float(v) for k, v in io.items()},
+                                           {k: float(v) for k, v in compute.items()}, seconds,
+                                           _bounding_term(io, compute, frame.overlap))
+        layers, w = self.num_layers, self.workload
+        bls = frame.block_size
+        prefill_seconds = layers * phases["prefill"].seconds_per_layer
+        decode_seconds = layers * (w.gen_len - 1) * phases["decode"].seconds_per_layer
+        latency = prefill_seconds + decode_seconds
+        share = self.useful_share(bls)
+        memory = {k: float(v) for k, v in self.memory_terms(frame, p).items()}
+        return Prediction(
+            policy=policy, workload=w, prefill=phases["prefill"], decode=phases["decode"],
+            prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, block_latency=latency,
+            total_throughput=share * bls * w.gen_len / latency,
+            prefill_throughput=share * bls * w.prompt_len / prefill_seconds,
+            decode_throughput=(share * bls * (w.gen_len - 1) / decode_seconds) if w.gen_len > 1 else 0.0,
+            peak_memory={t: max(memory[(t, ph)] for ph in PHASES) for t in TIERS},
+            capacity=self.capacities(),
+            memory_by_phase=memory,
+        )
+
+
+def _maximum(a, b):
+    """max() that also works elementwise on numpy arrays."""
+    if isinstance(a, float) and isinstance(b, float):
+        return max(a, b)
+    import numpy as np
+
+    return np.maximum(a, b)
+
+
+def _bounding_term(io: dict, compute: dict, overlap: bool) -> str:
+    compute_total = sum(compute.values())
+    largest_compute = max(compute, key=compute.get)
+    if not overlap:
+        return "no overlap (sum of all terms)"
+    largest_io = max(io, key=io.get)
+    if io[largest_io] > compute_total:
+        return largest_io
+    return f"compute ({largest_compute})"

@@ -1,0 +1,310 @@
+"""The machine the planner plans for: memory per tier, link bandwidths, and compute rates.
+
+A profile is a JSON file. The reference ones ship inside the package (``t4``, ``h100``);
+``flexoff profile`` measures the machine it runs on and writes a new one.
+All quantities are in base units: bytes, bytes per second, FLOP per second, elements per second.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..fileio import write_text_atomic
+from ..units import parse_size
+
+FORMAT_TAG = "flexoff-hardware-profile"
+FORMAT_VERSION = 1
+TIERS = ("gpu", "cpu", "disk")
+# Short names for the packaged profiles.
+PACKAGED_PROFILES = {"t4": "t4_flexgen", "t4_flexgen": "t4_flexgen", "h100": "h100"}
+
+_BANDWIDTH_FIELDS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
+_OPTIONAL_BANDWIDTH_FIELDS = ("gpu_to_cpu_cache", "cpu_to_disk_cache")
+_COMPUTE_FIELDS = (
+    "prefill_attention_flop_per_s",
+    "decode_attention_flop_per_s",
+    "gpu_memory_bytes_per_s",
+    "cpu_attention_flop_per_s",
+    "gpu_dequant_elements_per_s",
+    "cpu_dequant_elements_per_s",
+)
+_TOP_FIELDS = {
+    "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction",
+    "bandwidth_bytes_per_s", "compute", "notes", "measurements",
+}
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Measured (or published) constants of one machine.
+
+    ``matmul_flops`` maps a matmul's row count m to its FLOP/s: decode multiplies few rows and is
+    bound by reading the weights, prefill multiplies many and is bound by compute, so one number
+    is wrong for one of them.
+    """
+
+    name: str
+    gpu_memory: int
+    cpu_memory: int
+    disk_memory: int
+    cpu_to_gpu_bandwidth: float
+    gpu_to_cpu_bandwidth: float
+    disk_to_cpu_bandwidth: float
+    cpu_to_disk_bandwidth: float
+    matmul_flops: tuple[tuple[float, float], ...]
+    prefill_attention_flops: float
+    decode_attention_flops: float
+    gpu_memory_bandwidth: float
+    cpu_attention_flops: float
+    gpu_dequant_throughput: float
+    cpu_dequant_throughput: float
+    # KV-cache writes are strided and slower on some machines; None means "same as the plain link".
+    gpu_to_cpu_cache_bandwidth: float | None = None
+    cpu_to_disk_cache_bandwidth: float | None = None
+    usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)
+    device: str = ""
+    source: str = ""
+    notes: dict = field(default_factory=dict, compare=False)
+    measurements: dict = field(default_factory=dict, compare=False)
+
+    # ---- derived quantities the cost model reads
+
+    @property
+    def gtoc_cache_bandwidth(self) -> float:
+        return self.gpu_to_cpu_cache_bandwidth or self.gpu_to_cpu_bandwidth
+
+    @property
+    def ctod_cache_bandwidth(self) -> float:
+        return self.cpu_to_disk_cache_bandwidth or self.cpu_to_disk_bandwidth
+
+    def capacity(self, tier: str) -> float:
+        """Bytes the planner may fill on ``tier``: the capacity less the headroom."""
+        index = TIERS.index(tier)
+        total = (self.gpu_memory, self.cpu_memory, self.disk_memory)[index]
+        return total * self.usable_fraction[index]
+
+    def matmul_flops_at(self, rows: float) -> float:
+        """FLOP/s of a matmul with ``rows`` rows, interpolated log-log between profiled points.
+
+        Below the smallest profiled m the time stays that of m (the weights must be read anyway),
+        so FLOP/s fall in proportion; above the largest they stay flat.
+        """
+        points = self.matmul_flops
+        ms = [m for m, _ in points]
+        if rows <= ms[0]:
+            return points[0][1] * rows / ms[0]
+        if rows >= ms[-1]:
+            return points[-1][1]
+        i = bisect.bisect_right(ms, rows)
+        (m0, f0), (m1, f1) = points[i - 1], points[i]
+        t = (math.log(rows) - math.log(m0)) / (math.log(m1) - math.log(m0))
+        return math.exp(math.log(f0) + t * (math.log(f1) - math.log(f0)))
+
+    def with_memory(self, gpu: int | None = None, cpu: int | None = None, disk: int | None = None) -> "HardwareProfile":
+        """The same machine with some tier capacities replaced (``--gpu-mem`` and friends)."""
+        return replace(
+            self,
+            gpu_memory=self.gpu_memory if gpu is None else int(gpu),
+            cpu_memory=self.cpu_memory if cpu is None else int(cpu),
+            disk_memory=self.disk_memory if disk is None else int(disk),
+        )
+
+    # ---- JSON
+
+    def to_dict(self) -> dict:
+        bandwidth = {
+            "cpu_to_gpu": self.cpu_to_gpu_bandwidth,
+            "gpu_to_cpu": self.gpu_to_cpu_bandwidth,
+            "disk_to_cpu": self.disk_to_cpu_bandwidth,
+            "cpu_to_disk": self.cpu_to_disk_bandwidth,
+        }
+        if self.gpu_to_cpu_cache_bandwidth is not None:
+            bandwidth["gpu_to_cpu_cache"] = self.gpu_to_cpu_cache_bandwidth
+        if self.cpu_to_disk_cache_bandwidth is not None:
+            bandwidth["cpu_to_disk_cache"] = self.cpu_to_disk_cache_bandwidth
+        return {
+            "format": FORMAT_TAG,
+            "version": FORMAT_VERSION,
+            "name": self.name,
+            "device": self.device,
+            "source": self.source,
+            "memory_bytes": {"gpu": self.gpu_memory, "cpu": self.cpu_memory, "disk": self.disk_memory},
+            "usable_fraction": dict(zip(TIERS, self.usable_fraction)),
+            "bandwidth_bytes_per_s": bandwidth,
+            "compute": {
+                "matmul_flop_per_s": [[m, f] for m, f in self.matmul_flops],
+                "prefill_attention_flop_per_s": self.prefill_attention_flops,
+                "decode_attention_flop_per_s": self.decode_attention_flops,
+                "gpu_memory_bytes_per_s": self.gpu_memory_bandwidth,
+                "cpu_attention_flop_per_s": self.cpu_attention_flops,
+                "gpu_dequant_elements_per_s": self.gpu_dequant_throughput,
+                "cpu_dequant_elements_per_s": self.cpu_dequant_throughput,
+            },
+            "notes": dict(self.notes),
+            "measurements": dict(self.measurements),
+        }
+
+    def save(self, path: str | Path) -> None:
+        write_text_atomic(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data, source: str = "hardware profile") -> "HardwareProfile":
+        return _parse_profile(data, source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HardwareProfile":
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read hardware profile {path}: {exc.strerror or exc}") from None
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"hardware profile {path} is not valid JSON: {exc}") from None
+        return _parse_profile(data, str(path))
+
+
+def _positive(value, where: str, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{source}: field {where!r} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _size(value, where: str, source: str) -> int:
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: field {where!r}: {exc}") from None
+    return int(_positive(value, where, source))
+
+
+def _section(data: dict, key: str, source: str, required: tuple, optional: tuple = ()) -> dict:
+    if key not in data:
+        raise ConfigError(f"{source}: field {key!r} is missing")
+    section = data[key]
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: field {key!r} must be a JSON object")
+    for name in required:
+        if name not in section:
+            raise ConfigError(f"{source}: field '{key}.{name}' is missing")
+    unknown = sorted(set(section) - set(required) - set(optional))
+    if unknown:
+        raise ConfigError(f"{source}: unknown field '{key}.{unknown[0]}'")
+    return section
+
+
+def _parse_profile(data, source: str) -> HardwareProfile:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: a hardware profile must be a JSON object")
+    if data.get("format") != FORMAT_TAG:
+        raise ConfigError(
+            f"{source}: field 'format' must be {FORMAT_TAG!r} (got {data.get('format')!r}); "
+            "this is not a flexoff hardware profile (make one with `flexoff profile`)"
+        )
+    if data.get("version") != FORMAT_VERSION:
+        raise ConfigError(f"{source}: field 'version' must be {FORMAT_VERSION}, got {data.get('version')!r}")
+    unknown = sorted(set(data) - _TOP_FIELDS)
+    if unknown:
+        raise ConfigError(f"{source}: unknown field {unknown[0]!r}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{source}: field 'name' must be a non-empty string")
+    for text_field in ("device", "source"):
+        if not isinstance(data.get(text_field, ""), str):
+            raise ConfigError(f"{source}: field {text_field!r} must be a string")
+    for free_field in ("notes", "measurements"):
+        if not isinstance(data.get(free_field, {}), dict):
+            raise ConfigError(f"{source}: field {free_field!r} must be a JSON object")
+
+    memory = _section(data, "memory_bytes", source, TIERS)
+    sizes = [_size(memory[t], f"memory_bytes.{t}", source) for t in TIERS]
+    usable = _section(data, "usable_fraction", source, TIERS)
+    fractions = tuple(_positive(usable[t], f"usable_fraction.{t}", source) for t in TIERS)
+    for tier, fraction in zip(TIERS, fractions):
+        if fraction > 1:
+            raise ConfigError(f"{source}: field 'usable_fraction.{tier}' must be at most 1, got {fraction}")
+
+    bandwidth = _section(data, "bandwidth_bytes_per_s", source, _BANDWIDTH_FIELDS, _OPTIONAL_BANDWIDTH_FIELDS)
+    bw = {k: _positive(bandwidth[k], f"bandwidth_bytes_per_s.{k}", source) for k in _BANDWIDTH_FIELDS}
+    bw_cache = {
+        k: (_positive(bandwidth[k], f"bandwidth_bytes_per_s.{k}", source) if bandwidth.get(k) is not None else None)
+        for k in _OPTIONAL_BANDWIDTH_FIELDS
+    }
+
+    compute = _section(data, "compute", source, ("matmul_flop_per_s",) + _COMPUTE_FIELDS)
+    rates = {k: _positive(compute[k], f"compute.{k}", source) for k in _COMPUTE_FIELDS}
+    curve = compute["matmul_flop_per_s"]
+    where = "compute.matmul_flop_per_s"
+    if not isinstance(curve, list) or not curve:
+        raise ConfigError(f"{source}: field {where!r} must be a non-empty list of [rows, FLOP/s] pairs")
+    points = []
+    for i, point in enumerate(curve):
+        if not isinstance(point, list) or len(point) != 2:
+            raise ConfigError(f"{source}: field '{where}[{i}]' must be a [rows, FLOP/s] pair, got {point!r}")
+        rows = _positive(point[0], f"{where}[{i}][0]", source)
+        points.append((rows, _positive(point[1], f"{where}[{i}][1]", source)))
+    ms = [m for m, _ in points]
+    if ms != sorted(ms) or len(set(ms)) != len(ms):
+        raise ConfigError(f"{source}: field {where!r} must list strictly increasing row counts")
+
+    return HardwareProfile(
+        name=name,
+        gpu_memory=sizes[0], cpu_memory=sizes[1], disk_memory=sizes[2],
+        cpu_to_gpu_bandwidth=bw["cpu_to_gpu"], gpu_to_cpu_bandwidth=bw["gpu_to_cpu"],
+        disk_to_cpu_bandwidth=bw["disk_to_cpu"], cpu_to_disk_bandwidth=bw["cpu_to_disk"],
+        gpu_to_cpu_cache_bandwidth=bw_cache["gpu_to_cpu_cache"],
+        cpu_to_disk_cache_bandwidth=bw_cache["cpu_to_disk_cache"],
+        matmul_flops=tuple(points),
+        prefill_attention_flops=rates["prefill_attention_flop_per_s"],
+        decode_attention_flops=rates["decode_attention_flop_per_s"],
+        gpu_memory_bandwidth=rates["gpu_memory_bytes_per_s"],
+        cpu_attention_flops=rates["cpu_attention_flop_per_s"],
+        gpu_dequant_throughput=rates["gpu_dequant_elements_per_s"],
+        cpu_dequant_throughput=rates["cpu_dequant_elements_per_s"],
+        usable_fraction=fractions,
+        device=data.get("device", ""), source=data.get("source", ""),
+        notes=dict(data.get("notes", {})), measurements=dict(data.get("measurements", {})),
+    )
+
+
+def default_profile_path() -> Path:
+    """Where ``flexoff profile`` saves this machine's profile and ``flexoff search`` looks for it."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "flexoff" / "hardware.json"
+
+
+def packaged_profile(name: str) -> HardwareProfile:
+    """A reference profile shipped with flexoff: ``t4`` (the FlexGen paper's machine) or ``h100``."""
+    key = PACKAGED_PROFILES.get(name.lower())
+    if key is None:
+        raise ConfigError(f"unknown hardware profile {name!r}; packaged: {', '.join(sorted(PACKAGED_PROFILES))}")
+    resource = resources.files(__package__).joinpath("profiles", f"{key}.json")
+    return _parse_profile(json.loads(resource.read_text()), f"packaged profile {key}")
+
+
+def resolve_hardware(spec: str | None = None) -> HardwareProfile:
+    """A packaged profile name, a path to a profile JSON, or None for this machine's saved profile."""
+    if spec is None:
+        path = default_profile_path()
+        if not path.is_file():
+            raise ConfigError(
+                f"no hardware profile for this machine at {path}: run `flexoff profile` first, "
+                "or pass --hardware t4|h100|FILE"
+            )
+        return HardwareProfile.load(path)
+    if spec.lower() in PACKAGED_PROFILES:
+        return packaged_profile(spec)
+    if not Path(spec).exists():
+        raise ConfigError(
+            f"hardware profile {spec!r} is neither a file nor a packaged profile "
+            f"({', '.join(sorted(PACKAGED_PROFILES))})"
+        )
+    return HardwareProfile.load(spec)

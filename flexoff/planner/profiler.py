@@ -1,0 +1,289 @@
+"""``flexoff profile``: measure this machine and fit the constants the cost model needs.
+
+On a CUDA machine the compute device is the GPU; without CUDA it is the CPU, and the "gpu" tier is
+a memory budget in RAM, as everywhere in flexoff. Each measurement is kept raw in the profile's
+``measurements`` and the fitted constant beside it, with a note saying which is which.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+import torch
+
+from ..errors import ConfigError
+from .hardware import HardwareProfile
+
+MiB = 1 << 20
+GiB = 1 << 30
+DISK_BLOCK = 4 * MiB
+# On a machine without CUDA, this share of RAM plays the GPU's memory.
+CPU_ONLY_GPU_BUDGET = 0.25
+
+
+@dataclass(frozen=True)
+class ProfileSizes:
+    copy_bytes: tuple[int, ...]
+    disk_bytes: int
+    matmul_rows: tuple[int, ...]
+    matmul_inner: int
+    matmul_outer: int
+    attention_batch: int
+    dequant_elements: int
+    min_seconds: float  # repeat each timing until this much time has passed
+
+
+QUICK = ProfileSizes((16 * MiB, 64 * MiB, 256 * MiB), 256 * MiB, (1, 8, 32, 128, 512, 2048),
+                     2048, 4096, 4, 16 * MiB, 0.1)
+FULL = ProfileSizes((64 * MiB, 256 * MiB, 1 * GiB), 4 * GiB, (1, 8, 32, 128, 512, 4096),
+                    7168, 28672, 16, 256 * MiB, 0.5)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, min_seconds: float, max_repeats: int = 50) -> float:
+    """Best seconds per call of ``fn`` after one warm-up call."""
+    fn()
+    _sync(device)
+    best, spent, repeats = float("inf"), 0.0, 0
+    while (spent < min_seconds or repeats < 2) and repeats < max_repeats:
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        elapsed = time.perf_counter() - start
+        best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
+    return best
+
+
+def fit_bandwidth(sizes, seconds) -> tuple[float, float]:
+    """Least-squares fit of seconds = latency + bytes / bandwidth; returns (bandwidth, latency)."""
+    sizes, seconds = np.asarray(sizes, float), np.asarray(seconds, float)
+    if len(sizes) < 2:
+        return float(sizes[0] / seconds[0]), 0.0
+    slope, intercept = np.polyfit(sizes, seconds, 1)
+    if slope <= 0:  # noise swamped the trend: fall back to the largest transfer's rate
+        return float(sizes[-1] / seconds[-1]), 0.0
+    return float(1.0 / slope), float(max(intercept, 0.0))
+
+
+def _copy_bandwidth(src_device, dst_device, sizes: ProfileSizes, pinned: bool):
+    seconds = []
+    for nbytes in sizes.copy_bytes:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=src_device)
+        if pinned and src_device.type == "cpu":
+            src = src.pin_memory()
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
+        if pinned and dst_device.type == "cpu":
+            dst = dst.pin_memory()
+        src.random_(0, 255)
+        sync_device = dst_device if dst_device.type == "cuda" else src_device
+        seconds.append(_time(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), sync_device,
+                             sizes.min_seconds))
+        del src, dst  # free this size's buffers before allocating the next
+    bandwidth, latency = fit_bandwidth(sizes.copy_bytes, seconds)
+    raw = {"bytes": list(sizes.copy_bytes), "seconds": seconds, "fit_latency_s": latency}
+    return bandwidth, raw
+
+
+def _disk_bandwidth(directory: str, nbytes: int):
+    """Write then read a file in large blocks, bypassing the page cache with O_DIRECT; where the
+    file system refuses O_DIRECT, write through, fsync, and evict the file's pages before reading."""
+    nbytes = max(DISK_BLOCK, nbytes // DISK_BLOCK * DISK_BLOCK)
+    buffer = mmap.mmap(-1, DISK_BLOCK)  # page-aligned, as O_DIRECT requires
+    buffer.write(os.urandom(DISK_BLOCK))
+    fd_tmp, path = tempfile.mkstemp(dir=directory, prefix=".flexoff-disk-profile-")
+    os.close(fd_tmp)
+    direct = getattr(os, "O_DIRECT", 0)
+    method = "O_DIRECT"
+    try:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | direct)
+            os.write(fd, buffer)
+            os.lseek(fd, 0, os.SEEK_SET)
+        except OSError:
+            if direct == 0:
+                raise
+            direct, method = 0, "buffered, fsync, then posix_fadvise(DONTNEED) before reading"
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        start = time.perf_counter()
+        for _ in range(nbytes // DISK_BLOCK):
+            os.write(fd, buffer)
+        os.fsync(fd)
+        write_seconds = time.perf_counter() - start
+        os.close(fd)
+        if not direct and hasattr(os, "posix_fadvise"):
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        fd = os.open(path, os.O_RDONLY | direct)
+        start = time.perf_counter()
+        while os.readv(fd, [buffer]) > 0:
+            pass
+        read_seconds = time.perf_counter() - start
+        os.close(fd)
+    finally:
+        os.unlink(path)
+        buffer.close()
+    raw = {"bytes": nbytes, "block_bytes": DISK_BLOCK, "method": method,
+           "write_seconds": write_seconds, "read_seconds": read_seconds}
+    return nbytes / read_seconds, nbytes / write_seconds, raw
+
+
+def _matmul_curve(device, dtype, sizes: ProfileSizes):
+    weight = torch.randn(sizes.matmul_inner, sizes.matmul_outer, device=device, dtype=dtype)
+    points, raw = [], []
+    for rows in sizes.matmul_rows:
+        x = torch.randn(rows, sizes.matmul_inner, device=device, dtype=dtype)
+        seconds = _time(lambda x=x: x @ weight, device, sizes.min_seconds)
+        flops = 2.0 * rows * sizes.matmul_inner * sizes.matmul_outer / seconds
+        raw.append({"rows": rows, "seconds": seconds, "flop_per_s": flops})
+        points.append([rows, flops])
+    # Noise can make a larger m look slower; the cost model wants the envelope.
+    for i in range(1, len(points)):
+        points[i][1] = max(points[i][1], points[i - 1][1])
+    return points, raw
+
+
+def _attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128, prompt=512, keys=544):
+    batch = sizes.attention_batch * heads
+    q = torch.randn(batch, prompt, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, prompt, head_dim, device=device, dtype=dtype)
+
+    def prefill():
+        scores = torch.softmax(q @ k.transpose(1, 2), dim=-1)
+        return scores @ k
+
+    prefill_seconds = _time(prefill, device, sizes.min_seconds)
+    q1 = torch.randn(batch, 1, head_dim, device=device, dtype=dtype)
+    cache = torch.randn(batch, keys, head_dim, device=device, dtype=dtype)
+
+    def decode():
+        scores = torch.softmax(q1 @ cache.transpose(1, 2), dim=-1)
+        return scores @ cache
+
+    decode_seconds = _time(decode, device, sizes.min_seconds)
+    big = torch.empty(sizes.dequant_elements, device=device, dtype=torch.float16)
+    copy = torch.empty_like(big)
+    copy_seconds = _time(lambda: copy.copy_(big), device, sizes.min_seconds)
+    return {
+        "prefill_attention_flop_per_s": 4.0 * batch * prompt * prompt * head_dim / prefill_seconds,
+        "decode_attention_flop_per_s": 4.0 * batch * keys * head_dim / decode_seconds,
+        "gpu_memory_bytes_per_s": 2.0 * big.numel() * 2 / copy_seconds,
+        "raw": {"heads_x_batch": batch, "head_dim": head_dim, "prompt": prompt, "keys": keys,
+                "prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds,
+                "copy_bytes": big.numel() * 2, "copy_seconds": copy_seconds},
+    }
+
+
+def _cpu_attention_rate(sizes: ProfileSizes, heads=32, head_dim=128, keys=544):
+    """Decode attention as flexoff runs it on the CPU: fp16 cache, fp32 arithmetic."""
+    batch = sizes.attention_batch * heads
+    q = torch.randn(batch, 1, head_dim)
+    cache = torch.randn(batch, keys, head_dim).half()
+
+    def attend():
+        k = cache.float()
+        return torch.softmax(q @ k.transpose(1, 2), dim=-1) @ k
+
+    seconds = _time(attend, torch.device("cpu"), sizes.min_seconds)
+    return 4.0 * batch * keys * head_dim / seconds, {"heads_x_batch": batch, "keys": keys, "seconds": seconds,
+                                                     "threads": torch.get_num_threads()}
+
+
+def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64):
+    """4-bit dequantization through flexoff's own codec, as the runtime runs it."""
+    from ..compression import dequantize, quantize
+
+    width = 4096
+    rows = max(1, sizes.dequant_elements // width)
+    packed = quantize(torch.randn(rows, width, device=device, dtype=torch.float16), bits=4, group_size=group_size)
+    out = torch.empty(rows, width, device=device, dtype=torch.float16)
+    seconds = _time(lambda: dequantize(packed, out=out), device, sizes.min_seconds)
+    return rows * width / seconds, {"elements": rows * width, "group_size": group_size, "seconds": seconds}
+
+
+def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
+                    log=lambda message: None) -> HardwareProfile:
+    """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice."""
+    sizes = QUICK if quick else FULL
+    use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: CUDA is not available on this machine")
+    disk_dir = disk_dir or tempfile.gettempdir()
+    if not os.path.isdir(disk_dir):
+        raise ConfigError(f"--disk-dir {disk_dir}: not a directory")
+    cpu = torch.device("cpu")
+    compute = torch.device("cuda") if use_cuda else cpu
+    ram = psutil.virtual_memory().total
+    disk_free = shutil.disk_usage(disk_dir).free
+    measurements, notes = {}, {}
+    free_disk_needed = sizes.disk_bytes + DISK_BLOCK
+    if disk_free < free_disk_needed:
+        raise ConfigError(f"--disk-dir {disk_dir}: needs {free_disk_needed} free bytes to profile, has {disk_free}")
+
+    if use_cuda:
+        properties = torch.cuda.get_device_properties(compute)
+        gpu_memory, cpu_memory = properties.total_memory, ram
+        device_name = f"{properties.name}, {os.cpu_count()} cores"
+        log(f"profiling {properties.name} with pinned copies")
+        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, compute, sizes, pinned=True)
+        to_cpu, measurements["gpu_to_cpu"] = _copy_bandwidth(compute, cpu, sizes, pinned=True)
+        notes["bandwidth_bytes_per_s"] = "measured: pinned copies at several sizes, fit to latency + bytes / bandwidth"
+        dtype = torch.float16
+    else:
+        gpu_memory = int(ram * CPU_ONLY_GPU_BUDGET)
+        cpu_memory = ram - gpu_memory
+        device_name = f"CPU only ({os.cpu_count()} cores); the gpu tier is a RAM budget"
+        log("no CUDA: profiling the CPU as the compute device")
+        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, cpu, sizes, pinned=False)
+        to_cpu, measurements["gpu_to_cpu"] = to_gpu, measurements["cpu_to_gpu"]
+        notes["memory_bytes"] = f"no CUDA: the gpu tier is {CPU_ONLY_GPU_BUDGET:.0%} of RAM, the cpu tier the rest"
+        notes["bandwidth_bytes_per_s"] = ("measured: RAM-to-RAM copies (both 'PCIe' directions), fit to "
+                                          "latency + bytes / bandwidth; disk measured")
+        dtype = torch.float32
+    log(f"disk: {sizes.disk_bytes // MiB} MiB in {DISK_BLOCK // MiB} MiB blocks under {disk_dir}")
+    disk_read, disk_write, measurements["disk"] = _disk_bandwidth(disk_dir, sizes.disk_bytes)
+    log("matmuls at several row counts")
+    curve, measurements["matmul"] = _matmul_curve(compute, dtype, sizes)
+    notes["matmul_flop_per_s"] = (f"measured: {str(dtype).replace('torch.', '')} [m x {sizes.matmul_inner}] . "
+                                  f"[{sizes.matmul_inner} x {sizes.matmul_outer}]; fit: running maximum over m, "
+                                  "interpolated log-log between the points")
+    log("attention and dequantization")
+    attention = _attention_rates(compute, dtype, sizes)
+    measurements["attention"] = attention.pop("raw")
+    cpu_attention, measurements["cpu_attention"] = _cpu_attention_rate(sizes)
+    gpu_dequant, measurements["gpu_dequant"] = _dequant_rate(compute, sizes)
+    if use_cuda:
+        cpu_dequant, measurements["cpu_dequant"] = _dequant_rate(cpu, sizes)
+    else:
+        cpu_dequant = gpu_dequant
+    notes["compute"] = ("measured: softmax attention with bmm (32 heads x 128, prompt 512 / 544 keys), "
+                        "fp32 CPU attention over an fp16 cache, 4-bit group-64 dequantization, a device-to-device "
+                        "copy for memory bandwidth")
+
+    return HardwareProfile(
+        name=f"measured-{'cuda' if use_cuda else 'cpu'}",
+        gpu_memory=int(gpu_memory), cpu_memory=int(cpu_memory), disk_memory=int(disk_free),
+        cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_cpu,
+        disk_to_cpu_bandwidth=disk_read, cpu_to_disk_bandwidth=disk_write,
+        matmul_flops=tuple((float(m), float(f)) for m, f in curve),
+        prefill_attention_flops=attention["prefill_attention_flop_per_s"],
+        decode_attention_flops=attention["decode_attention_flop_per_s"],
+        gpu_memory_bandwidth=attention["gpu_memory_bytes_per_s"],
+        cpu_attention_flops=cpu_attention,
+        gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
+        usable_fraction=(0.9, 0.85, 0.9),
+        device=device_name,
+        source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",
+        notes=notes, measurements=measurements,
+    )

@@ -1,0 +1,104 @@
+import csv
+import json
+
+import pytest
+
+from flexoff.errors import ConfigError, PolicyError, UnknownModelError
+from flexoff.planner import cli
+from flexoff.planner.hardware import HardwareProfile
+from flexoff.runtime.policy import Policy
+
+
+def run(argv, capsys):
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_search_prints_policy_prediction_memory_and_bound(capsys, tmp_path):
+    output = tmp_path / "policy.json"
+    code, out, err = run(["search", "--model", "opt-30b", "--hardware", "t4", "--compress", "off",
+                          "--output", str(output)], capsys)
+    assert code == 0, err
+    for text in ("gpu batch size x batches", "weights gpu/cpu/disk", "token/s generated", "block latency",
+                 "decode bound by", "memory", "usable"):
+        assert text in out
+    policy = Policy.load(output)  # what `flexoff run --policy FILE` reads
+    assert policy.compress_weight is None
+
+
+def test_pareto_table_csv_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    table, image = tmp_path / "frontier.csv", tmp_path / "frontier.png"
+    code, out, err = run(["search", "--model", "opt-175b", "--hardware", "t4", "--compress", "on",
+                          "--pareto-csv", str(table), "--pareto-plot", str(image)], capsys)
+    assert code == 0, err
+    assert "latency-throughput frontier" in out
+    rows = list(csv.DictReader(table.open()))
+    assert len(rows) >= 3
+    latencies = [float(r["block_latency_s"]) for r in rows]
+    assert latencies == sorted(latencies)
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_max_latency_limits_the_chosen_policy_and_the_frontier(capsys):
+    code, out, err = run(["search", "--model", "opt-30b", "--hardware", "t4", "--max-latency", "150",
+                          "--pareto"], capsys)
+    assert code == 0, err
+    frontier = out.split("latency-throughput frontier")[1].strip().splitlines()[1:]
+    assert frontier and all(float(line.split()[0]) <= 150 for line in frontier)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-mem", "16XB"], "--gpu-mem: cannot parse size '16XB'"),
+    (["--max-latency", "1"], "lowest block latency possible is"),
+    (["--cpu-mem", "10GB", "--disk-mem", "50GB"], "cannot fit this machine even with everything offloaded"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    code, out, err = run(["search", "--model", "opt-175b", "--hardware", "t4"] + argv, capsys)
+    assert code == 2
+    assert message in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_handlers_raise_flexoff_errors_for_the_main_cli(tmp_path):
+    parser = cli.build_parser()
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"hello": 1}))
+    with pytest.raises(ConfigError, match="'format'"):
+        args = parser.parse_args(["search", "--model", "opt-30b", "--hardware", str(foreign)])
+        args.handler(args)
+    with pytest.raises(UnknownModelError):
+        args = parser.parse_args(["search", "--model", "gpt-5", "--hardware", "t4"])
+        args.handler(args)
+    with pytest.raises(PolicyError):
+        args = parser.parse_args(["search", "--model", "opt-175b", "--hardware", "t4", "--max-latency", "1"])
+        args.handler(args)
+
+
+def test_search_reads_the_saved_profile_by_default(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code, _, err = run(["search", "--model", "opt-1.3b"], capsys)
+    assert code == 2 and "flexoff profile" in err
+    from flexoff.planner.hardware import default_profile_path, packaged_profile
+
+    packaged_profile("h100").save(default_profile_path())
+    code, out, err = run(["search", "--model", "opt-1.3b"], capsys)
+    assert code == 0, err
+    assert "on h100" in out
+
+
+def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
+    from flexoff.planner import profiler
+
+    monkeypatch.setattr(profiler, "QUICK", profiler.ProfileSizes(
+        (1 << 20, 4 << 20), 8 << 20, (1, 16, 64), 128, 256, 1, 1 << 16, 0.0))
+    output = tmp_path / "hw.json"
+    code, out, err = run(["profile", "--quick", "--device", "cpu", "--output", str(output),
+                          "--disk-dir", str(tmp_path)], capsys)
+    assert code == 0, err
+    profile = HardwareProfile.load(output)
+    assert "CPU only" in profile.device
+    assert profile.measurements["disk"]["bytes"] == 8 << 20
+    assert [m for m, _ in profile.matmul_flops] == [1, 16, 64]
+    assert "wrote" in out

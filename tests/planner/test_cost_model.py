@@ -1,0 +1,156 @@
+"""Hand-computed cases of the cost model on a tiny OPT (hidden 4, 2 layers) and round hardware.
+
+Sizes used below (see test_sizes): per layer 188 matrix elements (128 own + 120/2 share of the
+embedding, positions and head) and 48 vector elements, so W = 472 fp16 bytes; KV is 16 bytes per
+token per layer; a hidden state is 8 bytes per token. Workload: prompt 4, generate 3, so the mean
+decode cache length is 5.5.
+"""
+
+import dataclasses
+
+import pytest
+
+from flexoff.errors import ConfigError
+from flexoff.planner.cost_model import CostModel, PolicyFrame, Workload
+from flexoff.runtime.policy import CompressionConfig, Policy, TierFractions
+
+GPU, CPU, DISK = TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(0, 0, 1)
+FOUR_BIT = CompressionConfig(4, 64)
+
+
+@pytest.fixture
+def model(tiny_opt, round_hardware):
+    return CostModel(tiny_opt, Workload(prompt_len=4, gen_len=3), round_hardware)
+
+
+def model_frame(prediction) -> PolicyFrame:
+    return PolicyFrame.of(prediction.policy)
+
+
+def offloaded(**changes) -> Policy:
+    values = dict(gpu_batch_size=2, num_gpu_batches=1, weights=CPU, cache=CPU, activations=GPU)
+    values.update(changes)
+    return Policy(**values)
+
+
+def test_weights_and_cache_on_cpu_by_hand(model):
+    p = model.predict(offloaded())
+    assert model.weight_bytes_per_layer(model_frame(p)) == 472
+    # prefill: the layer's weights cross PCIe; the new cache (16 B x 4 tokens x 2 sequences) goes back
+    assert p.prefill.io["cpu_to_gpu"] == pytest.approx(472 / 100)
+    assert p.prefill.io["gpu_to_cpu"] == pytest.approx(128 / 50)
+    assert p.prefill.io["disk_to_cpu"] == 0 and p.prefill.io["cpu_to_disk"] == 0
+    # 2 FLOPs x (128 x 4 tokens + 40/2 head share) x 2 sequences at 1000 FLOP/s
+    assert p.prefill.compute["gpu_matmul"] == pytest.approx(2128 / 1000)
+    # 4 s^2 x (2 heads x 2) x 2 sequences at 500 FLOP/s
+    assert p.prefill.compute["gpu_attention"] == pytest.approx(512 / 500)
+    assert p.prefill.seconds_per_layer == pytest.approx(4.72)
+    assert p.prefill.bound == "cpu_to_gpu"
+    # decode: weights plus the cache (16 B x 5.5 tokens x 2 sequences) cross PCIe each step
+    assert p.decode.io["cpu_to_gpu"] == pytest.approx((472 + 176) / 100)
+    assert p.decode.io["gpu_to_cpu"] == pytest.approx(32 / 50)  # the new token's keys and values
+    assert p.decode.compute["gpu_matmul"] == pytest.approx(592 / 1000)
+    # per sequence max(88 FLOPs / 20, 88 bytes / 40) = 4.4 s, for 2 sequences
+    assert p.decode.compute["gpu_attention"] == pytest.approx(8.8)
+    assert p.decode.seconds_per_layer == pytest.approx(9.392)
+    assert p.decode.bound == "compute (gpu_attention)"
+    # 2 layers x (4.72 + 2 decode steps x 9.392)
+    assert p.block_latency == pytest.approx(2 * 4.72 + 2 * 2 * 9.392)
+    assert p.total_throughput == pytest.approx(2 * 3 / p.block_latency)
+    assert p.prefill_throughput == pytest.approx(2 * 4 / (2 * 4.72))
+    assert p.decode_throughput == pytest.approx(2 * 2 / (2 * 2 * 9.392))
+
+
+def test_cpu_attention_moves_queries_instead_of_cache(model):
+    p = model.predict(offloaded(cpu_attention=True))
+    # 8-byte attention output per sequence comes back instead of 176 bytes of cache
+    assert p.decode.io["cpu_to_gpu"] == pytest.approx((472 + 16) / 100)
+    # new keys and values (32 B) plus the queries (16 B) go to the CPU
+    assert p.decode.io["gpu_to_cpu"] == pytest.approx(0.64 + 0.32)
+    assert p.decode.compute["gpu_attention"] == 0
+    assert p.decode.compute["cpu_attention"] == pytest.approx(2 * 88 / 4)
+    assert p.decode.bound == "compute (cpu_attention)"
+    # prefill attention stays on the GPU
+    assert p.prefill.compute == model.predict(offloaded()).prefill.compute
+
+
+def test_compression_shrinks_bytes_and_costs_dequantization(model):
+    policy = offloaded(weights=DISK, cache=GPU, compress_weight=FOUR_BIT, compress_cache=FOUR_BIT)
+    p = model.predict(policy)
+    weight_bytes = 188 * (0.5 + 4 / 64) + 48 * 2  # vectors stay fp16
+    assert p.prefill.io["disk_to_cpu"] == pytest.approx(weight_bytes / 10)
+    assert p.prefill.io["cpu_to_gpu"] == pytest.approx(weight_bytes / 100)
+    # weights once per GPU batch, plus quantizing the 2 x 4 tokens x 8 new cache elements
+    assert p.prefill.compute["dequantize"] == pytest.approx((188 + 64) / 200)
+    # decode: weights, plus the whole cache for GPU attention (2 x 5.5 x 8 elements)
+    assert p.decode.compute["dequantize"] == pytest.approx(188 / 200 + 88 / 200)
+    assert p.decode.bound == "disk_to_cpu"
+
+
+def test_dequantization_repeats_for_every_gpu_batch(model):
+    one = model.predict(offloaded(compress_weight=FOUR_BIT))
+    four = model.predict(offloaded(gpu_batch_size=2, num_gpu_batches=4, compress_weight=FOUR_BIT))
+    assert four.decode.compute["dequantize"] == pytest.approx(4 * one.decode.compute["dequantize"])
+
+
+def test_without_overlap_the_terms_add_up(model):
+    p = model.predict(offloaded(overlap=False))
+    for phase in (p.prefill, p.decode):
+        assert phase.seconds_per_layer == pytest.approx(sum(phase.io.values()) + phase.compute_seconds)
+    assert p.decode.seconds_per_layer > model.predict(offloaded()).decode.seconds_per_layer
+
+
+def test_everything_on_gpu_memory_by_hand(model):
+    p = model.predict(offloaded(weights=GPU, cache=GPU))
+    # prefill: weights 2 x 472, hidden 8 x 4 tokens x 2, cache 16 x 7 tokens x 2 x 2 layers,
+    # and the attention transient (q,k,v 192 + scores 256) plus two hidden copies (128)
+    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 64 + 448 + 448 + 128)
+    # decode: hidden 8 x 2; transient: q,k,v 48 + scores 112, two hidden copies 32
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 16 + 448 + 160 + 32)
+    assert p.peak_memory == {"gpu": pytest.approx(2032), "cpu": 0, "disk": 0}
+
+
+def test_offloaded_memory_counts_double_buffers(model):
+    p = model.predict(offloaded(activations=CPU))
+    # two layers' weight buffers, two batches of hidden (8 x 4 x 2 each) and of new cache (16 x 4 x 2)
+    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 256 + 576)
+    # decode: two hidden buffers (8 x 2 each), two batches of cache (16 x 7 x 2 each), transients 192
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 192)
+    assert p.memory_by_phase[("cpu", "prefill")] == pytest.approx(944 + 448 + 64)
+    assert p.peak_memory["cpu"] == pytest.approx(1456)
+
+
+def test_llama_cache_is_sized_by_kv_heads_and_attention_by_query_heads(tiny_llama, round_hardware):
+    model = CostModel(tiny_llama, Workload(4, 3), round_hardware)
+    p = model.predict(offloaded())
+    # 2 KV heads x 2 dims x (k, v) = 8 elements = 16 bytes, half of what 4 heads would need
+    assert model.kv_bytes_per_token(model_frame(p)) == 16
+    # attention FLOPs count all 4 query heads: 4 x 5.5 x 8 per sequence at 20 FLOP/s
+    assert p.decode.compute["gpu_attention"] == pytest.approx(2 * max(176 / 20, 5.5 * 16 / 40))
+
+
+def test_a_partial_last_block_wastes_its_empty_slots(tiny_opt, round_hardware):
+    full = CostModel(tiny_opt, Workload(4, 3), round_hardware).predict(offloaded())
+    partial = CostModel(tiny_opt, Workload(4, 3, num_prompts=3), round_hardware).predict(offloaded())
+    assert partial.block_latency == pytest.approx(full.block_latency)
+    assert partial.total_throughput == pytest.approx(full.total_throughput * 3 / 4)
+
+
+def test_more_bandwidth_or_compute_never_slows_a_policy(tiny_opt, round_hardware):
+    policy = offloaded(weights=TierFractions(0.2, 0.3, 0.5), cache=TierFractions(0.1, 0.5, 0.4),
+                       activations=TierFractions(0.3, 0.3, 0.4), cpu_attention=True)
+    base = CostModel(tiny_opt, Workload(4, 3), round_hardware).predict(policy).block_latency
+    for name in ("cpu_to_gpu_bandwidth", "gpu_to_cpu_bandwidth", "disk_to_cpu_bandwidth",
+                 "cpu_to_disk_bandwidth", "prefill_attention_flops", "decode_attention_flops",
+                 "gpu_memory_bandwidth", "cpu_attention_flops"):
+        faster = dataclasses.replace(round_hardware, **{name: getattr(round_hardware, name) * 3})
+        assert CostModel(tiny_opt, Workload(4, 3), faster).predict(policy).block_latency <= base
+
+
+def test_bad_workload_is_a_user_error(tiny_opt, round_hardware):
+    with pytest.raises(ConfigError, match="prompt len"):
+        Workload(0, 3)
+    with pytest.raises(ConfigError, match="prompts"):
+        Workload(4, 3, num_prompts=0)
+    with pytest.raises(ConfigError, match="needs 9 positions, but tiny-opt has 8"):
+        CostModel(tiny_opt, Workload(6, 3), round_hardware)

@@ -1,0 +1,159 @@
+import dataclasses
+import itertools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flexoff.errors import PolicyError
+from flexoff.models.config import REGISTRY
+from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
+from flexoff.planner.hardware import packaged_profile
+from flexoff.planner.search import (
+    FrameProblem, candidate_frames, pareto_frontier, round_fractions, search_policy,
+)
+from flexoff.runtime.policy import TIERS, CompressionConfig
+
+WORKLOAD = Workload(512, 32)
+FOUR_BIT = CompressionConfig(4, 64)
+# A coarse grid keeps the monotonicity searches quick; the search logic is the same.
+SMALL_GRID = dict(gpu_batch_sizes=(4, 16, 32, 48, 64), num_gpu_batches=(1, 2, 4, 8))
+
+
+def _grid(step: float) -> Placement:
+    """Every placement whose fractions are multiples of ``step``, as arrays."""
+    ticks = np.round(np.arange(0, 1 + 1e-9, step), 9)
+    triples = [(a, b, 1 - a - b) for a in ticks for b in ticks if a + b <= 1 + 1e-9]
+    rows = [sum(combo, ()) for combo in itertools.product(triples, repeat=3)]
+    return Placement(*np.clip(np.array(rows), 0, 1).T)
+
+
+@pytest.mark.parametrize("model_name, frame", [
+    ("opt-30b", PolicyFrame(48, 3, cpu_attention=True)),
+    ("opt-30b", PolicyFrame(16, 4, FOUR_BIT, FOUR_BIT)),
+    ("opt-175b", PolicyFrame(16, 4, FOUR_BIT, FOUR_BIT)),
+    ("opt-175b", PolicyFrame(8, 8, cpu_attention=True)),
+])
+def test_lp_answer_is_feasible_and_no_grid_placement_beats_it(model_name, frame):
+    model = CostModel(REGISTRY[model_name], WORKLOAD, packaged_profile("t4"))
+    problem = FrameProblem(model, frame)
+    fractions, latency = problem.solve(margin=0.0)
+    for group in range(3):
+        assert sum(fractions[3 * group: 3 * group + 3]) == pytest.approx(1, abs=1e-6)
+    prediction = model.predict(frame.with_placement(round_fractions(fractions, 9)))
+    assert prediction.block_latency == pytest.approx(latency, rel=1e-6)
+    assert all(prediction.peak_memory[t] <= prediction.capacity[t] * (1 + 1e-6) for t in TIERS)
+
+    grid = _grid(0.125)
+    memory = model.memory_terms(frame, grid)
+    fits = np.ones(len(grid.wg), dtype=bool)
+    for (tier, _phase), used in memory.items():
+        fits &= np.asarray(used) <= model.hardware.capacity(tier)
+    assert fits.any()
+    terms = model.phase_terms(frame, grid)
+    seconds = {phase: model.phase_seconds(*terms[phase], frame.overlap) for phase in terms}
+    grid_latency = model.block_seconds(seconds["prefill"], seconds["decode"])
+    assert grid_latency[fits].min() >= latency * (1 - 1e-6)  # CBC solves to about 1e-7
+
+
+def test_latency_bounds_used_for_pruning_never_exceed_the_lp_optimum():
+    model = CostModel(REGISTRY["opt-175b"], WORKLOAD, packaged_profile("t4"))
+    frames = candidate_frames("auto", "auto", (1, 8, 32, 96), (1, 3, 8, 24))
+    checked = 0
+    for frame in frames:
+        problem = FrameProblem(model, frame)
+        solution = problem.solve() if problem.may_fit() else None
+        if solution is not None:
+            assert problem.latency_lower_bound() <= solution[1] * (1 + 1e-6)  # CBC's tolerance
+            checked += 1
+    assert checked > 10
+
+
+def test_searched_policy_fits_and_is_the_best_solved_frame():
+    hardware = packaged_profile("t4")
+    result = search_policy(REGISTRY["opt-30b"], WORKLOAD, hardware, compress="off", **SMALL_GRID)
+    assert result.prediction.fits
+    model = CostModel(REGISTRY["opt-30b"], WORKLOAD, hardware)
+    for frame in candidate_frames("off", "auto", **SMALL_GRID):
+        solution = FrameProblem(model, frame).solve()
+        if solution is not None:
+            throughput = frame.block_size * WORKLOAD.gen_len / solution[1]
+            assert throughput <= result.throughput * (1 + 1e-3)
+
+
+_FIELDS = ["gpu_memory", "cpu_memory", "disk_memory", "cpu_to_gpu_bandwidth", "gpu_to_cpu_bandwidth",
+           "disk_to_cpu_bandwidth", "cpu_to_disk_bandwidth", "cpu_attention_flops", "gpu_dequant_throughput"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(field=st.sampled_from(_FIELDS), factor=st.floats(1.05, 4.0), model_name=st.sampled_from(["opt-30b", "opt-175b"]))
+def test_more_memory_or_bandwidth_never_predicts_lower_throughput(field, factor, model_name):
+    base = packaged_profile("t4")
+    better = dataclasses.replace(base, **{field: type(getattr(base, field))(getattr(base, field) * factor)})
+    config = REGISTRY[model_name]
+    before = search_policy(config, WORKLOAD, base, **SMALL_GRID).throughput
+    after = search_policy(config, WORKLOAD, better, **SMALL_GRID).throughput
+    assert after >= before * (1 - 2e-4)  # ties within 1e-4 go to the lower latency
+
+
+def test_opt_175b_search_finishes_within_ten_seconds():
+    started = time.perf_counter()
+    result = search_policy(REGISTRY["opt-175b"], WORKLOAD, packaged_profile("t4"))
+    assert time.perf_counter() - started < 10
+    assert result.prediction.fits
+
+
+def test_max_latency_trades_throughput_for_latency():
+    hardware = packaged_profile("t4")
+    config = REGISTRY["opt-30b"]
+    free = search_policy(config, WORKLOAD, hardware)
+    bounded = search_policy(config, WORKLOAD, hardware, max_latency=free.latency / 2)
+    assert bounded.latency <= free.latency / 2
+    assert bounded.throughput <= free.throughput
+
+
+def test_infeasible_latency_reports_the_lowest_possible_one():
+    hardware = packaged_profile("t4")
+    config = REGISTRY["opt-175b"]
+    with pytest.raises(PolicyError, match=r"lowest block latency possible is ([0-9.]+) s") as error:
+        search_policy(config, WORKLOAD, hardware, max_latency=1.0)
+    lowest = float(error.value.args[0].split("possible is ")[1].split(" s")[0])
+    # that latency is reachable, and nothing faster is
+    assert search_policy(config, WORKLOAD, hardware, max_latency=lowest * 1.001).latency <= lowest * 1.001
+    with pytest.raises(PolicyError):
+        search_policy(config, WORKLOAD, hardware, max_latency=lowest * 0.99)
+
+
+def test_model_that_cannot_fit_even_offloaded_says_how_much_it_needs():
+    small = packaged_profile("t4").with_memory(cpu=10 * 10**9, disk=100 * 10**9)
+    with pytest.raises(PolicyError, match=r"opt-175b cannot fit .* needs at least [0-9.]+ GiB .*offer"):
+        search_policy(REGISTRY["opt-175b"], WORKLOAD, small)
+    tiny_gpu = packaged_profile("t4").with_memory(gpu=2 * 10**9)
+    with pytest.raises(PolicyError, match=r"GPU needs at least [0-9.]+ GiB"):
+        search_policy(REGISTRY["opt-175b"], WORKLOAD, tiny_gpu)
+
+
+def test_pareto_frontier_is_non_dominated_and_ends_at_the_best_throughput():
+    hardware = packaged_profile("t4")
+    config = REGISTRY["opt-30b"]
+    frontier = pareto_frontier(config, WORKLOAD, hardware, compress="off", **SMALL_GRID)
+    latencies = [r.latency for r in frontier]
+    throughputs = [r.throughput for r in frontier]
+    assert latencies == sorted(latencies)
+    assert throughputs == sorted(throughputs)
+    best = search_policy(config, WORKLOAD, hardware, compress="off", **SMALL_GRID)
+    assert throughputs[-1] == pytest.approx(best.throughput, rel=1e-3)
+    assert all(r.prediction.fits for r in frontier)
+
+
+def test_llama_with_gqa_is_searchable():
+    result = search_policy(REGISTRY["llama-2-70b"], Workload(512, 32, num_prompts=100), packaged_profile("h100"))
+    assert result.prediction.fits
+    assert result.policy.block_size <= 100 + result.policy.gpu_batch_size
+
+
+def test_bad_choice_is_a_user_error():
+    with pytest.raises(PolicyError, match="compress must be one of"):
+        search_policy(REGISTRY["opt-30b"], WORKLOAD, packaged_profile("t4"), compress="maybe")
