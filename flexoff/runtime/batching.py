@@ -1,13 +1,152 @@
-"""Length-aware block formation: which prompts run together in one block."""
+"""Length-aware block formation: which prompts run together in one block.
+
+A block is left-padded to its longest prompt and runs until its members are done, so a member
+shorter than the longest prompt, or with a smaller generation budget than the largest, costs
+padding (FlexGen's Table 25 counts both). We keep the number of blocks at ``ceil(n / block_size)``
+(each block is one pass of weight loading, the dominant cost when weights are offloaded) and,
+within that budget, choose the grouping that minimises padded tokens:
+
+1. Candidate partitions: "strips" of the prompts sorted by prompt length, each strip holding a
+   whole number of blocks and cut into blocks after sorting it by generation length (and the
+   same with the two lengths swapped). One strip per block is plain sorting by prompt length;
+   one strip overall is plain sorting by generation length. The cheapest candidate wins.
+2. Refinement: pairs of blocks that sit next to each other (by longest prompt or by largest
+   budget) are pooled and re-split at the cheapest cut, under a fixed work budget.
+
+The engine splits each block into GPU batches of consecutive members, and pads each GPU batch
+separately; given ``gpu_batch_size``, each block's members are grouped the same way inside it.
+"""
+
+from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 
-def form_blocks(prompt_lens: Sequence[int], max_new_tokens: Sequence[int], block_size: int) -> list[list[int]]:
-    """Group prompt indices into blocks of at most ``block_size``.
+# At most this many pair re-splits per partition: about a second on one core for large jobs.
+_REFINE_BUDGET = 6000
+_REFINE_WINDOW = 3
+_REFINE_PASSES = 4
 
-    Sorting on (prompt length, generation length) keeps the members of a block alike, so little
-    is spent on left padding or on steps after a short member has finished.
+
+def form_blocks(prompt_lens: Sequence[int], max_new_tokens: Sequence[int], block_size: int,
+                *, gpu_batch_size: int | None = None) -> list[list[int]]:
+    """Group prompt indices into at most ``ceil(n / block_size)`` blocks of at most ``block_size``.
+
+    Returns every index exactly once. Blocks come in ascending order of their longest prompt;
+    inside a block, members come in GPU-batch groups when ``gpu_batch_size`` is given.
     """
-    order = sorted(range(len(prompt_lens)), key=lambda i: (prompt_lens[i], max_new_tokens[i], i))
-    return [order[start:start + block_size] for start in range(0, len(order), block_size)]
+    if len(prompt_lens) != len(max_new_tokens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(max_new_tokens)} generation budgets")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if gpu_batch_size is not None and not (isinstance(gpu_batch_size, int) and gpu_batch_size >= 1):
+        raise ValueError(f"gpu_batch_size must be an integer >= 1, got {gpu_batch_size!r}")
+    if len(prompt_lens) == 0:
+        return []
+    p = np.asarray(prompt_lens, dtype=np.int64)
+    g = np.asarray(max_new_tokens, dtype=np.int64)
+    blocks = _ordered(_partition(p, g, np.arange(len(p)), block_size), p, g)
+    if gpu_batch_size is not None and gpu_batch_size < block_size:
+        blocks = [np.concatenate(_ordered(_partition(p, g, block, gpu_batch_size), p, g)) for block in blocks]
+    return [block.tolist() for block in blocks]
+
+
+def padded_tokens(blocks: Sequence[Sequence[int]], prompt_lens: Sequence[int], max_new_tokens: Sequence[int]) -> int:
+    """Tokens a grouping costs when every member is padded to its group's longest prompt and budget."""
+    p = np.asarray(prompt_lens, dtype=np.int64)
+    g = np.asarray(max_new_tokens, dtype=np.int64)
+    return int(sum(_cost(np.asarray(b), p, g) for b in blocks if len(b)))
+
+
+def _cost(block: np.ndarray, p: np.ndarray, g: np.ndarray) -> int:
+    return len(block) * int(p[block].max() + g[block].max())
+
+
+def _ordered(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray) -> list[np.ndarray]:
+    """Members by (prompt, budget, index) and blocks by their first member: deterministic output."""
+    inner = [b[np.lexsort((b, g[b], p[b]))] for b in blocks if len(b)]
+    return sorted(inner, key=lambda b: (int(p[b].max()), int(g[b].max()), int(b[0])))
+
+
+def _partition(p: np.ndarray, g: np.ndarray, items: np.ndarray, size: int) -> list[np.ndarray]:
+    count = len(items)
+    num_blocks = -(-count // size)
+    if num_blocks == 1:
+        return [items]
+    by_prompt = items[np.lexsort((items, g[items], p[items]))]
+    by_budget = items[np.lexsort((items, p[items], g[items]))]
+    strip_counts = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, num_blocks}
+    strip_counts |= {max(1, num_blocks // k) for k in (2, 3, 4, 6, 8)}
+    best, best_cost = None, None
+    for strips in sorted(s for s in strip_counts if s <= num_blocks):
+        for primary, secondary in ((by_prompt, g), (by_budget, p)):
+            candidate = _strips(primary, secondary, p, size, num_blocks, strips)
+            cost = sum(_cost(b, p, g) for b in candidate)
+            if best_cost is None or cost < best_cost:
+                best, best_cost = candidate, cost
+    return _refine(best, p, g, size)
+
+
+def _strips(primary: np.ndarray, secondary: np.ndarray, tie: np.ndarray, size: int, num_blocks: int,
+            strips: int) -> list[np.ndarray]:
+    """Cut ``primary`` (sorted on one length) into ``strips`` runs of whole blocks, sort each run on
+    the other length, and chunk it into blocks."""
+    blocks = []
+    base, extra = divmod(num_blocks, strips)
+    start = 0
+    for s in range(strips):
+        run = primary[start:start + (base + (s < extra)) * size]
+        start += len(run)
+        run = run[np.lexsort((run, tie[run], secondary[run]))]
+        blocks.extend(run[i:i + size] for i in range(0, len(run), size))
+    return [b for b in blocks if len(b)]
+
+
+def _best_split(pool: np.ndarray, p: np.ndarray, g: np.ndarray, size: int):
+    """The cheapest cut of ``pool`` into two groups of at most ``size`` (one may be empty), trying
+    the orders by prompt length, by budget and by their sum. Returns (cost, left, right)."""
+    m = len(pool)
+    lo, hi = max(0, m - size), min(size, m)
+    best = None
+    cuts = np.arange(lo, hi + 1)
+    for key in (p[pool], g[pool], p[pool] + g[pool]):
+        order = pool[np.lexsort((pool, key))]
+        pp, gg = p[order], g[order]
+        # Prefix maxima cover [0, k); suffix maxima cover [k, m). Index 0 / m stands for "empty".
+        pre = np.concatenate(([0], np.maximum.accumulate(pp)))
+        pre_g = np.concatenate(([0], np.maximum.accumulate(gg)))
+        suf = np.concatenate((np.maximum.accumulate(pp[::-1])[::-1], [0]))
+        suf_g = np.concatenate((np.maximum.accumulate(gg[::-1])[::-1], [0]))
+        costs = cuts * (pre[cuts] + pre_g[cuts]) + (m - cuts) * (suf[cuts] + suf_g[cuts])
+        j = int(np.argmin(costs))
+        if best is None or costs[j] < best[0]:
+            best = (int(costs[j]), order[:cuts[j]], order[cuts[j]:])
+    return best
+
+
+def _refine(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray, size: int) -> list[np.ndarray]:
+    blocks = list(blocks)
+    budget = _REFINE_BUDGET
+    by_prompt = lambda i: (int(p[blocks[i]].max()) if len(blocks[i]) else -1, i)  # noqa: E731
+    by_budget = lambda i: (int(g[blocks[i]].max()) if len(blocks[i]) else -1, i)  # noqa: E731
+    for _ in range(_REFINE_PASSES):
+        improved = False
+        for key in (by_prompt, by_budget):
+            order = sorted(range(len(blocks)), key=key)
+            for x, i in enumerate(order):
+                for j in order[x + 1:x + 1 + _REFINE_WINDOW]:
+                    if budget <= 0:
+                        return [b for b in blocks if len(b)]
+                    budget -= 1
+                    a, b = blocks[i], blocks[j]
+                    if not len(a) or not len(b):
+                        continue
+                    current = _cost(a, p, g) + _cost(b, p, g)
+                    cost, left, right = _best_split(np.concatenate((a, b)), p, g, size)
+                    if cost < current:
+                        blocks[i], blocks[j] = left, right
+                        improved = True
+        if not improved:
+            break
+    return [b for b in blocks if len(b)]

@@ -1,0 +1,225 @@
+"""``flexoff batch``: a resumable generation job over a JSONL file of prompts.
+
+Input, one JSON object per line (blank lines are skipped)::
+
+    {"id": "q1", "prompt": "Translate to French: cheese", "max_new_tokens": 16, "stop": ["\\n"]}
+    {"id": 2, "prompt": [2, 133, 812, 9], "meta": {"source": "set-b"}}
+
+- ``id`` (required): a string or an integer, unique in the file.
+- ``prompt`` (required): non-empty text, or a list of token ids (for models without a tokenizer).
+- ``max_new_tokens`` (optional): this line's budget instead of ``--max-new-tokens``.
+- ``stop`` (optional): a string or a list of strings, added to the ``--stop`` strings.
+- ``meta`` (optional): any JSON value, copied to the line's result untouched.
+
+Output: the first line is a header naming the job (see :mod:`flexoff.harness.store`); then one
+line per prompt, in the order blocks finish: ``id``, ``text``, ``token_ids``, ``logprobs`` (one per
+generated token), ``finish_reason`` ("stop" or "length"), ``prompt_tokens``,
+``generated_tokens``, ``block_size``, ``block_seconds``, ``finished_at`` and ``meta`` if given.
+
+Resuming: rerun the same command. Ids already in the output are skipped; a torn last line from
+a crash is dropped. The job's fingerprint covers the model, the input file's bytes, the
+resolved dtype and the sampling flags, but not the policy: a job may resume under another
+policy, since every policy yields the same tokens. Each line's sample is seeded from ``--seed``
+and the line's id, so a resumed job draws what an uninterrupted one would have drawn.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ..errors import PromptError, TokenizerError
+from ..runtime.sampling import SamplingParams
+from .runner import GenerationItem, request_seed, run_generation
+from .store import ResultStore, id_key, make_header
+
+FIELDS = ("id", "prompt", "max_new_tokens", "stop", "meta")
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    line: int  # 1-based line number in the input file
+    id: str | int
+    prompt: str | list[int]
+    max_new_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    meta: object = None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_batch_input(path: str | Path) -> tuple[list[BatchLine], str]:
+    """Parse and check every line; returns the lines and the sha256 of the file's bytes."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise PromptError(f"cannot read input file {path}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise PromptError(f"{path} line {line}: not valid UTF-8") from None
+    lines: list[BatchLine] = []
+    seen: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            obj = json.loads(raw)
+        except ValueError as exc:
+            raise PromptError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise PromptError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(FIELDS))
+        if unknown:
+            raise PromptError(f"{where}: unknown field {unknown[0]!r}; known fields: {', '.join(FIELDS)} "
+                              "(put other data under \"meta\")")
+        if "id" not in obj:
+            raise PromptError(f"{where}: missing field 'id'")
+        line_id = obj["id"]
+        if not (_is_int(line_id) or (isinstance(line_id, str) and line_id)):
+            raise PromptError(f"{where}: field 'id' must be a non-empty string or an integer, got {line_id!r}")
+        key = id_key(line_id)
+        if key in seen:
+            raise PromptError(f"{where}: duplicate id {line_id!r} (first on line {seen[key]})")
+        seen[key] = number
+        if "prompt" not in obj:
+            raise PromptError(f"{where}: missing field 'prompt'")
+        prompt = obj["prompt"]
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise PromptError(f"{where}: field 'prompt' is empty")
+        elif isinstance(prompt, list):
+            if not prompt:
+                raise PromptError(f"{where}: field 'prompt' is an empty token list")
+            if not all(_is_int(t) and t >= 0 for t in prompt):
+                raise PromptError(f"{where}: field 'prompt' must be text or a list of token ids (integers >= 0)")
+        else:
+            raise PromptError(f"{where}: field 'prompt' must be text or a list of token ids")
+        budget = obj.get("max_new_tokens")
+        if budget is not None and not (_is_int(budget) and budget >= 1):
+            raise PromptError(f"{where}: field 'max_new_tokens' must be an integer >= 1, got {budget!r}")
+        stop = obj.get("stop")
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+            stop = tuple(stop)
+        else:
+            raise PromptError(f"{where}: field 'stop' must be a string or a list of strings")
+        if any(not s for s in stop):
+            raise PromptError(f"{where}: field 'stop' has an empty string")
+        lines.append(BatchLine(number, line_id, prompt, budget, stop, obj.get("meta")))
+    if not lines:
+        raise PromptError(f"{path} has no prompts")
+    return lines, hashlib.sha256(data).hexdigest()
+
+
+def model_identity(model: str, dummy: bool, seed: int) -> dict:
+    """What makes two runs the same model: the checkpoint (its path and config) or the registry
+    name, plus the seed when weights are dummy."""
+    path = Path(model)
+    identity: dict = {}
+    if path.is_dir():
+        config = path / "config.json"
+        identity["path"] = str(path.resolve())
+        identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
+    else:
+        identity["name"] = model.lower().rsplit("/", 1)[-1]
+    if dummy:
+        identity["dummy_seed"] = seed
+    return identity
+
+
+def sampling_identity(params: SamplingParams, seed: int) -> dict:
+    return {"max_new_tokens": params.max_new_tokens, "temperature": params.temperature, "top_k": params.top_k,
+            "top_p": params.top_p, "stop": list(params.stop), "ignore_eos": params.ignore_eos, "seed": seed}
+
+
+def generation_items(llm, lines: list[BatchLine], defaults: SamplingParams, seed: int, source: str
+                     ) -> list[GenerationItem]:
+    """Tokenize and check every line against the model before anything runs."""
+    items = []
+    limit = llm.config.max_positions
+    for line in lines:
+        where = f"{source} line {line.line} (id {line.id!r})"
+        if isinstance(line.prompt, str):
+            if llm.tokenizer is None:
+                raise TokenizerError(f"{where}: the prompt is text, but model {llm.config.name!r} has no "
+                                     "tokenizer; give token ids, or a checkpoint directory with tokenizer files")
+            ids = llm.tokenizer.encode(line.prompt)
+        else:
+            ids = line.prompt
+            bad = next((t for t in ids if t >= llm.config.vocab_size), None)
+            if bad is not None:
+                raise PromptError(f"{where}: token id {bad} is outside the vocabulary of {llm.config.vocab_size}")
+        budget = line.max_new_tokens or defaults.max_new_tokens
+        if len(ids) + budget > limit:
+            raise PromptError(f"{where}: the prompt has {len(ids)} tokens; with max_new_tokens={budget} it needs "
+                              f"{len(ids) + budget} positions, but {llm.config.name} has {limit}")
+        stop = tuple(dict.fromkeys(defaults.stop + line.stop))
+        if stop and llm.tokenizer is None:
+            raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
+        params = replace(defaults, max_new_tokens=budget, stop=stop,
+                         seed=request_seed(seed, line.id) if not defaults.greedy else None)
+        items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {}))
+    return items
+
+
+def run_batch(args, make_llm, format_summary, out=None) -> int:
+    """The ``batch`` command, given the CLI's shared LLM builder and summary formatter."""
+    out = out or sys.stdout
+    from ..api import resolve_device, resolve_dtype
+    from ..errors import FlexoffError
+
+    if not args.model:
+        raise FlexoffError("batch needs --model (a registry name with --dummy, or a checkpoint directory)")
+    lines, digest = read_batch_input(args.input)
+    defaults = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+    identity = {
+        "model": model_identity(args.model, args.dummy, args.seed), "dtype": str(dtype).removeprefix("torch."),
+        "input_sha256": digest, "sampling": sampling_identity(defaults, args.seed),
+    }
+    # Check the output before loading the model: a mismatch should fail in a second, not a minute.
+    store = ResultStore.open(args.output, make_header("batch", identity), fresh_hint="choose another --output")
+    try:
+        if store.dropped_bytes:
+            print(f"dropped a torn last line ({store.dropped_bytes} bytes) left by an interrupted run",
+                  file=sys.stderr)
+        already = sum(id_key(line.id) in store.done for line in lines)
+        if already == len(lines):
+            print(f"all {len(lines)} prompts are already in {args.output}; nothing to do", file=out)
+            return 0
+        started = time.perf_counter()
+        llm = make_llm(args)
+        try:
+            items = generation_items(llm, lines, defaults, args.seed, str(args.input))
+            try:
+                metrics = run_generation(llm, store, items, progress=not args.no_progress)
+            except KeyboardInterrupt:
+                done = sum(id_key(line.id) in store.done for line in lines)
+                print(f"interrupted: {done} of {len(lines)} prompts are in {args.output}; "
+                      "rerun the same command to finish the rest", file=sys.stderr)
+                return 130
+            print(format_summary(llm, metrics), file=out)
+        finally:
+            llm.close()
+        note = f" ({already} from an earlier run)" if already else ""
+        print(f"done       {len(lines)} prompts{note} · wall {time.perf_counter() - started:.1f} s · "
+              f"results in {args.output}", file=out)
+        return 0
+    finally:
+        store.close()

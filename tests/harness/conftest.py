@@ -1,0 +1,94 @@
+"""A tiny OPT checkpoint with a byte-level BPE tokenizer, built here so nothing is downloaded.
+
+The tokenizer is trained on the fixture data and a few sentences, so scenario prompts encode
+to few tokens and decode back to the same text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+DATA = Path(__file__).parent / "data"
+REPO = Path(__file__).resolve().parents[2]
+SPECIALS = ["<unk>", "<pad>", "</s>"]  # ids 0, 1, 2: OPT's pad is 1, its BOS and EOS are 2
+CORPUS = [
+    "The following are multiple choice questions (with answers) about abstract algebra.",
+    "Please solve the following problem. Rules: Target: Result: Fact: Summarize the above article.",
+    "Question: Answer: A. B. C. D. ###\nArticle: The cat sat on the mat and the dog ran to the house.",
+    "0 1 2 3 4 5 6 7 8 9 + - * = | \" , . : ; ? ! ( ) { } [ ]",
+]
+
+
+def build_tokenizer(directory: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = list(CORPUS)
+    for file in sorted(DATA.glob("*.jsonl")):
+        corpus.extend(file.read_text().splitlines())
+    raw = Tokenizer(models.BPE(unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    raw.train_from_iterator(corpus, trainer)
+    raw.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 2)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="</s>", eos_token="</s>", pad_token="<pad>",
+                                  unk_token="<unk>")
+    tok.save_pretrained(directory)
+    return tok
+
+
+def build_tiny_opt(directory: Path, max_positions: int = 1024, seed: int = 0):
+    from transformers import OPTConfig, OPTForCausalLM
+
+    tok = build_tokenizer(directory)
+    torch.manual_seed(seed)
+    config = OPTConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+        max_position_embeddings=max_positions, pad_token_id=1, bos_token_id=2, eos_token_id=2,
+        dropout=0.0, attention_dropout=0.0, word_embed_proj_dim=32,
+    )
+    model = OPTForCausalLM(config)
+    with torch.no_grad():  # wide weights make greedy choices decisive rather than near-ties
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.eval()
+    model.save_pretrained(directory)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_opt(tmp_path_factory):
+    """(checkpoint directory, HF model, HF tokenizer), built once per session."""
+    directory = tmp_path_factory.mktemp("tiny-opt")
+    model, tok = build_tiny_opt(directory)
+    return directory, model, tok
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_opt):
+    from flexoff import LLM, Policy
+
+    llm = LLM(str(tiny_opt[0]), policy=Policy(gpu_batch_size=4))
+    yield llm
+    llm.close()
+
+
+def run_cli(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
+    """``python -m flexoff.harness.cli ARGS`` in a subprocess, from the repository root."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    return subprocess.run([sys.executable, "-m", "flexoff.harness.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return path

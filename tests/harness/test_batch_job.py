@@ -1,0 +1,173 @@
+"""``flexoff batch`` end to end on a tiny checkpoint: results, resume after SIGKILL, refusals."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flexoff import SamplingParams
+from flexoff.harness.cli import main
+from flexoff.harness.store import read_records
+
+from .conftest import REPO, write_jsonl
+
+WORDS = "the cat sat on the mat and the dog ran to the house".split()
+
+
+def prompts(count):
+    return [{"id": f"p{i}", "prompt": " ".join(WORDS[: 2 + (i * 7) % 11])} for i in range(count)]
+
+
+def cli_command():
+    """The real ``flexoff`` entry point once it has the batch command, else this package's own."""
+    from flexoff import cli
+
+    parser = cli.build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    module = "flexoff.cli" if "batch" in commands else "flexoff.harness.cli"
+    return [sys.executable, "-m", module]
+
+
+def batch_args(model, source, output, *extra):
+    return ["batch", "--model", str(model), "--input", str(source), "--output", str(output), "--no-progress",
+            "--gpu-batch-size", "2", *extra]
+
+
+def by_id(path):
+    header, rows = read_records(path)
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "duplicate ids"
+    return header, {r["id"]: r for r in rows}
+
+
+def test_results_match_the_api_and_honour_each_line(tiny_opt, tiny_llm, tmp_path, capsys):
+    rows = prompts(9)
+    rows[2]["max_new_tokens"] = 3
+    rows[4]["stop"] = ["the"]
+    rows[5]["meta"] = {"source": "b"}
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "6")) == 0
+    summary = capsys.readouterr().out
+    assert "efficiency" in summary and "peak mem" in summary and "done       9 prompts" in summary
+    _, results = by_id(output)
+    assert set(results) == {r["id"] for r in rows}
+    params = [SamplingParams(max_new_tokens=r.get("max_new_tokens", 6), stop=tuple(r.get("stop", ())))
+              for r in rows]
+    expected = tiny_llm.generate([r["prompt"] for r in rows], params)
+    for row, out in zip(rows, expected):
+        got = results[row["id"]]
+        assert (got["token_ids"], got["text"], got["finish_reason"]) == (out.token_ids, out.text, out.finish_reason)
+        assert got["logprobs"] == pytest.approx(out.logprobs, abs=1e-5)
+        assert got["prompt_tokens"] == len(out.prompt_token_ids) and got["block_seconds"] >= 0
+    assert len(results["p2"]["token_ids"]) <= 3
+    assert results["p5"]["meta"] == {"source": "b"}
+
+
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_opt, tmp_path):
+    source = write_jsonl(tmp_path / "in.jsonl", prompts(160))
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    # Sampled, so a resumed job must seed each line by its id, not by its place in the job.
+    flags = ("--max-new-tokens", "24", "--temperature", "0.8", "--seed", "5")
+    reference = tmp_path / "reference.jsonl"
+    done = subprocess.run(cli_command() + batch_args(tiny_opt[0], source, reference, *flags), env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+    output = tmp_path / "out.jsonl"
+    job = subprocess.Popen(cli_command() + batch_args(tiny_opt[0], source, output, *flags), env=env, cwd=REPO,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and job.poll() is None:
+        if output.exists() and output.read_bytes().count(b"\n") >= 1 + 8:
+            break
+        time.sleep(0.005)
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=30)
+    assert job.returncode == -signal.SIGKILL, "the job finished before it could be killed"
+    written = output.read_bytes().count(b"\n") - 1
+    assert 8 <= written < 160
+    with open(output, "ab") as handle:  # as if the kill had landed in the middle of a write
+        handle.write(b'{"id": "p3", "text": "half a li')
+
+    again = subprocess.run(cli_command() + batch_args(tiny_opt[0], source, output, *flags), env=env, cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "dropped a torn last line" in again.stderr
+    assert f"({written} from an earlier run)" in again.stdout
+    ref_header, ref = by_id(reference)
+    header, got = by_id(output)
+    assert header["fingerprint"] == ref_header["fingerprint"]
+    assert set(got) == set(ref) and len(got) == 160
+    for key in ref:
+        assert (got[key]["text"], got[key]["token_ids"]) == (ref[key]["text"], ref[key]["token_ids"])
+
+
+def test_rerun_of_a_finished_job_does_nothing(tiny_opt, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    output = tmp_path / "out.jsonl"
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "2")) == 0
+    before = output.read_bytes()
+    capsys.readouterr()
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "2")) == 0
+    assert "nothing to do" in capsys.readouterr().out
+    assert output.read_bytes() == before
+
+
+@pytest.mark.parametrize("change", ["input", "sampling", "model"])
+def test_output_of_another_job_is_refused_and_kept(tiny_opt, tmp_path, capsys, change):
+    source = write_jsonl(tmp_path / "in.jsonl", prompts(3))
+    output = tmp_path / "out.jsonl"
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "2")) == 0
+    before = output.read_bytes()
+    capsys.readouterr()
+    args = batch_args(tiny_opt[0], source, output, "--max-new-tokens", "2")
+    if change == "input":
+        write_jsonl(source, prompts(4))
+    elif change == "sampling":
+        args += ["--temperature", "0.5"]
+    else:
+        args[2] = "opt-125m"
+        args.append("--dummy")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "different job" in err and "delete or move" in err
+    assert output.read_bytes() == before
+
+
+def test_prompt_too_long_names_its_line_and_writes_nothing(tiny_opt, tmp_path, capsys):
+    rows = prompts(3)
+    rows[1]["prompt"] = " ".join(["cat"] * 1200)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    assert main(batch_args(tiny_opt[0], source, output)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flexoff: error:") and "line 2 (id 'p1')" in err and "1024" in err
+    assert not output.exists()
+
+
+def test_malformed_input_exits_2_with_one_line(tiny_opt, tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"id": 1, "prompt": "cat"}) + "\n{not json\n")
+    assert main(batch_args(tiny_opt[0], source, tmp_path / "out.jsonl")) == 2
+    err = capsys.readouterr().err.strip()
+    assert "line 2: not valid JSON" in err and err.count("\n") == 0
+
+
+def test_text_prompt_on_a_model_without_tokenizer(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": [5, 6, 7]}, {"id": 2, "prompt": "cat"}])
+    config = {"model_type": "opt", "vocab_size": 64, "hidden_size": 16, "num_hidden_layers": 1, "ffn_dim": 32,
+              "num_attention_heads": 2, "max_position_embeddings": 64, "bos_token_id": 2, "eos_token_id": 2}
+    model = tmp_path / "dummy-opt"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(config))
+    assert main(batch_args(model, source, tmp_path / "out.jsonl", "--dummy")) == 2
+    assert "line 2 (id 2): the prompt is text" in capsys.readouterr().err
+    write_jsonl(source, [{"id": 1, "prompt": [5, 6, 7]}, {"id": 2, "prompt": [8, 9]}])
+    assert main(batch_args(model, source, tmp_path / "out.jsonl", "--dummy", "--max-new-tokens", "3")) == 0
+    _, results = by_id(tmp_path / "out.jsonl")
+    assert results[1]["text"] is None and len(results[1]["token_ids"]) <= 3

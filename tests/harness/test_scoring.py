@@ -1,0 +1,141 @@
+"""LLM.score against transformers, and the lm-evaluation-harness adapter against LLM.score."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flexoff import SamplingParams
+
+PAIRS = [
+    ("The cat sat on the", " mat"),
+    ("Question: what is 2 + 2?\nAnswer:", " 4"),
+    ("Rain fell on the city", " and the river rose over the road."),
+    ("A", " new species of frog"),
+]
+
+
+def hf_logprobs(model, tok, prompt: str, continuation: str) -> list[float]:
+    prompt_ids = tok(prompt)["input_ids"]
+    cont_ids = tok(continuation)["input_ids"][1:]  # without the BOS the tokenizer adds
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + cont_ids])).logits[0].double()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(cont_ids)]
+
+
+def test_score_matches_transformers(tiny_opt, tiny_llm):
+    _, model, tok = tiny_opt
+    scores = tiny_llm.score([p for p, _ in PAIRS], [c for _, c in PAIRS])
+    for (prompt, continuation), score in zip(PAIRS, scores):
+        expected = hf_logprobs(model, tok, prompt, continuation)
+        assert len(score.logprobs) == len(expected)
+        assert score.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+# lm-evaluation-harness
+
+TASKS = {
+    "flexoff_tiny_mc": {
+        "output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}", "metric_list": [{"metric": "acc"}],
+    },
+    "flexoff_tiny_gen": {
+        "output_type": "generate_until", "doc_to_text": "{{question}}", "doc_to_target": "{{choices[answer]}}",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 5, "do_sample": False},
+        "metric_list": [{"metric": "exact_match"}],
+    },
+    "flexoff_tiny_ppl": {
+        "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{question}}",
+        "metric_list": [{"metric": "word_perplexity"}],
+    },
+}
+DOCS = [
+    {"question": "The cat sat on the", "choices": ["mat", "dog", "river"], "answer": 0},
+    {"question": "Question: what is 2 + 2?\nAnswer:", "choices": ["4", "5"], "answer": 0},
+    {"question": "Rain fell on the city and", "choices": ["the river rose", "a frog sang"], "answer": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def lm_eval_results(tiny_opt, tmp_path_factory):
+    pytest.importorskip("lm_eval")
+    yaml = pytest.importorskip("yaml")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import flexoff.harness.lm_eval_adapter  # noqa: F401  (registers the model)
+
+    tasks_dir = tmp_path_factory.mktemp("lm-eval-tasks")
+    data = tasks_dir / "docs.json"
+    data.write_text("\n".join(json.dumps(d) for d in DOCS) + "\n")
+    for name, spec in TASKS.items():
+        config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                  "test_split": "test", **spec}
+        (tasks_dir / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    return lm_eval.simple_evaluate(
+        model="flexoff", model_args=f"pretrained={tiny_opt[0]}", tasks=list(TASKS),
+        task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True, num_fewshot=0,
+    )
+
+
+def test_lm_eval_loglikelihood_equals_score(lm_eval_results, tiny_llm):
+    samples = sorted(lm_eval_results["samples"]["flexoff_tiny_mc"], key=lambda s: s["doc_id"])
+    for sample, doc in zip(samples, DOCS):
+        scores = tiny_llm.score([doc["question"]] * len(doc["choices"]), [" " + c for c in doc["choices"]])
+        got = [resp[0] for resp in sample["resps"]]  # one (logprob, is_greedy) per choice
+        assert [float(r[0]) for r in got] == pytest.approx([sum(s.logprobs) for s in scores], abs=1e-5)
+        for (_, is_greedy), score, choice in zip(got, scores, doc["choices"]):
+            greedy = tiny_llm.generate([doc["question"]], SamplingParams(
+                max_new_tokens=len(score.token_ids), ignore_eos=True))[0].token_ids
+            assert is_greedy == (greedy == score.token_ids)
+    assert 0.0 <= lm_eval_results["results"]["flexoff_tiny_mc"]["acc,none"] <= 1.0
+
+
+def test_lm_eval_generate_until_equals_generate(lm_eval_results, tiny_llm):
+    samples = sorted(lm_eval_results["samples"]["flexoff_tiny_gen"], key=lambda s: s["doc_id"])
+    outputs = tiny_llm.generate([d["question"] for d in DOCS], SamplingParams(max_new_tokens=5, stop=("\n",)))
+    assert [s["resps"][0][0] for s in samples] == [o.text for o in outputs]
+
+
+def test_lm_eval_rolling_loglikelihood_equals_score(lm_eval_results, tiny_llm):
+    samples = sorted(lm_eval_results["samples"]["flexoff_tiny_ppl"], key=lambda s: s["doc_id"])
+    bos = tiny_llm.config.bos_token_id
+    for sample, doc in zip(samples, DOCS):
+        tokens = tiny_llm.tokenizer.encode(doc["question"])[1:]
+        expected = sum(tiny_llm.score([[bos]], [tokens])[0].logprobs)
+        assert float(sample["resps"][0][0]) == pytest.approx(expected, abs=1e-5)
+
+
+def test_rolling_windows_cover_each_token_once(tiny_opt):
+    pytest.importorskip("lm_eval")
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from flexoff.harness.lm_eval_adapter import FlexoffLM
+
+    _, model, tok = tiny_opt
+    lm = FlexoffLM(pretrained=str(tiny_opt[0]))
+    lm.max_length = 8  # force several windows over a short text
+    text = "the cat sat on the mat and the dog ran to the house"
+    got = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])[0]
+    tokens = tok(text)["input_ids"][1:]
+    # Reference: lm_eval's own windows (7 tokens of input each, as the adapter asks), scored by transformers.
+    windows = list(map(make_disjoint_window, get_rolling_token_windows(tokens, tok.bos_token_id, 7, 1)))
+    assert len(windows) > 1 and sum(len(target) for _, target in windows) == len(tokens)
+    expected = 0.0
+    for context, target in windows:
+        with torch.no_grad():
+            logprobs = torch.log_softmax(model(torch.tensor([context + target])).logits[0].double(), dim=-1)
+        expected += sum(float(logprobs[len(context) - 1 + j, t]) for j, t in enumerate(target))
+    assert got == pytest.approx(expected, abs=1e-4)
+    lm.llm.close()
+
+
+def test_unknown_model_args_are_refused(tiny_opt):
+    pytest.importorskip("lm_eval")
+    from flexoff.errors import FlexoffError
+    from flexoff.harness.lm_eval_adapter import FlexoffLM
+
+    with pytest.raises(FlexoffError, match="unknown flexoff model_args"):
+        FlexoffLM(pretrained=str(tiny_opt[0]), polcy="x.json")
