@@ -199,7 +199,8 @@ class LLM:
         ids = self._encode(prompts)
         params = self._params(params, len(ids))
         self._check_lengths(ids, params)
-        blocks = form_blocks([len(p) for p in ids], [p.max_new_tokens for p in params], self.policy.block_size)
+        blocks = form_blocks([len(p) for p in ids], [p.max_new_tokens for p in params], self.policy.block_size,
+                             gpu_batch_size=self.policy.gpu_batch_size)
         outputs: list[RequestOutput | None] = [None] * len(ids)
         total = Metrics()
         bar = tqdm(total=sum(p.max_new_tokens for p in params), unit="tok", disable=not progress,

@@ -12,6 +12,8 @@ import sys
 import threading
 
 from .errors import FlexoffError
+from .harness import cli as harness_cli
+from .planner import cli as planner_cli
 from .fileio import write_text_atomic
 from .units import format_size
 
@@ -21,8 +23,8 @@ DEFAULT_MODEL = "opt-125m"
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model",
-                       help="registry name (e.g. opt-30b, llama-3-8b) or a local Hugging Face checkpoint "
-                            f"directory (default: {DEFAULT_MODEL} with dummy weights)")
+                       help="registry name (e.g. opt-30b, llama-3-8b; needs --dummy) or a local Hugging Face "
+                            f"checkpoint directory (`flexoff run` alone runs {DEFAULT_MODEL} with dummy weights)")
     group.add_argument("--dummy", action="store_true",
                        help="seeded random weights instead of a checkpoint (no download; for benchmarks)")
     group.add_argument("--dtype", default="auto",
@@ -141,6 +143,10 @@ def cmd_run(args) -> int:
             prompts = synthetic_prompts(llm.config, args.num_prompts, args.prompt_len, args.seed)
             params = [sampling_from_args(args, args.gen_len)] * len(prompts)
             ids = [None] * len(prompts)
+        if args.warmup:
+            # A short pass first, so one-time costs (kernel selection, allocator growth) stay out of the timing.
+            llm.generate([p[:32] if isinstance(p, list) else p for p in prompts],
+                         sampling_from_args(args, 1))
         result = llm.generate(prompts, params, progress=not args.quiet)
     finally:
         llm.close()
@@ -182,6 +188,8 @@ def register_run(subparsers) -> None:
     out.add_argument("--output", metavar="FILE.jsonl", help="write one JSON result per prompt (atomically)")
     out.add_argument("--metrics-json", metavar="FILE", help="write the metrics record as JSON")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument("--warmup", action="store_true",
+                     help="run a short untimed pass first (for benchmarks: keeps one-time costs out of the figures)")
     parser.set_defaults(handler=cmd_run)
 
 
@@ -192,6 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register_run(subparsers)
+    planner_cli.register(subparsers)
+    harness_cli.register(subparsers)
     return parser
 
 
