@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # attend(q, k_new, v_new) -> out. q: (batch, heads, seq, head_dim); k_new, v_new:
 # (batch, kv_heads, seq, head_dim) for the tokens of this step; out has q's shape.
@@ -44,6 +45,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+# On CUDA, the memory-efficient kernel takes any key length as it comes. cuDNN's kernel builds
+# a plan per new shape, and decode brings a new key length every step: that cost 2-3x decode time.
+_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Softmax attention with grouped KV heads.
 
@@ -51,9 +57,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     mask: bool (batch, 1, seq, keys), True where a query may attend. Every row must allow at
     least one key, otherwise softmax yields NaN that would leak through the cache.
     """
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    batch, heads, seq, head_dim = q.shape
+    groups = heads // k.shape[1]
+    if groups > 1:
+        # Fold each KV head's group of query heads into its query rows instead of copying the
+        # cache once per query head: (batch, kv_heads, groups * seq, head_dim).
+        q = q.reshape(batch, k.shape[1], groups * seq, head_dim)
+        if seq > 1:
+            mask = mask.repeat(1, 1, groups, 1)
+    if q.is_cuda:
+        with sdpa_kernel(_CUDA_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.view(batch, heads, seq, head_dim)
 
 
 def attention_mask(valid: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 
 from .placement import split_rows
 from .policy import TierFractions
-from .tiers import DiskTier, Streams, host_empty
+from .tiers import DiskTier, HostMemory, Streams
 
 
 class BatchActivations:
@@ -17,7 +17,7 @@ class BatchActivations:
     """
 
     def __init__(self, rows: int, max_numel_per_row: int, fractions: TierFractions, device: torch.device,
-                 dtype: torch.dtype, pin: bool, streams: Streams, disk: DiskTier | None, name: str):
+                 dtype: torch.dtype, host: HostMemory, streams: Streams, disk: DiskTier | None, name: str):
         self.pieces = split_rows(rows, fractions)
         self.device = device
         self.streams = streams
@@ -27,7 +27,7 @@ class BatchActivations:
         for piece in self.pieces:
             numel = (piece.stop - piece.start) * max_numel_per_row
             if piece.tier != "gpu":
-                self.host[piece.tier] = host_empty((numel,), dtype, pin)
+                self.host[piece.tier] = host.empty((numel,), dtype)
             if piece.tier == "disk":
                 self.region = disk.allocate(f"{name}.hidden", numel * dtype.itemsize)
         self._hidden: torch.Tensor | None = None

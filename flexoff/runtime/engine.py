@@ -20,7 +20,7 @@ from .placement import split_rows
 from .policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
 from .schedule import COMPUTE, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, STORE_ACTIVATION, block_schedule
-from .tiers import DiskTier, Streams
+from .tiers import DiskTier, HostMemory, Streams
 from .weight_store import TieredWeights
 
 # Decides after each token whether a sequence has hit a stop string; returns True to stop.
@@ -88,17 +88,18 @@ class Engine:
         if offloaded and not policy.cpu_attention:
             workspace = KVWorkspace(self.cfg, prompt_len + extra_slots, offloaded, self.device, self.dtype,
                                     self.streams)
+        host = HostMemory(policy.pin_cpu_memory)  # freed with the block
         batches = []
         for number, start in enumerate(range(0, len(seqs), size)):
             name = f"b{number}"
 
             def make_kv(count, slots, name=name):
                 return BatchKV(self.cfg, count, slots, policy, self.device, self.dtype, self.streams, self.disk,
-                               workspace, name)
+                               workspace, host, name)
 
             def make_activations(count, length, name=name):
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,
-                                        self.dtype, policy.pin_cpu_memory, self.streams, self.disk, name)
+                                        self.dtype, host, self.streams, self.disk, name)
 
             batches.append(GpuBatch(self.cfg, seqs[start:start + size], self.device, self.dtype, extra_slots,
                                     make_kv, make_activations))

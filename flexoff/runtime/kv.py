@@ -1,8 +1,9 @@
 """The KV cache of one GPU batch, split by rows (sequences) across gpu, cpu and disk.
 
-Every tier stores a layer's keys and values slot-major, (slots, rows, kv_heads, head_dim), so the
-first ``n`` slots of all rows are one contiguous run: one copy or one file read per step. Attention
-sees the view (rows, kv_heads, slots, head_dim).
+Caches that travel are stored slot-major, (slots, rows, kv_heads, head_dim), so the first ``n``
+slots of all rows are one contiguous run: one copy or one file read per step. A CPU cache that CPU
+attention reads in place is stored row-major, (rows, kv_heads, slots, head_dim), so each head's
+keys are contiguous: strided keys ran CPU attention at a third of its memory bandwidth.
 
 Rows on the GPU attend in place. Rows elsewhere either travel to a GPU workspace each decode step,
 or, with CPU attention, stay put: only the queries and outputs cross PCIe, and attention runs on
@@ -17,19 +18,43 @@ from ..models import ModelConfig
 from ..models.common import attention
 from .placement import Piece, split_rows
 from .policy import Policy
-from .tiers import DiskTier, Streams, host_empty
+from .tiers import DiskTier, HostMemory, Streams
 
-CPU_ATTENTION_ROWS = 8  # sequences per CPU attention call: bounds its temporary memory
-
-
-def _view(buffer: torch.Tensor, end: int) -> torch.Tensor:
-    """(slots, rows, kv_heads, head_dim)[:end] as (rows, kv_heads, end, head_dim)."""
-    return buffer[:end].permute(1, 2, 0, 3)
+CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 
 
-def _slot_major(x: torch.Tensor) -> torch.Tensor:
-    """(rows, kv_heads, seq, head_dim) -> (seq, rows, kv_heads, head_dim)."""
-    return x.permute(2, 0, 1, 3)
+class SlotMajor:
+    """(slots, rows, kv_heads, head_dim): a prefix of slots is one contiguous block."""
+
+    @staticmethod
+    def shape(slots: int, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (slots, rows, kv_heads, head_dim)
+
+    @staticmethod
+    def view(buffer: torch.Tensor, end: int) -> torch.Tensor:
+        """The first ``end`` slots as (rows, kv_heads, end, head_dim)."""
+        return buffer[:end].permute(1, 2, 0, 3)
+
+    @staticmethod
+    def write(buffer: torch.Tensor, start: int, x: torch.Tensor) -> None:
+        """Store x (rows, kv_heads, seq, head_dim) at slots [start, start + seq)."""
+        buffer[start:start + x.shape[2]].copy_(x.permute(2, 0, 1, 3))
+
+
+class RowMajor:
+    """(rows, kv_heads, slots, head_dim): each head's keys are contiguous."""
+
+    @staticmethod
+    def shape(slots: int, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (rows, kv_heads, slots, head_dim)
+
+    @staticmethod
+    def view(buffer: torch.Tensor, end: int) -> torch.Tensor:
+        return buffer[:, :, :end]
+
+    @staticmethod
+    def write(buffer: torch.Tensor, start: int, x: torch.Tensor) -> None:
+        buffer[:, :, start:start + x.shape[2]].copy_(x)
 
 
 def cpu_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -68,25 +93,26 @@ class KVWorkspace:
 class _Group:
     """Rows of the batch that share a tier, with their storage for every layer."""
 
-    def __init__(self, piece: Piece, cfg: ModelConfig, slots: int, device, dtype, pin: bool,
-                 disk: DiskTier | None, name: str):
+    def __init__(self, piece: Piece, cfg: ModelConfig, slots: int, device, dtype, host: HostMemory,
+                 disk: DiskTier | None, cpu_attention: bool, name: str):
         self.tier = piece.tier
         self.rows = slice(piece.start, piece.stop)
         count = piece.stop - piece.start
-        shape = (slots, count, cfg.num_kv_heads, cfg.head_dim)
+        self.layout = RowMajor if self.tier == "cpu" and cpu_attention else SlotMajor
+        shape = self.layout.shape(slots, count, cfg.num_kv_heads, cfg.head_dim)
         self.slot_numel = count * cfg.num_kv_heads * cfg.head_dim
         layers = range(cfg.num_layers)
         if self.tier == "gpu":
             self.store = [(torch.empty(shape, device=device, dtype=dtype),
                            torch.empty(shape, device=device, dtype=dtype)) for _ in layers]
         elif self.tier == "cpu":
-            self.store = [(host_empty(shape, dtype, pin), host_empty(shape, dtype, pin)) for _ in layers]
+            self.store = [(host.empty(shape, dtype), host.empty(shape, dtype)) for _ in layers]
         else:
             size = slots * self.slot_numel * dtype.itemsize
             self.files = [(disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
                           for j in layers]
             # One host staging pair serves every layer: a layer's slots are read in just before use.
-            self.staging = (host_empty(shape, dtype, pin), host_empty(shape, dtype, pin))
+            self.staging = (host.empty(shape, dtype), host.empty(shape, dtype))
         self.itemsize = dtype.itemsize
 
     def host_pair(self, layer: int, end: int, refresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,13 +137,13 @@ class BatchKV:
 
     def __init__(self, cfg: ModelConfig, rows: int, slots: int, policy: Policy, device: torch.device,
                  dtype: torch.dtype, streams: Streams, disk: DiskTier | None, workspace: KVWorkspace | None,
-                 name: str):
+                 host: HostMemory, name: str):
         self.cfg = cfg
         self.cpu_attention = policy.cpu_attention
         self.streams = streams
         self.device = device
         self.workspace = workspace
-        self.groups = [_Group(p, cfg, slots, device, dtype, policy.pin_cpu_memory, disk, f"{name}.{p.tier}")
+        self.groups = [_Group(p, cfg, slots, device, dtype, host, disk, policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
         self._loaded: dict[int, tuple[int, int]] = {}  # layer -> (workspace set, slots loaded)
 
@@ -160,9 +186,10 @@ class BatchKV:
         for group in self.groups:
             if group.tier == "gpu":
                 keys, values = group.store[layer]
-                keys[start:end] = _slot_major(k[group.rows])
-                values[start:end] = _slot_major(v[group.rows])
-                out[group.rows] = attention(q[group.rows], _view(keys, end), _view(values, end), mask[group.rows])
+                SlotMajor.write(keys, start, k[group.rows])
+                SlotMajor.write(values, start, v[group.rows])
+                out[group.rows] = attention(q[group.rows], SlotMajor.view(keys, end), SlotMajor.view(values, end),
+                                            mask[group.rows])
         if not offloaded:
             return out
         rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
@@ -175,7 +202,8 @@ class BatchKV:
             self._store(layer, start, end, k, v, offloaded)
             for group in offloaded:
                 host_k, host_v = group.host_pair(layer, end, refresh=False)
-                part = cpu_attention(q[group.rows].to("cpu", host_k.dtype), _view(host_k, end), _view(host_v, end),
+                part = cpu_attention(q[group.rows].to("cpu", host_k.dtype), group.layout.view(host_k, end),
+                                     group.layout.view(host_v, end),
                                      mask[group.rows].cpu())
                 out[group.rows] = part.to(self.device, non_blocking=True)
         else:
@@ -184,9 +212,10 @@ class BatchKV:
             self.streams.wait(self.streams.compute, self._ready_event)
             keys, values = self.workspace.sets[index]
             width = rows.stop - rows.start
-            keys[start:end, :width] = _slot_major(k[rows])
-            values[start:end, :width] = _slot_major(v[rows])
-            out[rows] = attention(q[rows], _view(keys[:, :width], end), _view(values[:, :width], end), mask[rows])
+            SlotMajor.write(keys[:, :width], start, k[rows])
+            SlotMajor.write(values[:, :width], start, v[rows])
+            out[rows] = attention(q[rows], SlotMajor.view(keys[:, :width], end),
+                                  SlotMajor.view(values[:, :width], end), mask[rows])
             self.workspace.free_events[index] = self.streams.record(self.streams.compute)
             self._store(layer, start, end, k, v, offloaded)
         self._loaded.pop(layer, None)
@@ -196,8 +225,8 @@ class BatchKV:
         """Copy slots [start, end) of the offloaded rows to their host storage (and on to disk)."""
         for group in groups:
             host_k, host_v = group.host_pair(layer, end, refresh=False)
-            host_k[start:end].copy_(_slot_major(k[group.rows]))
-            host_v[start:end].copy_(_slot_major(v[group.rows]))
+            group.layout.write(host_k, start, k[group.rows])
+            group.layout.write(host_v, start, v[group.rows])
             group.write_back(layer, start, end)
 
     def nbytes_by_tier(self) -> dict[str, int]:

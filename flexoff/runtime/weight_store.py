@@ -15,7 +15,7 @@ import torch
 from ..models import ModelConfig, stage_names, stage_specs
 from .placement import TensorPlacement, place_stage, realised_fractions
 from .policy import TIERS, Policy
-from .tiers import DiskRegion, DiskTier, Streams, host_empty
+from .tiers import DiskRegion, DiskTier, HostMemory, Streams
 
 
 def stage_kind(stage: str) -> str:
@@ -49,7 +49,7 @@ class TieredWeights:
         self.device = device
         self.dtype = dtype
         self.streams = streams
-        self.pin = policy.pin_cpu_memory
+        self.host = HostMemory(policy.pin_cpu_memory)
         self._disk = disk
         self.placements = {stage: place_stage(stage_specs(cfg, stage), policy.weights) for stage in stage_names(cfg)}
         self.bytes = {tier: 0 for tier in TIERS}
@@ -72,6 +72,12 @@ class TieredWeights:
                 pieces.resident[spec.name] = source.load_tensor(stage, spec, self.device, self.dtype)
                 self.bytes["gpu"] += spec.numel * self.dtype.itemsize
                 continue
+            if placement.only_tier == "cpu":  # straight into (pinned) host memory, with no extra copy
+                storage = self.host.empty(spec.shape, self.dtype)
+                source.load_tensor(stage, spec, storage.device, self.dtype, out=storage)
+                self.bytes["cpu"] += spec.numel * self.dtype.itemsize
+                pieces.parts[spec.name] = [(0, spec.shape[0], storage)]
+                continue
             full = source.load_tensor(stage, spec, torch.device("cpu"), self.dtype)
             parts = []
             for piece in placement.pieces:
@@ -80,7 +86,7 @@ class TieredWeights:
                 if piece.tier == "gpu":
                     storage = rows.to(self.device)
                 elif piece.tier == "cpu":
-                    storage = host_empty(rows.shape, self.dtype, self.pin)
+                    storage = self.host.empty(rows.shape, self.dtype)
                     storage.copy_(rows)
                 else:
                     region.write(rows, disk_offset * self.dtype.itemsize)
@@ -108,7 +114,7 @@ class TieredWeights:
             buffers[kind] = [
                 _BufferSet(
                     {name: torch.empty(specs[name].shape, device=self.device, dtype=self.dtype) for name in pieces.parts},
-                    host_empty((disk_numel,), self.dtype, self.pin) if disk_numel else None,
+                    self.host.empty((disk_numel,), self.dtype) if disk_numel else None,
                 )
                 for _ in range(count)
             ]
@@ -198,3 +204,4 @@ class TieredWeights:
     def close(self) -> None:
         self._stages.clear()
         self._buffers.clear()
+        self.host.close()

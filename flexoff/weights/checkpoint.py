@@ -103,8 +103,13 @@ class CheckpointWeights:
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor {key!r} from {file}: {exc}") from None
 
-    def load_tensor(self, stage: str, spec: WeightSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self.read(stage, spec).to(device=device, dtype=dtype)
+    def load_tensor(self, stage: str, spec: WeightSpec, device: torch.device, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor on ``device``, written into ``out`` (e.g. pinned memory) when given."""
+        tensor = self.read(stage, spec)
+        if out is not None:
+            return out.copy_(tensor)
+        return tensor.to(device=device, dtype=dtype)
 
     def close(self) -> None:
         self._handles.clear()

@@ -46,8 +46,10 @@ class DummyWeights:
             flat[start:start + length].copy_(window[:length])
         return out
 
-    def load_tensor(self, stage: str, spec: WeightSpec, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self.make(stage, spec, device, dtype)
+    def load_tensor(self, stage: str, spec: WeightSpec, device: torch.device, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor on ``device``, written into ``out`` (e.g. pinned memory) when given."""
+        return self.make(stage, spec, out.device if out is not None else device, dtype, out)
 
     def check(self, stages: dict[str, list[WeightSpec]]) -> None:
         """Dummy weights always match their specs."""

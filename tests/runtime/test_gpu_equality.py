@@ -1,0 +1,50 @@
+"""The same equalities on CUDA, where copies run on their own streams ordered by events."""
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy, SamplingParams
+from tests.conftest import PROMPTS
+from tests.runtime.test_offload_equality import POLICIES
+
+pytestmark = pytest.mark.gpu
+
+PARAMS = SamplingParams(max_new_tokens=7, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cuda_reference(tiny_model_dir):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    refs = {}
+    for kind in ("opt-post-proj", "llama-gqa"):
+        path, _ = tiny_model_dir(kind)
+        refs[kind] = LLM(str(path), policy=Policy(gpu_batch_size=8), device="cuda", dtype="float32").generate(
+            PROMPTS, PARAMS)
+    return refs
+
+
+@pytest.mark.parametrize("kind", ["opt-post-proj", "llama-gqa"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_policy_matches_plain_run_on_cuda(tiny_model_dir, cuda_reference, tmp_path, kind, name):
+    path, _ = tiny_model_dir(kind)
+    with LLM(str(path), policy=POLICIES[name], device="cuda", dtype="float32", offload_dir=str(tmp_path)) as llm:
+        outs = llm.generate(PROMPTS, PARAMS)
+    ref = cuda_reference[kind]
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    torch.testing.assert_close(torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in ref]),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_cuda_fp32_matches_transformers(tiny_model_dir, kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path, hf = tiny_model_dir(kind)
+    llm = LLM(str(path), device="cuda", dtype="float32")
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    ours = llm.next_token_logits(ids)
+    for row, prompt_ids in enumerate(ids):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt_ids])).logits[0, -1]
+        torch.testing.assert_close(ours[row], ref, rtol=1e-3, atol=1e-3)
