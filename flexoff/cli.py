@@ -48,6 +48,14 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                        help="run loads, stores and compute one after another (for measuring)")
     group.add_argument("--no-pin", dest="pin_cpu_memory", action="store_false", default=None,
                        help="do not pin host memory (slower copies, but no page-locked RAM)")
+    group.add_argument("--compress-weight", action="store_true", default=None,
+                       help="store weights 4-bit group-quantized on every tier (dequantized on the GPU before use)")
+    group.add_argument("--weight-bits", type=int, default=4, help="bits per weight when compressed (2, 3, 4 or 8)")
+    group.add_argument("--weight-group", type=int, default=64, help="group size for weight compression")
+    group.add_argument("--compress-cache", action="store_true", default=None,
+                       help="store the KV cache group-quantized on every tier")
+    group.add_argument("--cache-bits", type=int, default=4, help="bits per cache value when compressed")
+    group.add_argument("--cache-group", type=int, default=64, help="group size for cache compression")
     group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR); "
                                              "flexoff makes a private folder inside it and removes it on exit")
     group.add_argument("--gpu-mem", metavar="SIZE", help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card)")
@@ -70,7 +78,7 @@ def policy_from_args(args):
     from dataclasses import replace
 
     from .api import DEFAULT_POLICY
-    from .runtime.policy import Policy, TierFractions
+    from .runtime.policy import CompressionConfig, Policy, TierFractions
 
     policy = Policy.load(args.policy) if args.policy else None
     overrides = {name: getattr(args, name) for name in ("gpu_batch_size", "num_gpu_batches", "cpu_attention",
@@ -81,6 +89,10 @@ def policy_from_args(args):
         overrides.update(weights=TierFractions.from_percent(w_gpu, w_cpu),
                          cache=TierFractions.from_percent(c_gpu, c_cpu),
                          activations=TierFractions.from_percent(a_gpu, a_cpu))
+    if getattr(args, "compress_weight", None):
+        overrides["compress_weight"] = CompressionConfig(args.weight_bits, args.weight_group)
+    if getattr(args, "compress_cache", None):
+        overrides["compress_cache"] = CompressionConfig(args.cache_bits, args.cache_group)
     if overrides:
         policy = replace(policy or DEFAULT_POLICY, **overrides)
     return policy

@@ -42,7 +42,7 @@ class Engine:
         self.streams = Streams(device, policy.overlap)
         self.disk: DiskTier | None = None
         self.weights: TieredWeights | None = None
-        self._weight_bytes = weight_bytes(cfg, policy, dtype.itemsize)
+        self._weight_bytes = weight_bytes(cfg, policy, dtype)
         check_fits(self._weight_bytes, self.capacity, "placing the weights")
         if policy.uses_disk:
             if offload_dir is None:

@@ -11,12 +11,13 @@ from pathlib import Path
 import psutil
 import torch
 
+from ..compression import compressed_nbytes
 from ..errors import PolicyError
 from ..models import ModelConfig, stage_names, stage_specs
 from ..units import format_size
 from .placement import place_stage, split_rows
 from .policy import TIERS, Policy
-from .weight_store import stage_kind
+from .weight_store import compressible, stage_kind
 
 
 @dataclass(frozen=True)
@@ -50,18 +51,27 @@ def usable_offload_dir(path: str) -> Path:
     return directory
 
 
-def weight_bytes(cfg: ModelConfig, policy: Policy, itemsize: int) -> dict[str, int]:
-    """Bytes of weights per tier, plus the GPU buffers that streamed stages are assembled in."""
+def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of weights per tier (compressed where the policy says), plus the GPU buffers that
+    streamed or compressed stages are assembled in."""
     sizes = {tier: 0 for tier in TIERS}
     buffers: dict[str, int] = {}
+    itemsize = dtype.itemsize
+    compression = policy.compress_weight
     for stage in stage_names(cfg):
         placements = place_stage(stage_specs(cfg, stage), policy.weights)
         streamed = 0
         for placement in placements:
-            for tier in TIERS:
-                sizes[tier] += placement.numel_on(tier) * itemsize
-            if placement.only_tier != "gpu":
-                streamed += placement.spec.numel * itemsize
+            spec = placement.spec
+            compressed = compression is not None and compressible(spec)
+            for piece in placement.pieces:
+                shape = (piece.stop - piece.start, *spec.shape[1:])
+                sizes[piece.tier] += (compressed_nbytes(shape, compression.bits, compression.group_size, -1, dtype)
+                                      if compressed else placement.row_numel * shape[0] * itemsize)
+            if placement.only_tier != "gpu" or compressed:
+                streamed += spec.numel * itemsize
+                if compressed:  # the compressed landing space beside the dequantized buffer
+                    streamed += compressed_nbytes(spec.shape, compression.bits, compression.group_size, -1, dtype)
         kind = stage_kind(stage)
         copies = 2 if kind == "layer" and cfg.num_layers > 1 else 1
         buffers[kind] = max(buffers.get(kind, 0), copies * streamed)

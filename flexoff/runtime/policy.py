@@ -59,7 +59,7 @@ class CompressionConfig:
     group_size: int = 64
 
     def validate(self, what: str) -> None:
-        if self.bits not in SUPPORTED_BITS:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
             raise PolicyError(f"{what}: {self.bits}-bit compression is not supported; use one of {SUPPORTED_BITS}")
         if not isinstance(self.group_size, int) or self.group_size < 2:
             raise PolicyError(f"{what}: group size must be an integer >= 2, got {self.group_size!r}")

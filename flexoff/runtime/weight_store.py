@@ -4,6 +4,10 @@ Tensors wholly on the GPU are used in place. The others are assembled, before th
 a GPU buffer: decoder layers share a ring of two buffer sets (one computing, one loading), the
 embedding and head stages have one set each. Host pieces are copied on the load stream; disk pieces
 are read by the disk tier's threads into pinned staging, then copied.
+
+With weight compression, matrices are quantized as they are loaded (one tensor at a time) and
+stored compressed on every tier, so their bytes cross PCIe and disk compressed; the load stream
+dequantizes them into the buffer just before use.
 """
 
 from __future__ import annotations
@@ -12,29 +16,72 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models import ModelConfig, stage_names, stage_specs
+from ..compression import CompressedTensor, dequantize, quantize
+from ..models import ModelConfig, WeightSpec, stage_names, stage_specs
 from .placement import TensorPlacement, place_stage, realised_fractions
-from .policy import TIERS, Policy
+from .policy import TIERS, CompressionConfig, Policy
 from .tiers import DiskRegion, DiskTier, HostMemory, Streams
+
+Stored = torch.Tensor | CompressedTensor
 
 
 def stage_kind(stage: str) -> str:
     return "layer" if stage.startswith("layer.") else stage
 
 
+def compressible(spec: WeightSpec) -> bool:
+    """Matrices are compressed; norms and biases are too small to matter."""
+    return len(spec.shape) == 2
+
+
+def _parts(value: Stored) -> list[torch.Tensor]:
+    return [value.data, value.scale, value.minimum] if isinstance(value, CompressedTensor) else [value]
+
+
+def _nbytes(value: Stored) -> int:
+    return sum(t.numel() * t.element_size() for t in _parts(value))
+
+
+def _like(value: Stored, parts: list[torch.Tensor]) -> Stored:
+    """A tensor of ``value``'s kind and layout over other storage."""
+    if isinstance(value, CompressedTensor):
+        return CompressedTensor(*parts, value.shape, value.dtype, value.dim, value.bits, value.group_size)
+    return parts[0]
+
+
+def _empty_like(value: Stored, allocate) -> Stored:
+    return _like(value, [allocate(t.shape, t.dtype) for t in _parts(value)])
+
+
+@dataclass
+class _OnDisk:
+    """A piece's bytes in the stage's disk region, and the layout to view them with."""
+
+    offset: int
+    template: Stored  # a host tensor of the piece's kind and shapes (its values are not used)
+
+    def view(self, staging: torch.Tensor) -> Stored:
+        views, offset = [], self.offset
+        for part in _parts(self.template):
+            size = part.numel() * part.element_size()
+            views.append(staging[offset:offset + size].view(part.dtype).view(part.shape))
+            offset += size
+        return _like(self.template, views)
+
+
 @dataclass
 class _StagePieces:
-    resident: dict[str, torch.Tensor] = field(default_factory=dict)  # whole tensors on the GPU
-    # name -> list of (start row, stop row, storage); storage is a GPU or host tensor, or an
-    # element offset into the stage's disk region, which holds all its disk pieces end to end
+    resident: dict[str, torch.Tensor] = field(default_factory=dict)  # ready-to-use tensors on the GPU
+    # name -> list of (start row, stop row, storage): a GPU or host tensor (maybe compressed) or _OnDisk
     parts: dict[str, list] = field(default_factory=dict)
     region: DiskRegion | None = None
-    disk_numel: int = 0
+    disk_bytes: int = 0
 
 
 @dataclass
 class _BufferSet:
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]  # assembled weights in the compute dtype
+    compressed: dict[str, CompressedTensor]  # GPU landing space of compressed pieces, before dequantizing
     staging: torch.Tensor | None  # pinned host bytes for this stage's disk pieces
     holder: str | None = None  # stage whose weights are (being) loaded here
     ready: object = None  # event: the loads are done
@@ -49,6 +96,7 @@ class TieredWeights:
         self.device = device
         self.dtype = dtype
         self.streams = streams
+        self.compression: CompressionConfig | None = policy.compress_weight
         self.host = HostMemory(policy.pin_cpu_memory)
         self._disk = disk
         self.placements = {stage: place_stage(stage_specs(cfg, stage), policy.weights) for stage in stage_names(cfg)}
@@ -56,48 +104,62 @@ class TieredWeights:
         self._stages: dict[str, _StagePieces] = {}
         for stage, placements in self.placements.items():
             # One stage at a time: the source's copy is dropped before the next stage is read.
-            self._stages[stage] = self._materialise(source, stage, placements, disk)
+            self._stages[stage] = self._materialise(source, stage, placements)
         self._buffers = self._make_buffers()
 
-    def _materialise(self, source, stage: str, placements: list[TensorPlacement], disk) -> _StagePieces:
+    # Placing the weights
+    def _compressed(self, spec: WeightSpec) -> bool:
+        return self.compression is not None and compressible(spec)
+
+    def _quantize(self, tensor: torch.Tensor) -> CompressedTensor:
+        # Groups run along each row, so a piece of rows is itself a whole compressed tensor.
+        return quantize(tensor, self.compression.bits, self.compression.group_size, dim=-1)
+
+    def _materialise(self, source, stage: str, placements: list[TensorPlacement]) -> _StagePieces:
         pieces = _StagePieces()
-        region: DiskRegion | None = None
-        disk_numel = sum(p.numel_on("disk") for p in placements)
-        if disk_numel:
-            region = disk.allocate(stage, disk_numel * self.dtype.itemsize)
-        disk_offset = 0
+        on_disk: list[tuple[Stored, _OnDisk]] = []
         for placement in placements:
             spec = placement.spec
-            if placement.only_tier == "gpu":
+            compressed = self._compressed(spec)
+            if placement.only_tier == "gpu" and not compressed:
                 pieces.resident[spec.name] = source.load_tensor(stage, spec, self.device, self.dtype)
                 self.bytes["gpu"] += spec.numel * self.dtype.itemsize
                 continue
-            if placement.only_tier == "cpu":  # straight into (pinned) host memory, with no extra copy
+            if placement.only_tier == "cpu" and not compressed:  # straight into (pinned) host memory
                 storage = self.host.empty(spec.shape, self.dtype)
                 source.load_tensor(stage, spec, storage.device, self.dtype, out=storage)
                 self.bytes["cpu"] += spec.numel * self.dtype.itemsize
                 pieces.parts[spec.name] = [(0, spec.shape[0], storage)]
                 continue
-            full = source.load_tensor(stage, spec, torch.device("cpu"), self.dtype)
+            # Quantize where it is fastest: on the GPU when there is one.
+            full = source.load_tensor(stage, spec, self.device if compressed else torch.device("cpu"), self.dtype)
+            if compressed:
+                full = self._quantize(full)
             parts = []
             for piece in placement.pieces:
-                rows = full[piece.start:piece.stop]
-                size = rows.numel() * self.dtype.itemsize
+                rows = full.narrow(0, piece.start, piece.stop - piece.start)
                 if piece.tier == "gpu":
-                    storage = rows.to(self.device)
+                    storage = _empty_like(rows, lambda shape, dt: torch.empty(shape, dtype=dt, device=self.device))
                 elif piece.tier == "cpu":
-                    storage = self.host.empty(rows.shape, self.dtype)
-                    storage.copy_(rows)
-                else:
-                    region.write(rows, disk_offset * self.dtype.itemsize)
-                    storage = disk_offset
-                    disk_offset += rows.numel()
-                self.bytes[piece.tier] += size
+                    storage = _empty_like(rows, self.host.empty)
+                else:  # a layout-only template on the meta device: shapes without memory
+                    storage = _OnDisk(pieces.disk_bytes, _empty_like(
+                        rows, lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")))
+                    pieces.disk_bytes += _nbytes(rows)
+                    on_disk.append((rows, storage))
+                if not isinstance(storage, _OnDisk):
+                    for target, value in zip(_parts(storage), _parts(rows)):
+                        target.copy_(value)
+                self.bytes[piece.tier] += _nbytes(rows)
                 parts.append((piece.start, piece.stop, storage))
             pieces.parts[spec.name] = parts
-            del full
-        pieces.disk_numel = disk_numel
-        pieces.region = region
+        if on_disk:  # the region's size is known once every piece of the stage is (maybe) compressed
+            pieces.region = self._disk.allocate(stage, pieces.disk_bytes)
+            for rows, where in on_disk:
+                offset = where.offset
+                for part in _parts(rows):
+                    pieces.region.write(part.cpu(), offset)
+                    offset += part.numel() * part.element_size()
         return pieces
 
     def _make_buffers(self) -> dict[str, list[_BufferSet]]:
@@ -110,16 +172,22 @@ class TieredWeights:
                 continue
             specs = {p.spec.name: p.spec for p in self.placements[stage]}
             count = 2 if kind == "layer" and self.cfg.num_layers > 1 else 1
-            disk_numel = max(self._stages[s].disk_numel for s in stage_names(self.cfg) if stage_kind(s) == kind)
+            disk_bytes = max(self._stages[s].disk_bytes for s in stage_names(self.cfg) if stage_kind(s) == kind)
+
+            def landing(name: str) -> CompressedTensor:
+                c = self.compression
+                return CompressedTensor.empty(specs[name].shape, self.dtype, c.bits, c.group_size, -1, self.device)
+
             buffers[kind] = [
                 _BufferSet(
                     {name: torch.empty(specs[name].shape, device=self.device, dtype=self.dtype) for name in pieces.parts},
-                    self.host.empty((disk_numel,), self.dtype) if disk_numel else None,
+                    {name: landing(name) for name in pieces.parts if self._compressed(specs[name])},
+                    self.host.empty((disk_bytes,), torch.uint8) if disk_bytes else None,
                 )
                 for _ in range(count)
             ]
-        self.buffer_bytes = sum(t.numel() * t.element_size() for sets in buffers.values() for s in sets
-                                for t in s.tensors.values())
+        self.buffer_bytes = sum(_nbytes(t) for sets in buffers.values() for s in sets
+                                for t in (*s.tensors.values(), *s.compressed.values()))
         return buffers
 
     def _set_for(self, stage: str) -> _BufferSet | None:
@@ -129,6 +197,7 @@ class TieredWeights:
         index = int(stage.split(".")[1]) % len(sets) if stage_kind(stage) == "layer" else 0
         return sets[index]
 
+    # Streaming
     def prefetch(self, stage: str) -> None:
         """Start assembling ``stage``'s weights on the GPU (a no-op if they are resident).
 
@@ -141,7 +210,7 @@ class TieredWeights:
         if buffer.pending is not None:
             buffer.pending.result()
         buffer.holder = stage
-        if self._stages[stage].disk_numel:
+        if self._stages[stage].disk_bytes:
             buffer.pending = self._disk.submit(self._load, stage, buffer)
         else:
             buffer.pending = None
@@ -150,20 +219,21 @@ class TieredWeights:
     def _load(self, stage: str, buffer: _BufferSet) -> None:
         pieces = self._stages[stage]
         streams = self.streams
-        if pieces.disk_numel:
+        if pieces.disk_bytes:
             # Copies out of staging for the previous stage must finish before it is refilled.
             if buffer.ready is not None:
                 buffer.ready.synchronize()
-            pieces.region.read_into(buffer.staging[:pieces.disk_numel])
+            pieces.region.read_into(buffer.staging[:pieces.disk_bytes])
         streams.wait(streams.load, buffer.free)
         with streams.on(streams.load):
             for name, parts in pieces.parts.items():
-                target = buffer.tensors[name]
+                landing = buffer.compressed.get(name, buffer.tensors[name])
                 for start, stop, storage in parts:
-                    if isinstance(storage, int):  # an offset into the stage's disk bytes
-                        rows = target[start:stop]
-                        storage = buffer.staging[storage:storage + rows.numel()].view(rows.shape)
-                    target[start:stop].copy_(storage, non_blocking=True)
+                    if isinstance(storage, _OnDisk):
+                        storage = storage.view(buffer.staging)
+                    landing.narrow(0, start, stop - start).copy_(storage, non_blocking=True)
+                if name in buffer.compressed:
+                    dequantize(landing, out=buffer.tensors[name])
         buffer.ready = streams.record(streams.load)
 
     def get(self, stage: str) -> dict[str, torch.Tensor]:
@@ -188,6 +258,7 @@ class TieredWeights:
         if buffer is not None:
             buffer.free = self.streams.record(self.streams.compute)
 
+    # Reports
     def realised(self) -> dict[str, float]:
         """Fraction of all weight bytes on each tier, as placed."""
         everything = [p for placements in self.placements.values() for p in placements]
