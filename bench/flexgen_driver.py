@@ -23,7 +23,15 @@ def main():
     flex_opt.AutoTokenizer = SimpleNamespace(from_pretrained=lambda *a, **k: StandInTokenizer())
     parser = argparse.ArgumentParser()
     flex_opt.add_parser_arguments(parser)
+    parser.add_argument("--gpu-mem-cap", help="cap the CUDA allocator, e.g. 16GiB, as flexoff's --gpu-mem does")
     args = parser.parse_args()
+    if args.gpu_mem_cap:
+        import torch
+
+        from flexoff.units import parse_size
+
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_size(args.gpu_mem_cap) / total), 0)
     flex_opt.run_flexgen(args)
 
 

@@ -41,9 +41,13 @@ POLICIES = {
     "w0/100 cache-cpu cpu-attn 32x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=32, ngb=2, cpu_attention=True),
     "w20/60/20 cache-cpu cpu-attn 32x2": dict(percent=(20, 60, 0, 100, 100, 0), gbs=32, ngb=2,
                                              cpu_attention=True),
-    "16GiB w15/85 cache-cpu cpu-attn 48x3": dict(percent=(15, 85, 0, 100, 100, 0), gbs=48, ngb=3,
+    # The paper's T4 policy shape, with the block cut to what 125 GiB of host memory holds.
+    "16GiB w15/85 cache-cpu cpu-attn 24x3": dict(percent=(15, 85, 0, 100, 100, 0), gbs=24, ngb=3,
                                                 cpu_attention=True, gpu_mem="16GiB"),
     "w0/100 cache-gpu 24x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=24, ngb=1, cpu_attention=False),
+    # A FlexGen policy whose peak GPU use stays under 16 GiB, run by both under the same cap.
+    "16GiB w0/100 cache-gpu 8x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=8, ngb=1, cpu_attention=False,
+                                      gpu_mem="16GiB"),
 }
 
 
@@ -107,6 +111,9 @@ def run_flexgen(model: str, spec: dict, args, workdir: Path) -> dict:
             "--percent", *map(str, spec["percent"]), "--offload-dir", args.offload_dir, "--log-file", str(log_file)]
     if spec["cpu_attention"]:
         argv.append("--cpu-cache-compute")
+    if spec.get("gpu_mem"):
+        # FlexGen has no cap of its own; the same allocator limit is set in its process.
+        argv += ["--gpu-mem-cap", spec["gpu_mem"]]
     if args.flexgen_fewer_batch:
         argv += ["--debug-mode", "fewer_batch"]
     code, output, rss = run_process(argv, args.timeout, workdir / "flexgen.out")
