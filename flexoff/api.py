@@ -65,10 +65,13 @@ class GenerationResult(list):
 
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlexoffError("device 'cuda' was asked for, but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is None:
+        # Memory caps and peak statistics need an explicit card.
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
