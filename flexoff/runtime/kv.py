@@ -54,7 +54,9 @@ class RowMajor:
 
     @staticmethod
     def write(buffer: torch.Tensor, start: int, x: torch.Tensor) -> None:
-        buffer[:, :, start:start + x.shape[2]].copy_(x)
+        # A strided host destination must not be filled straight from the GPU: that copy runs as
+        # a kernel touching host memory element by element. Bring x over whole, then place it.
+        buffer[:, :, start:start + x.shape[2]].copy_(x.to(buffer.device))
 
 
 def cpu_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
