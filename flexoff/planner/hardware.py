@@ -23,7 +23,7 @@ FORMAT_TAG = "flexoff-hardware-profile"
 FORMAT_VERSION = 1
 TIERS = ("gpu", "cpu", "disk")
 # Short names for the packaged profiles.
-PACKAGED_PROFILES = {"t4": "t4_flexgen", "t4_flexgen": "t4_flexgen", "h100": "h100"}
+PACKAGED_PROFILES = {"t4": "t4_flexgen", "t4_flexgen": "t4_flexgen", "h100": "h100", "h200": "h200"}
 
 _BANDWIDTH_FIELDS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
 _OPTIONAL_BANDWIDTH_FIELDS = ("gpu_to_cpu_cache", "cpu_to_disk_cache")
@@ -282,7 +282,8 @@ def default_profile_path() -> Path:
 
 
 def packaged_profile(name: str) -> HardwareProfile:
-    """A reference profile shipped with flexoff: ``t4`` (the FlexGen paper's machine) or ``h100``."""
+    """A reference profile shipped with flexoff: ``t4`` (the FlexGen paper's machine), ``h100``
+    (from the lent machine's published figures) or ``h200`` (measured there by ``flexoff profile``)."""
     key = PACKAGED_PROFILES.get(name.lower())
     if key is None:
         raise ConfigError(f"unknown hardware profile {name!r}; packaged: {', '.join(sorted(PACKAGED_PROFILES))}")
