@@ -16,7 +16,6 @@ from .batch import GpuBatch, Sequence
 from .kv import BatchKV, KVWorkspace
 from .memory import Capacity, block_bytes, check_fits, weight_bytes
 from .metrics import MemoryMeter, Metrics
-from .placement import split_rows
 from .policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
 from .schedule import COMPUTE, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, STORE_ACTIVATION, block_schedule
@@ -82,12 +81,8 @@ class Engine:
         needed = block_bytes(self.cfg, policy, prompt_len, extra_slots, self.dtype.itemsize)
         check_fits({t: needed[t] + self._weight_bytes[t] for t in TIERS}, self.capacity,
                    f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens")
-        rows = min(size, len(seqs))
-        offloaded = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
-        workspace = None
-        if offloaded and not policy.cpu_attention:
-            workspace = KVWorkspace(self.cfg, prompt_len + extra_slots, offloaded, self.device, self.dtype,
-                                    self.streams)
+        workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
+                                          self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
         batches = []
         for number, start in enumerate(range(0, len(seqs), size)):

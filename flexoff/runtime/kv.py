@@ -1,85 +1,88 @@
 """The KV cache of one GPU batch, split by rows (sequences) across gpu, cpu and disk.
 
-Caches that travel are stored slot-major, (slots, rows, kv_heads, head_dim), so the first ``n``
-slots of all rows are one contiguous run: one copy or one file read per step. A CPU cache that CPU
-attention reads in place is stored row-major, (rows, kv_heads, slots, head_dim), so each head's
-keys are contiguous: strided keys ran CPU attention at a third of its memory bandwidth.
+Caches that travel are stored slot-major, a CPU cache that CPU attention reads in place row-major
+(see :mod:`.kv_storage` for why). With ``policy.compress_cache`` every tier stores keys and values
+quantized group-wise along head_dim: new slots are quantized as they are stored, and the bytes
+that move between tiers are the compressed ones.
 
-Rows on the GPU attend in place. Rows elsewhere either travel to a GPU workspace each decode step,
-or, with CPU attention, stay put: only the queries and outputs cross PCIe, and attention runs on
-the CPU in the cache's dtype, a few sequences at a time.
+Rows on the GPU attend in place (a compressed cache is first decompressed into a GPU workspace).
+Rows elsewhere either travel to a GPU workspace each decode step, or, with CPU attention, stay
+put: only the queries and outputs cross PCIe, and attention runs on the CPU in the cache's dtype,
+a few sequences at a time, decompressing only those sequences. The prefill attends on the fresh
+keys and values; the cache only keeps them.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from ..models import ModelConfig
 from ..models.common import attention
+from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
 from .placement import Piece, split_rows
-from .policy import Policy
+from .policy import TIERS, Policy
 from .tiers import DiskTier, HostMemory, Streams
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 
 
-class SlotMajor:
-    """(slots, rows, kv_heads, head_dim): a prefix of slots is one contiguous block."""
+def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor) -> torch.Tensor:
+    """Attention on host tensors, chunked over sequences so no copy of the whole cache is made.
 
-    @staticmethod
-    def shape(slots: int, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (slots, rows, kv_heads, head_dim)
-
-    @staticmethod
-    def view(buffer: torch.Tensor, end: int) -> torch.Tensor:
-        """The first ``end`` slots as (rows, kv_heads, end, head_dim)."""
-        return buffer[:end].permute(1, 2, 0, 3)
-
-    @staticmethod
-    def write(buffer: torch.Tensor, start: int, x: torch.Tensor) -> None:
-        """Store x (rows, kv_heads, seq, head_dim) at slots [start, start + seq)."""
-        buffer[start:start + x.shape[2]].copy_(x.permute(2, 0, 1, 3))
-
-
-class RowMajor:
-    """(rows, kv_heads, slots, head_dim): each head's keys are contiguous."""
-
-    @staticmethod
-    def shape(slots: int, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
-        return (rows, kv_heads, slots, head_dim)
-
-    @staticmethod
-    def view(buffer: torch.Tensor, end: int) -> torch.Tensor:
-        return buffer[:, :, :end]
-
-    @staticmethod
-    def write(buffer: torch.Tensor, start: int, x: torch.Tensor) -> None:
-        # A strided host destination must not be filled straight from the GPU: that copy runs as
-        # a kernel touching host memory element by element. Bring x over whole, then place it.
-        buffer[:, :, start:start + x.shape[2]].copy_(x.to(buffer.device))
-
-
-def cpu_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Attention on host tensors, chunked over sequences so no copy of the whole cache is made."""
+    ``read_keys(rows)`` gives those rows' keys (rows, kv_heads, keys, head_dim): a view of a
+    plain cache, or the rows of a compressed one decompressed for this call.
+    """
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], CPU_ATTENTION_ROWS):
-        rows = slice(start, start + CPU_ATTENTION_ROWS)
-        out[rows] = attention(q[rows], keys[rows], values[rows], mask[rows])
+        rows = slice(start, min(start + CPU_ATTENTION_ROWS, q.shape[0]))
+        out[rows] = attention(q[rows], read_keys(rows), read_values(rows), mask[rows])
     return out
 
 
-class KVWorkspace:
-    """GPU buffers into which off-GPU cache rows are loaded for GPU attention: a ring of two, so the
-    next batch loads while this one computes."""
+def _allocator(device: torch.device):
+    def allocate(shape, dtype):
+        return torch.empty(shape, device=device, dtype=dtype)
 
-    def __init__(self, cfg: ModelConfig, slots: int, rows: int, device: torch.device, dtype: torch.dtype,
-                 streams: Streams):
-        shape = (slots, rows, cfg.num_kv_heads, cfg.head_dim)
-        self.sets = [(torch.empty(shape, device=device, dtype=dtype), torch.empty(shape, device=device, dtype=dtype))
-                     for _ in range(2) if rows > 0]
+    return allocate
+
+
+class KVWorkspace:
+    """GPU buffers shared by the batches of a block.
+
+    ``sets``: off-GPU rows that travel for GPU attention are loaded here, in the cache's format (so
+    a compressed cache crosses PCIe compressed); a ring of two, so the next batch loads while this
+    one computes. ``dequantized``: with a compressed cache, a flat (keys, values) pair that one
+    attention call's slots are decompressed into; one pair serves every call, since attention runs
+    in order on the compute stream.
+    """
+
+    def __init__(self, cfg: ModelConfig, slots: int, travelling_rows: int, dequantized_rows: int,
+                 fmt: PlainFormat | QuantizedFormat, device: torch.device, dtype: torch.dtype, streams: Streams):
+        allocate = _allocator(device)
+        shape = SLOT_MAJOR.shape(slots, travelling_rows, cfg.num_kv_heads, cfg.head_dim)
+        self.fmt = fmt
+        self.sets = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate))
+                     for _ in range(2) if travelling_rows > 0]
+        numel = slots * dequantized_rows * cfg.num_kv_heads * cfg.head_dim
+        self.dequantized = (allocate((numel,), dtype), allocate((numel,), dtype)) if numel else (None, None)
         self.free_events = [None] * len(self.sets)
         self.streams = streams
         self._next = 0
+
+    @classmethod
+    def for_block(cls, cfg: ModelConfig, policy: Policy, rows: int, slots: int, device: torch.device,
+                  dtype: torch.dtype, streams: Streams) -> "KVWorkspace | None":
+        """The workspace for batches of up to ``rows`` sequences, or None where none is needed."""
+        on_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier == "gpu")
+        travelling = 0 if policy.cpu_attention else rows - on_gpu
+        # GPU rows and travelling rows attend one after the other, so they share the buffer.
+        dequantized = max(on_gpu, travelling) if policy.compress_cache is not None else 0
+        if not travelling and not dequantized:
+            return None
+        return cls(cfg, slots, travelling, dequantized, kv_format(policy.compress_cache, dtype), device, dtype,
+                   streams)
 
     def take(self) -> int:
         index = self._next
@@ -89,49 +92,66 @@ class KVWorkspace:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.sets)
+        ring = sum(self.fmt.size_of(buffer) for pair in self.sets for buffer in pair)
+        return ring + sum(t.numel() * t.element_size() for t in self.dequantized if t is not None)
 
 
 class _Group:
     """Rows of the batch that share a tier, with their storage for every layer."""
 
-    def __init__(self, piece: Piece, cfg: ModelConfig, slots: int, device, dtype, host: HostMemory,
-                 disk: DiskTier | None, cpu_attention: bool, name: str):
+    def __init__(self, piece: Piece, cfg: ModelConfig, slots: int, fmt: PlainFormat | QuantizedFormat,
+                 device: torch.device, host: HostMemory, disk: DiskTier | None, cpu_attention: bool, name: str):
         self.tier = piece.tier
         self.rows = slice(piece.start, piece.stop)
-        count = piece.stop - piece.start
-        self.layout = RowMajor if self.tier == "cpu" and cpu_attention else SlotMajor
-        shape = self.layout.shape(slots, count, cfg.num_kv_heads, cfg.head_dim)
-        self.slot_numel = count * cfg.num_kv_heads * cfg.head_dim
+        self.fmt = fmt
+        self.layout = ROW_MAJOR if self.tier == "cpu" and cpu_attention else SLOT_MAJOR
+        shape = self.layout.shape(slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
         layers = range(cfg.num_layers)
-        if self.tier == "gpu":
-            self.store = [(torch.empty(shape, device=device, dtype=dtype),
-                           torch.empty(shape, device=device, dtype=dtype)) for _ in layers]
-        elif self.tier == "cpu":
-            self.store = [(host.empty(shape, dtype), host.empty(shape, dtype)) for _ in layers]
-        else:
-            size = slots * self.slot_numel * dtype.itemsize
-            self.files = [(disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
-                          for j in layers]
-            # One host staging pair serves every layer: a layer's slots are read in just before use.
-            self.staging = (host.empty(shape, dtype), host.empty(shape, dtype))
-        self.itemsize = dtype.itemsize
+        if self.tier != "disk":
+            allocate = _allocator(device) if self.tier == "gpu" else host.empty
+            self.store = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in layers]
+            return
+        # One host staging pair serves every layer: a layer's slots are read in just before use.
+        self.staging = (fmt.empty(shape, host.empty), fmt.empty(shape, host.empty))
+        # A file holds the buffer's parts (the values; or codes, scales and minimums) one after
+        # another, each slot-major, so the first n slots are one read per part.
+        self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.staging[0])]
+        self.sections = [slots * sum(self.slot_nbytes[:i]) for i in range(len(self.slot_nbytes))]
+        size = slots * sum(self.slot_nbytes)
+        self.files = [(disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
+                      for j in layers]
 
-    def host_pair(self, layer: int, end: int, refresh: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Host tensors holding this layer's first ``end`` slots (read from disk if ``refresh``)."""
-        if self.tier == "cpu":
-            return self.store[layer]
-        if refresh and end > 0:
-            for region, buffer in zip(self.files[layer], self.staging):
-                region.read_into(buffer[:end])
-        return self.staging
+    def pair(self, layer: int):
+        """This layer's (keys, values) buffers: its storage, or the staging pair of disk rows."""
+        return self.staging if self.tier == "disk" else self.store[layer]
 
-    def write_back(self, layer: int, start: int, end: int) -> None:
-        """Persist slots [start, end) of the staging pair to this layer's files (disk rows only)."""
+    def load(self, layer: int, end: int) -> None:
+        """Read this layer's first ``end`` slots from disk into the staging pair (disk rows only)."""
+        if self.tier != "disk" or end == 0:
+            return
+        for region, buffer in zip(self.files[layer], self.staging):
+            for part, offset in zip(self.fmt.parts(buffer), self.sections):
+                region.read_into(part[:end], offset)
+
+    def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store keys and values (rows, kv_heads, seq, head_dim) at slots [start, start + seq), and
+        persist them to disk for disk rows."""
+        for buffer, new in zip(self.pair(layer), (keys, values)):
+            self.layout.write(self.fmt, buffer, start, new)
         if self.tier == "disk":
-            offset = start * self.slot_numel * self.itemsize
+            end = start + keys.shape[2]
             for region, buffer in zip(self.files[layer], self.staging):
-                region.write(buffer[start:end], offset)
+                for part, offset, slot_nbytes in zip(self.fmt.parts(buffer), self.sections, self.slot_nbytes):
+                    region.write(part[start:end], offset + start * slot_nbytes)
+
+    def read(self, buffer, end: int, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.layout.read(self.fmt, buffer, end, rows, out)
+
+    def nbytes_by_tier(self) -> dict[str, int]:
+        if self.tier == "disk":
+            return {"disk": sum(r.num_bytes for pair in self.files for r in pair),
+                    "cpu": sum(self.fmt.size_of(buffer) for buffer in self.staging)}
+        return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store for buffer in pair)}
 
 
 class BatchKV:
@@ -144,36 +164,46 @@ class BatchKV:
         self.cpu_attention = policy.cpu_attention
         self.streams = streams
         self.device = device
+        self.dtype = dtype
         self.workspace = workspace
-        self.groups = [_Group(p, cfg, slots, device, dtype, host, disk, policy.cpu_attention, f"{name}.{p.tier}")
+        self.fmt = kv_format(policy.compress_cache, dtype)
+        self.groups = [_Group(p, cfg, slots, self.fmt, device, host, disk, policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
-        self._loaded: dict[int, tuple[int, int]] = {}  # layer -> (workspace set, slots loaded)
+        self._loaded: dict[int, tuple] = {}  # layer -> (workspace set, event marking its load done)
+        self._staging_copied = None  # the last copy out of disk rows' staging (CUDA only)
 
-    def _offloaded(self):
+    def _offloaded(self) -> list[_Group]:
         return [g for g in self.groups if g.tier != "gpu"]
 
+    def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.workspace.dequantized if self.workspace is not None else (None, None)
+
     def prefetch(self, layer: int, start: int) -> None:
-        """Before a decode step: bring off-GPU rows' first ``start`` slots where attention will run."""
+        """Before a decode step: bring off-GPU rows' first ``start`` slots to the GPU workspace.
+
+        CPU attention reads disk rows in just before it runs instead: with one GPU batch, the
+        schedule loads layer j + 1 before layer j computes, and both share the staging pair.
+        """
         groups = self._offloaded()
-        if not groups or start == 0 or layer in self._loaded:
-            return
-        if self.cpu_attention:
-            for group in groups:
-                group.host_pair(layer, start, refresh=True)
-            self._loaded[layer] = (-1, start)
+        if not groups or start == 0 or layer in self._loaded or self.cpu_attention:
             return
         index = self.workspace.take()
-        keys, values = self.workspace.sets[index]
+        if self._staging_copied is not None:
+            # The staging pair is about to be refilled from disk: the host waits until the last
+            # copy out of it has finished (on CUDA it runs asynchronously on the load stream).
+            self._staging_copied.synchronize()
         with self.streams.on(self.streams.load):
-            offset = 0
             for group in groups:
+                group.load(layer, start)
+                offset = group.rows.start - groups[0].rows.start
                 count = group.rows.stop - group.rows.start
-                host_k, host_v = group.host_pair(layer, start, refresh=True)
-                keys[:start, offset:offset + count].copy_(host_k[:start], non_blocking=True)
-                values[:start, offset:offset + count].copy_(host_v[:start], non_blocking=True)
-                offset += count
-        self._loaded[layer] = (index, start)
-        self._ready_event = self.streams.record(self.streams.load)
+                for target, source in zip(self.workspace.sets[index], group.pair(layer)):
+                    target.narrow(1, offset, count).narrow(0, 0, start).copy_(source.narrow(0, 0, start),
+                                                                             non_blocking=True)
+        ready = self.streams.record(self.streams.load)
+        self._loaded[layer] = (index, ready)
+        if any(group.tier == "disk" for group in groups):
+            self._staging_copied = ready
 
     def attender(self, layer: int, start: int, mask: torch.Tensor):
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -182,61 +212,57 @@ class BatchKV:
         return attend
 
     def _attend(self, layer, start, mask, q, k, v) -> torch.Tensor:
-        end = start + k.shape[2]
-        out = torch.empty_like(q)
-        offloaded = self._offloaded()
-        for group in self.groups:
-            if group.tier == "gpu":
-                keys, values = group.store[layer]
-                SlotMajor.write(keys, start, k[group.rows])
-                SlotMajor.write(values, start, v[group.rows])
-                out[group.rows] = attention(q[group.rows], SlotMajor.view(keys, end), SlotMajor.view(values, end),
-                                            mask[group.rows])
-        if not offloaded:
-            return out
-        rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
         if start == 0:
             # Prefill: attend on the fresh keys, then send them to their tiers.
-            out[rows] = attention(q[rows], k[rows], v[rows], mask[rows])
-            self._store(layer, 0, end, k, v, offloaded)
-        elif self.cpu_attention:
+            out = attention(q, k, v, mask)
+            for group in self.groups:
+                group.put(layer, 0, k[group.rows], v[group.rows])
+            return out
+        end = start + k.shape[2]
+        out = torch.empty_like(q)
+        for group in self.groups:
+            if group.tier == "gpu":
+                group.put(layer, start, k[group.rows], v[group.rows])
+                keys, values = (group.read(buffer, end, out=space)
+                                for buffer, space in zip(group.pair(layer), self._dequantized()))
+                out[group.rows] = attention(q[group.rows], keys, values, mask[group.rows])
+        offloaded = self._offloaded()
+        if offloaded:
             self.prefetch(layer, start)
-            self._store(layer, start, end, k, v, offloaded)
-            for group in offloaded:
-                host_k, host_v = group.host_pair(layer, end, refresh=False)
-                part = cpu_attention(q[group.rows].to("cpu", host_k.dtype), group.layout.view(host_k, end),
-                                     group.layout.view(host_v, end),
-                                     mask[group.rows].cpu())
-                out[group.rows] = part.to(self.device, non_blocking=True)
-        else:
-            self.prefetch(layer, start)
-            index, _ = self._loaded[layer]
-            self.streams.wait(self.streams.compute, self._ready_event)
-            keys, values = self.workspace.sets[index]
-            width = rows.stop - rows.start
-            SlotMajor.write(keys[:, :width], start, k[rows])
-            SlotMajor.write(values[:, :width], start, v[rows])
-            out[rows] = attention(q[rows], SlotMajor.view(keys[:, :width], end),
-                                  SlotMajor.view(values[:, :width], end), mask[rows])
-            self.workspace.free_events[index] = self.streams.record(self.streams.compute)
-            self._store(layer, start, end, k, v, offloaded)
-        self._loaded.pop(layer, None)
+            attend = self._attend_on_cpu if self.cpu_attention else self._attend_loaded
+            attend(layer, start, end, q, k, v, mask, out, offloaded)
+            self._loaded.pop(layer, None)
         return out
 
-    def _store(self, layer: int, start: int, end: int, k, v, groups) -> None:
-        """Copy slots [start, end) of the offloaded rows to their host storage (and on to disk)."""
-        for group in groups:
-            host_k, host_v = group.host_pair(layer, end, refresh=False)
-            group.layout.write(host_k, start, k[group.rows])
-            group.layout.write(host_v, start, v[group.rows])
-            group.write_back(layer, start, end)
+    def _attend_on_cpu(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
+        for group in offloaded:
+            group.load(layer, start)
+            group.put(layer, start, k[group.rows], v[group.rows])
+            keys, values = group.pair(layer)
+            part = cpu_attention(q[group.rows].to("cpu", self.dtype), partial(group.read, keys, end),
+                                 partial(group.read, values, end), mask[group.rows].cpu())
+            out[group.rows] = part.to(self.device, non_blocking=True)
+
+    def _attend_loaded(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
+        """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace."""
+        index, ready = self._loaded[layer]
+        self.streams.wait(self.streams.compute, ready)
+        rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
+        loaded = [buffer.narrow(1, 0, rows.stop - rows.start) for buffer in self.workspace.sets[index]]
+        for buffer, new in zip(loaded, (k, v)):
+            SLOT_MAJOR.write(self.fmt, buffer, start, new[rows])
+        keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
+                        for buffer, space in zip(loaded, self._dequantized()))
+        out[rows] = attention(q[rows], keys, values, mask[rows])
+        self.workspace.free_events[index] = self.streams.record(self.streams.compute)
+        for group in offloaded:
+            group.put(layer, start, k[group.rows], v[group.rows])
 
     def nbytes_by_tier(self) -> dict[str, int]:
-        sizes = {"gpu": 0, "cpu": 0, "disk": 0}
+        """Bytes of this batch's cache per tier (compressed bytes where the cache is compressed),
+        with disk rows' host staging. The block's shared KVWorkspace counts its own."""
+        sizes = dict.fromkeys(TIERS, 0)
         for group in self.groups:
-            if group.tier == "disk":
-                sizes["disk"] += sum(r.num_bytes for pair in group.files for r in pair)
-                sizes["cpu"] += sum(t.numel() * t.element_size() for t in group.staging)
-            else:
-                sizes[group.tier] += sum(t.numel() * t.element_size() for pair in group.store for t in pair)
+            for tier, size in group.nbytes_by_tier().items():
+                sizes[tier] += size
         return sizes

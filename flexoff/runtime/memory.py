@@ -15,8 +15,11 @@ from ..compression import compressed_nbytes
 from ..errors import PolicyError
 from ..models import ModelConfig, stage_names, stage_specs
 from ..units import format_size
+from .kv import KVWorkspace
+from .kv_storage import kv_format
 from .placement import place_stage, split_rows
 from .policy import TIERS, Policy
+from .tiers import Streams
 from .weight_store import compressible, stage_kind
 
 
@@ -79,22 +82,33 @@ def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[s
     return sizes
 
 
+# The cache's scales and minimums take its dtype; only that dtype's size matters to the estimate.
+_DTYPE_OF_SIZE = {2: torch.float16, 4: torch.float32}
+
+
+def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) -> dict[str, int]:
+    """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
+    compresses the cache), disk rows' host staging, and the GPU workspace the batches share."""
+    dtype = _DTYPE_OF_SIZE[itemsize]
+    fmt = kv_format(policy.compress_cache, dtype)
+    sizes = {tier: 0 for tier in TIERS}
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+        layer_bytes = 2 * fmt.nbytes((slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim))
+        sizes[piece.tier] += cfg.num_layers * layer_bytes * policy.num_gpu_batches
+        if piece.tier == "disk":
+            sizes["cpu"] += layer_bytes * policy.num_gpu_batches  # each batch stages one layer
+    # Built on the meta device, the workspace allocates nothing but knows its size.
+    meta = torch.device("meta")
+    workspace = KVWorkspace.for_block(cfg, policy, policy.gpu_batch_size, slots, meta, dtype, Streams(meta, False))
+    if workspace is not None:
+        sizes["gpu"] += workspace.nbytes
+    return sizes
+
+
 def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int) -> dict[str, int]:
     """KV cache, activations and working memory of one full block, per tier."""
-    sizes = {tier: 0 for tier in TIERS}
-    slots = prompt_len + gen_len
+    sizes = kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize)
     rows = policy.gpu_batch_size
-    kv_per_row = slots * cfg.num_layers * cfg.kv_elements_per_token_per_layer * itemsize
-    offloaded_rows = 0
-    for piece in split_rows(rows, policy.cache):
-        count = piece.stop - piece.start
-        sizes[piece.tier] += count * kv_per_row * policy.num_gpu_batches
-        if piece.tier == "disk":
-            sizes["cpu"] += count * kv_per_row // cfg.num_layers  # one layer's staging per batch
-        if piece.tier != "gpu":
-            offloaded_rows += count
-    if offloaded_rows and not policy.cpu_attention:
-        sizes["gpu"] += 2 * offloaded_rows * slots * cfg.kv_elements_per_token_per_layer * itemsize
     hidden_per_row = prompt_len * cfg.hidden_size * itemsize
     for piece in split_rows(rows, policy.activations):
         tier = "cpu" if piece.tier == "disk" else piece.tier  # disk rows are staged through host memory

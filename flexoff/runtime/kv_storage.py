@@ -1,0 +1,163 @@
+"""How a KV buffer is laid out and encoded: the parts the cache's groups are built from.
+
+A buffer holds one layer's keys (or values) for some rows of a batch. Its layout says in which
+order the dimensions are stored; its format says how values are encoded: plain, in the compute
+dtype, or quantized group-wise along head_dim (the last dimension) by :mod:`flexoff.compression`.
+Buffers of both formats answer ``narrow`` and ``copy_``, and each format answers ``empty``,
+``write``, ``decode`` and ``parts``, so the cache never asks which format it holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..compression import CompressedTensor, compressed_nbytes, dequantize, quantize
+from .policy import CompressionConfig
+
+# allocate(shape, dtype) -> an uninitialised tensor on the buffer's tier
+Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A storage order of the standard (rows, kv_heads, slots, head_dim): dimension ``i`` of the
+    buffer is standard dimension ``order[i]``. head_dim always stays last, where groups run."""
+
+    order: tuple[int, int, int, int]
+
+    @property
+    def slot_dim(self) -> int:
+        return self.order.index(2)
+
+    @property
+    def row_dim(self) -> int:
+        return self.order.index(0)
+
+    def shape(self, slots: int, rows: int, kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        standard = (rows, kv_heads, slots, head_dim)
+        return tuple(standard[d] for d in self.order)
+
+    def arrange(self, x: torch.Tensor) -> torch.Tensor:
+        """A standard-order tensor viewed in this layout's order."""
+        return x.permute(self.order)
+
+    def standard(self, x: torch.Tensor) -> torch.Tensor:
+        """A tensor in this layout's order viewed as (rows, kv_heads, slots, head_dim)."""
+        return x.permute(tuple(self.order.index(d) for d in range(4)))
+
+    def write(self, fmt: "PlainFormat | QuantizedFormat", buffer, start: int, x: torch.Tensor) -> None:
+        """Store x (rows, kv_heads, seq, head_dim) at slots [start, start + seq)."""
+        fmt.write(buffer.narrow(self.slot_dim, start, x.shape[2]), self.arrange(x))
+
+    def read(self, fmt: "PlainFormat | QuantizedFormat", buffer, end: int, rows: slice | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Slots [0, end) of ``rows`` (all rows by default) as (rows, kv_heads, end, head_dim) in the
+        compute dtype: a view of a plain buffer; for a compressed one, decompressed into the flat
+        workspace ``out``, or into a new tensor."""
+        part = buffer.narrow(self.slot_dim, 0, end)
+        if rows is not None:
+            part = part.narrow(self.row_dim, rows.start, rows.stop - rows.start)
+        return self.standard(fmt.decode(part, out))
+
+
+# Caches that travel: the first n slots of all rows are one contiguous run, so a step's load is
+# one copy or one file read (per part of a compressed buffer).
+SLOT_MAJOR = Layout((2, 0, 1, 3))
+# A CPU cache that CPU attention reads in place: each head's keys are contiguous. Strided keys ran
+# CPU attention at a third of its memory bandwidth.
+ROW_MAJOR = Layout((0, 1, 2, 3))
+
+
+class _Format:
+    def write(self, target, x: torch.Tensor) -> None:
+        """Store x into ``target`` (the same shape, in the compute dtype, maybe on another device)."""
+        if x.device == target.device:
+            self.fill(target, x)
+            return
+        # Encode where x is, so that only the encoded bytes cross between devices.
+        encoded = self.encode(x)
+        if not all(part.is_contiguous() for part in self.parts(target)):
+            # A strided host destination must not be filled straight from the GPU: that copy runs as
+            # a kernel touching host memory element by element. Bring it over whole, then place it.
+            encoded = encoded.to(target.device)
+        target.copy_(encoded)
+
+    def size_of(self, buffer) -> int:
+        return sum(part.numel() * part.element_size() for part in self.parts(buffer))
+
+
+class PlainFormat(_Format):
+    """Values kept as they are, in the compute dtype."""
+
+    compressed = False
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def empty(self, shape: tuple[int, ...], allocate: Allocate) -> torch.Tensor:
+        return allocate(shape, self.dtype)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        return math.prod(shape) * self.dtype.itemsize
+
+    @staticmethod
+    def parts(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (buffer,)
+
+    @staticmethod
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def fill(target: torch.Tensor, x: torch.Tensor) -> None:
+        target.copy_(x)
+
+    @staticmethod
+    def decode(source: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return source  # attention reads a plain cache in place
+
+
+class QuantizedFormat(_Format):
+    """Values quantized group-wise along head_dim: packed codes, per-group scales and minimums."""
+
+    compressed = True
+
+    def __init__(self, config: CompressionConfig, dtype: torch.dtype):
+        self.bits = config.bits
+        self.group_size = config.group_size
+        self.dtype = dtype
+
+    def empty(self, shape: tuple[int, ...], allocate: Allocate) -> CompressedTensor:
+        # The meta device gives the parts' shapes without allocating; the tier allocates them
+        # (host memory comes from slabs, which CompressedTensor.empty would bypass).
+        meta = CompressedTensor.empty(shape, self.dtype, self.bits, self.group_size, -1, device="meta")
+        data, scale, minimum = (allocate(tuple(p.shape), p.dtype) for p in self.parts(meta))
+        return CompressedTensor(data, scale, minimum, shape, self.dtype, -1, self.bits, self.group_size)
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        return compressed_nbytes(shape, self.bits, self.group_size, -1, self.dtype)
+
+    @staticmethod
+    def parts(buffer: CompressedTensor) -> tuple[torch.Tensor, ...]:
+        return (buffer.data, buffer.scale, buffer.minimum)
+
+    def encode(self, x: torch.Tensor) -> CompressedTensor:
+        return quantize(x, self.bits, self.group_size, -1)
+
+    def fill(self, target: CompressedTensor, x: torch.Tensor) -> None:
+        quantize(x, self.bits, self.group_size, -1, out=target)
+
+    @staticmethod
+    def decode(source: CompressedTensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is not None:
+            out = out[:source.numel()].view(source.shape)  # contiguous, as the fused kernel wants
+        return dequantize(source, out=out)
+
+
+def kv_format(config: CompressionConfig | None, dtype: torch.dtype) -> PlainFormat | QuantizedFormat:
+    """The format of a cache in compute dtype ``dtype``, compressed when ``config`` is set."""
+    return PlainFormat(dtype) if config is None else QuantizedFormat(config, dtype)
