@@ -45,6 +45,11 @@ POLICIES = {
     "16GiB w15/85 cache-cpu cpu-attn 24x3": dict(percent=(15, 85, 0, 100, 100, 0), gbs=24, ngb=3,
                                                 cpu_attention=True, gpu_mem="16GiB"),
     "w0/100 cache-gpu 24x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=24, ngb=1, cpu_attention=False),
+    # 4-bit group-wise compression (groups of 64), as FlexGen's --compress-weight/--compress-cache.
+    "4-bit w 0/100 cache-gpu 64x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=64, ngb=1, cpu_attention=False,
+                                        compress_weight=True),
+    "4-bit w+c, w 0/100 cache-cpu 64x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=2,
+                                             cpu_attention=False, compress_weight=True, compress_cache=True),
     # A FlexGen policy whose peak GPU use stays under 16 GiB, run by both under the same cap.
     "16GiB w0/100 cache-gpu 8x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=8, ngb=1, cpu_attention=False,
                                       gpu_mem="16GiB"),
@@ -52,7 +57,8 @@ POLICIES = {
 
 
 def roofline(model: str, spec: dict, gen_len: int, itemsize: int = 2) -> float:
-    """Decode token/s if each step only had to stream the off-GPU weights once."""
+    """Decode token/s if each step only had to stream the off-GPU weights once (4.5 bits a value
+    when compressed in groups of 64)."""
     cfg = REGISTRY[model]
     w = TierFractions.from_percent(*spec["percent"][:2])
     on = {"cpu": 0, "disk": 0}
@@ -60,7 +66,8 @@ def roofline(model: str, spec: dict, gen_len: int, itemsize: int = 2) -> float:
         for placement in place_stage(stage_specs(cfg, stage), w):
             for tier in on:
                 on[tier] += placement.numel_on(tier) * itemsize
-    seconds = on["cpu"] / H2D_BANDWIDTH + on["disk"] / DISK_READ_BANDWIDTH
+    shrink = 4.5 / 16 if spec.get("compress_weight") else 1.0
+    seconds = shrink * (on["cpu"] / H2D_BANDWIDTH + on["disk"] / DISK_READ_BANDWIDTH)
     return spec["gbs"] * spec["ngb"] / seconds if seconds else float("inf")
 
 
@@ -94,6 +101,9 @@ def run_flexoff(model: str, spec: dict, args, workdir: Path) -> dict:
         argv.append("--cpu-attention")
     if spec.get("gpu_mem"):
         argv += ["--gpu-mem", spec["gpu_mem"]]
+    for flag in ("compress_weight", "compress_cache"):
+        if spec.get(flag):
+            argv.append("--" + flag.replace("_", "-"))
     code, output, rss = run_process(argv, args.timeout, workdir / "flexoff.log")
     if code != 0 or not metrics_file.exists():
         return {"error": output.strip().splitlines()[-1] if output.strip() else f"exit {code}", "rss": rss}
@@ -111,6 +121,9 @@ def run_flexgen(model: str, spec: dict, args, workdir: Path) -> dict:
             "--percent", *map(str, spec["percent"]), "--offload-dir", args.offload_dir, "--log-file", str(log_file)]
     if spec["cpu_attention"]:
         argv.append("--cpu-cache-compute")
+    for flag in ("compress_weight", "compress_cache"):
+        if spec.get(flag):
+            argv.append("--" + flag.replace("_", "-"))
     if spec.get("gpu_mem"):
         # FlexGen has no cap of its own; the same allocator limit is set in its process.
         argv += ["--gpu-mem-cap", spec["gpu_mem"]]
