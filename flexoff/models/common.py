@@ -70,7 +70,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    return out.view(batch, heads, seq, head_dim)
+    return out.reshape(batch, heads, seq, head_dim)
 
 
 def attention_mask(valid: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:
