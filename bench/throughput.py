@@ -48,7 +48,7 @@ POLICIES = {
     # 4-bit group-wise compression (groups of 64), as FlexGen's --compress-weight/--compress-cache.
     "4-bit w 0/100 cache-gpu 64x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=64, ngb=1, cpu_attention=False,
                                         compress_weight=True),
-    "4-bit w+c, w 0/100 cache-cpu 64x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=2,
+    "4-bit w+c w 0/100 cache-cpu 64x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=2,
                                              cpu_attention=False, compress_weight=True, compress_cache=True),
     # A FlexGen policy whose peak GPU use stays under 16 GiB, run by both under the same cap.
     "16GiB w0/100 cache-gpu 8x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=8, ngb=1, cpu_attention=False,
