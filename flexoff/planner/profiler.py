@@ -186,16 +186,22 @@ def _attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128,
 
 
 def _cpu_attention_rate(sizes: ProfileSizes, heads=32, head_dim=128, keys=544):
-    """Decode attention as flexoff runs it on the CPU: fp16 cache, fp32 arithmetic."""
-    batch = sizes.attention_batch * heads
-    q = torch.randn(batch, 1, head_dim)
-    cache = torch.randn(batch, keys, head_dim).half()
+    """Decode attention as the runtime runs it on the CPU: its own function, over an fp16 cache in
+    the row-major layout it keeps for CPU attention, with a padding mask."""
+    from ..runtime.kv import cpu_attention
+
+    rows = sizes.attention_batch
+    q = torch.randn(rows, heads, 1, head_dim).half()
+    keys_cache = torch.randn(rows, heads, keys, head_dim).half()
+    values_cache = torch.randn(rows, heads, keys, head_dim).half()
+    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
+    mask[:, :, :, :8] = False  # left padding
 
     def attend():
-        k = cache.float()
-        return torch.softmax(q @ k.transpose(1, 2), dim=-1) @ k
+        return cpu_attention(q, keys_cache.__getitem__, values_cache.__getitem__, mask)
 
     seconds = _time(attend, torch.device("cpu"), sizes.min_seconds)
+    batch = rows * heads
     return 4.0 * batch * keys * head_dim / seconds, {"heads_x_batch": batch, "keys": keys, "seconds": seconds,
                                                      "threads": torch.get_num_threads()}
 
@@ -268,7 +274,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     else:
         cpu_dequant = gpu_dequant
     notes["compute"] = ("measured: softmax attention with bmm (32 heads x 128, prompt 512 / 544 keys), "
-                        "fp32 CPU attention over an fp16 cache, 4-bit group-64 dequantization, a device-to-device "
+                        "the runtime's CPU attention over an fp16 cache, 4-bit group-64 dequantization, a device-to-device "
                         "copy for memory bandwidth")
 
     return HardwareProfile(
