@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import PromptError
+from .fileio import jsonl_objects
 from .models import ModelConfig
 
 
@@ -33,21 +33,13 @@ def read_prompts(path: str | Path) -> list[PromptLine]:
     if path.suffix != ".jsonl":
         lines = [PromptLine(line) for line in text.splitlines() if line.strip()]
     else:
-        lines = [_parse_jsonl_line(path, number, line)
-                 for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+        lines = [_prompt_line(where, record) for _, where, record in jsonl_objects(path, text, PromptError)]
     if not lines:
         raise PromptError(f"prompts file {path} holds no prompts")
     return lines
 
 
-def _parse_jsonl_line(path: Path, number: int, line: str) -> PromptLine:
-    where = f"{path}:{number}"
-    try:
-        record = json.loads(line)
-    except ValueError as exc:
-        raise PromptError(f"{where}: malformed JSON ({exc.msg})") from None
-    if not isinstance(record, dict):
-        raise PromptError(f"{where}: each line must be a JSON object with a \"prompt\" field")
+def _prompt_line(where: str, record: dict) -> PromptLine:
     prompt = record.get("prompt")
     is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     if not (isinstance(prompt, str) or is_ids):

@@ -26,13 +26,13 @@ and the line's id, so a resumed job draws what an uninterrupted one would have d
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import PromptError, TokenizerError
+from ..fileio import jsonl_objects
 from ..runtime.sampling import SamplingParams
 from .runner import GenerationItem, request_seed, run_generation
 from .store import ResultStore, id_key, make_header
@@ -68,16 +68,7 @@ def read_batch_input(path: str | Path) -> tuple[list[BatchLine], str]:
         raise PromptError(f"{path} line {line}: not valid UTF-8") from None
     lines: list[BatchLine] = []
     seen: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise PromptError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-        if not isinstance(obj, dict):
-            raise PromptError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for number, where, obj in jsonl_objects(path, text, PromptError):
         unknown = sorted(set(obj) - set(FIELDS))
         if unknown:
             raise PromptError(f"{where}: unknown field {unknown[0]!r}; known fields: {', '.join(FIELDS)} "

@@ -92,17 +92,10 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flexoff")
-    register(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
-    args = parser.parse_args(argv)
-    try:
-        return args.handler(args)
-    except FlexoffError as exc:
-        print(f"flexoff: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("flexoff: interrupted", file=sys.stderr)
-        return 130
+    """The whole ``flexoff`` command line, which holds these commands too."""
+    from ..cli import main as flexoff_main
+
+    return flexoff_main(argv)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..fileio import jsonl_objects
 from .errors import ScenarioError
 from .synthetic import pattern_match_problems
 
@@ -199,18 +200,11 @@ def load_instances(scenario: Scenario, path: str | Path | None, *, seed: int = 0
                 for i, (text, target) in enumerate(problems)]
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"cannot read data file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     instances, seen = [], {}
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        where = f"{path} line {number}"
-        try:
-            obj = json.loads(raw)
-        except ValueError as exc:
-            raise ScenarioError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    for number, where, obj in jsonl_objects(path, text, ScenarioError):
         instance = _instance(scenario, obj, number, where)
         key = json.dumps(instance.id)
         if key in seen:
