@@ -6,7 +6,7 @@ import torch
 
 from .placement import split_rows
 from .policy import TierFractions
-from .tiers import DiskTier, HostMemory, Streams
+from .tiers import DiskTier, HostMemory
 
 
 class BatchActivations:
@@ -17,10 +17,9 @@ class BatchActivations:
     """
 
     def __init__(self, rows: int, max_numel_per_row: int, fractions: TierFractions, device: torch.device,
-                 dtype: torch.dtype, host: HostMemory, streams: Streams, disk: DiskTier | None, name: str):
+                 dtype: torch.dtype, host: HostMemory, disk: DiskTier | None, name: str):
         self.pieces = split_rows(rows, fractions)
         self.device = device
-        self.streams = streams
         self.offloaded = any(p.tier != "gpu" for p in self.pieces)
         self.host: dict[str, torch.Tensor] = {}
         self.region = None
@@ -64,9 +63,3 @@ class BatchActivations:
                 self.region.read_into(host)
             parts.append(host.to(self.device, non_blocking=True))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
-
-    def nbytes_by_tier(self) -> dict[str, int]:
-        sizes = {tier: t.numel() * t.element_size() for tier, t in self.host.items()}
-        if self.region is not None:
-            sizes["disk"] = self.region.num_bytes
-        return sizes

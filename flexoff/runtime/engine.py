@@ -94,7 +94,7 @@ class Engine:
 
             def make_activations(count, length, name=name):
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,
-                                        self.dtype, host, self.streams, self.disk, name)
+                                        self.dtype, host, self.disk, name)
 
             batches.append(GpuBatch(self.cfg, seqs[start:start + size], self.device, self.dtype, extra_slots,
                                     make_kv, make_activations))

@@ -186,8 +186,6 @@ class TieredWeights:
                 )
                 for _ in range(count)
             ]
-        self.buffer_bytes = sum(_nbytes(t) for sets in buffers.values() for s in sets
-                                for t in (*s.tensors.values(), *s.compressed.values()))
         return buffers
 
     def _set_for(self, stage: str) -> _BufferSet | None:
