@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import FlexoffError
 
 BATCH_EPILOG = """\
 input: one JSON object per line

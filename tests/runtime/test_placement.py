@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexoff.models import REGISTRY, stage_names, stage_specs
+from flexoff.models import REGISTRY, stage_specs
 from flexoff.runtime.placement import place_stage, realised_fractions, split_rows
 from flexoff.runtime.policy import TIERS, TierFractions
 
