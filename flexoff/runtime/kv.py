@@ -23,7 +23,7 @@ from ..models.common import attention
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
 from .placement import Piece, split_rows
 from .policy import TIERS, Policy
-from .tiers import DiskTier, HostMemory, Streams
+from .tiers import DiskTier, HostMemory, Streams, device_allocator
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 
@@ -41,13 +41,6 @@ def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor) -
     return out
 
 
-def _allocator(device: torch.device):
-    def allocate(shape, dtype):
-        return torch.empty(shape, device=device, dtype=dtype)
-
-    return allocate
-
-
 class KVWorkspace:
     """GPU buffers shared by the batches of a block.
 
@@ -60,7 +53,7 @@ class KVWorkspace:
 
     def __init__(self, cfg: ModelConfig, slots: int, travelling_rows: int, dequantized_rows: int,
                  fmt: PlainFormat | QuantizedFormat, device: torch.device, dtype: torch.dtype, streams: Streams):
-        allocate = _allocator(device)
+        allocate = device_allocator(device)
         shape = SLOT_MAJOR.shape(slots, travelling_rows, cfg.num_kv_heads, cfg.head_dim)
         self.fmt = fmt
         self.sets = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate))
@@ -108,7 +101,7 @@ class _Group:
         shape = self.layout.shape(slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
         layers = range(cfg.num_layers)
         if self.tier != "disk":
-            allocate = _allocator(device) if self.tier == "gpu" else host.empty
+            allocate = device_allocator(device) if self.tier == "gpu" else host.empty
             self.store = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in layers]
             return
         # One host staging pair serves every layer: a layer's slots are read in just before use.

@@ -21,6 +21,15 @@ _ALIGN = 4096  # file offsets are page-aligned so large reads map onto whole pag
 _CHUNK = 64 << 20  # bytes per read/write call: large enough for full disk bandwidth
 
 
+def device_allocator(device: torch.device | str):
+    """allocate(shape, dtype) -> an uninitialised tensor on ``device`` (the host allocator's twin)."""
+
+    def allocate(shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, device=device, dtype=dtype)
+
+    return allocate
+
+
 class HostMemory:
     """Host allocations of one lifetime (the engine's weights, or one block's cache).
 

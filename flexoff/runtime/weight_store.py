@@ -20,7 +20,7 @@ from ..compression import CompressedTensor, dequantize, quantize
 from ..models import ModelConfig, WeightSpec, stage_names, stage_specs
 from .placement import TensorPlacement, place_stage, realised_fractions
 from .policy import TIERS, CompressionConfig, Policy
-from .tiers import DiskRegion, DiskTier, HostMemory, Streams
+from .tiers import DiskRegion, DiskTier, HostMemory, Streams, device_allocator
 
 Stored = torch.Tensor | CompressedTensor
 
@@ -139,12 +139,11 @@ class TieredWeights:
             for piece in placement.pieces:
                 rows = full.narrow(0, piece.start, piece.stop - piece.start)
                 if piece.tier == "gpu":
-                    storage = _empty_like(rows, lambda shape, dt: torch.empty(shape, dtype=dt, device=self.device))
+                    storage = _empty_like(rows, device_allocator(self.device))
                 elif piece.tier == "cpu":
                     storage = _empty_like(rows, self.host.empty)
                 else:  # a layout-only template on the meta device: shapes without memory
-                    storage = _OnDisk(pieces.disk_bytes, _empty_like(
-                        rows, lambda shape, dt: torch.empty(shape, dtype=dt, device="meta")))
+                    storage = _OnDisk(pieces.disk_bytes, _empty_like(rows, device_allocator("meta")))
                     pieces.disk_bytes += _nbytes(rows)
                     on_disk.append((rows, storage))
                 if not isinstance(storage, _OnDisk):

@@ -5,6 +5,7 @@ import torch
 
 from flexoff import LLM, Policy, SamplingParams
 from tests.conftest import PROMPTS
+from tests.models.test_hf_equality import assert_last_logits_match
 from tests.runtime.test_offload_equality import POLICIES
 
 pytestmark = pytest.mark.gpu
@@ -41,10 +42,4 @@ def test_cuda_fp32_matches_transformers(tiny_model_dir, kind):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     path, hf = tiny_model_dir(kind)
-    llm = LLM(str(path), device="cuda", dtype="float32")
-    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
-    ours = llm.next_token_logits(ids)
-    for row, prompt_ids in enumerate(ids):
-        with torch.no_grad():
-            ref = hf(torch.tensor([prompt_ids])).logits[0, -1]
-        torch.testing.assert_close(ours[row], ref, rtol=1e-3, atol=1e-3)
+    assert_last_logits_match(LLM(str(path), device="cuda", dtype="float32"), hf, 1e-3)
