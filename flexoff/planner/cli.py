@@ -127,13 +127,16 @@ def run_profile(args) -> int:
     print(f"{profile.device}")
     print(f"  cpu->gpu {profile.cpu_to_gpu_bandwidth / gb:.3g} GB/s, "
           f"gpu->cpu {profile.gpu_to_cpu_bandwidth / gb:.3g} GB/s, "
-          f"disk read {profile.disk_to_cpu_bandwidth / gb:.3g} GB/s, "
+          f"disk read {profile.disk_to_cpu_bandwidth / gb:.3g} GB/s "
+          f"({(profile.disk_to_cpu_cached_bandwidth or 0) / gb:.3g} from the page cache), "
           f"write {profile.cpu_to_disk_bandwidth / gb:.3g} GB/s")
     curve = ", ".join(f"m={m:g}: {f / 1e12:.3g}" for m, f in profile.matmul_flops)
     print(f"  matmul TFLOP/s {curve}")
     print(f"  attention prefill {profile.prefill_attention_flops / 1e12:.3g} TFLOP/s, decode "
-          f"{profile.decode_attention_flops / 1e12:.3g}, cpu {profile.cpu_attention_flops / 1e9:.3g} GFLOP/s; "
-          f"dequant {profile.gpu_dequant_throughput / 1e9:.3g} G elements/s")
+          f"{profile.decode_attention_flops / 1e12:.3g}, cpu {profile.cpu_attention_flops / 1e9:.3g} GFLOP/s "
+          f"({profile.cpu_attention_share_under_copy:.0%} of it while copies stream); "
+          f"dequant {profile.gpu_dequant_throughput / 1e9:.3g} G elements/s "
+          f"(KV rows {profile.kv_dequant_throughput / 1e9:.3g}; CPU {profile.cpu_dequant_throughput / 1e9:.3g})")
     print(f"wrote {output} in {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -5,7 +5,12 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
 - compression: stored bytes shrink to bits/8 plus per-group metadata, dequantization costs time;
 - CPU attention: decode attention over the non-GPU cache runs on the CPU, so only the query and the
   attention output cross PCIe instead of the cache;
-- grouped-query attention and SwiGLU, through the element counts in ``sizes``.
+- grouped-query attention and SwiGLU, through the element counts in ``sizes``;
+- host-memory contention: CPU attention slows down while the copy engine streams weights out of
+  the same memory (the profile's ``cpu_attention_share_under_copy``);
+- the page cache: disk data that fits in the host memory left free is read back at the cached
+  rate, when the profile has one. The search plans with the cold rate, so that a policy it picks
+  never relies on memory that other processes may take.
 
 Every time and memory term is affine in the placement fractions. The formulas take the fractions as
 floats or as numpy arrays, so the search reads the LP's coefficients off the same code that
@@ -134,6 +139,7 @@ class Prediction:
     peak_memory: dict  # tier -> bytes
     capacity: dict  # tier -> usable bytes
     memory_by_phase: dict = field(default_factory=dict)  # (tier, phase) -> bytes
+    disk_reads_cached: bool = False  # disk reads priced at the page-cache rate
 
     @property
     def fits(self) -> bool:
@@ -177,9 +183,13 @@ class CostModel:
 
     # ---- time
 
-    def phase_terms(self, frame: PolicyFrame, p: Placement) -> dict:
-        """{phase: (io terms, compute sub-terms)}, each in seconds per layer, affine in ``p``."""
+    def phase_terms(self, frame: PolicyFrame, p: Placement, disk_read_bandwidth: float | None = None) -> dict:
+        """{phase: (io terms, compute sub-terms)}, each in seconds per layer, affine in ``p``.
+
+        ``disk_read_bandwidth`` overrides the profile's cold disk read rate (page-cache hits).
+        """
         hw, w = self.hardware, self.workload
+        disk_read = disk_read_bandwidth or hw.disk_to_cpu_bandwidth
         s, n = w.prompt_len, w.gen_len
         gbs, nb, bls = frame.gpu_batch_size, frame.num_gpu_batches, frame.block_size
         W = self.weight_bytes_per_layer(frame)
@@ -194,7 +204,7 @@ class CostModel:
             "cpu_to_gpu": (w_off * W + h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
             "gpu_to_cpu": c_off * kv * s * bls / hw.gtoc_cache_bandwidth
             + h_off * act * s * bls / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * W + p.hd * act * s * bls) / hw.disk_to_cpu_bandwidth,
+            "disk_to_cpu": (p.wd * W + p.hd * act * s * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * s * bls / hw.ctod_cache_bandwidth
             + p.hd * act * s * bls / hw.cpu_to_disk_bandwidth,
         }
@@ -204,8 +214,8 @@ class CostModel:
             / hw.matmul_flops_at(gbs * s),
             "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
             # Weights are dequantized for every GPU batch; new cache is quantized once.
-            "dequantize": ((nb * self.matrix_numel if cw else 0) + (bls * s * self.kv_numel if cc else 0))
-            / hw.gpu_dequant_throughput,
+            "dequantize": (nb * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
+            + (bls * s * self.kv_numel / hw.kv_dequant_throughput if cc else 0.0),
             "cpu_attention": 0.0 * c_off,
         }
 
@@ -218,7 +228,7 @@ class CostModel:
             # New keys and values go to the cache's home; with CPU attention the query goes too.
             "gpu_to_cpu": c_off * kv * bls / hw.gtoc_cache_bandwidth
             + (h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * W + p.hd * act * bls + p.cd * kv * s_avg * bls) / hw.disk_to_cpu_bandwidth,
+            "disk_to_cpu": (p.wd * W + p.hd * act * bls + p.cd * kv * s_avg * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
         }
         attention_flops = 4 * s_avg * self.query_width  # per sequence: q.K^T and p.V
@@ -231,9 +241,16 @@ class CostModel:
             / hw.matmul_flops_at(gbs),
             "gpu_attention": gpu_att * bls * gpu_attention_seconds,
             "dequantize": ((nb * self.matrix_numel / hw.gpu_dequant_throughput) if cw else 0.0)
-            + ((gpu_att * bls * s_avg * self.kv_numel / hw.gpu_dequant_throughput) if cc else 0.0 * gpu_att),
+            + ((gpu_att * bls * s_avg * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0 * gpu_att),
             "cpu_attention": cpu_share * bls * cpu_attention_seconds,
         }
+        if cpu_att:
+            # While the weights stream, CPU attention runs at a share f of its speed: it finishes
+            # (1 - f) x the copy time later than alone, unless the copy is the longer anyway (the
+            # phase's max over the I/O terms covers that case).
+            weight_copy = w_off * W / hw.cpu_to_gpu_bandwidth
+            decode_compute["cpu_attention"] = (decode_compute["cpu_attention"]
+                                               + (1 - hw.cpu_attention_share_under_copy) * weight_copy)
         return {"prefill": (prefill_io, prefill_compute), "decode": (decode_io, decode_compute)}
 
     @staticmethod
@@ -323,7 +340,10 @@ class CostModel:
 
     def predict(self, policy: Policy) -> Prediction:
         frame, p = PolicyFrame.of(policy), Placement.of(policy)
-        terms = self.phase_terms(frame, p)
+        memory = {k: float(v) for k, v in self.memory_terms(frame, p).items()}
+        peak = {t: max(memory[(t, ph)] for ph in PHASES) for t in TIERS}
+        disk_cached = self.disk_reads_cached(peak)
+        terms = self.phase_terms(frame, p, self.hardware.disk_to_cpu_cached_bandwidth if disk_cached else None)
         phases = {}
         for phase in PHASES:
             io, compute = terms[phase]
@@ -337,17 +357,25 @@ class CostModel:
         decode_seconds = layers * (w.gen_len - 1) * phases["decode"].seconds_per_layer
         latency = prefill_seconds + decode_seconds
         share = self.useful_share(bls)
-        memory = {k: float(v) for k, v in self.memory_terms(frame, p).items()}
         return Prediction(
             policy=policy, workload=w, prefill=phases["prefill"], decode=phases["decode"],
             prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, block_latency=latency,
             total_throughput=share * bls * w.gen_len / latency,
             prefill_throughput=share * bls * w.prompt_len / prefill_seconds,
             decode_throughput=(share * bls * (w.gen_len - 1) / decode_seconds) if w.gen_len > 1 else 0.0,
-            peak_memory={t: max(memory[(t, ph)] for ph in PHASES) for t in TIERS},
+            peak_memory=peak,
             capacity=self.capacities(),
             memory_by_phase=memory,
+            disk_reads_cached=disk_cached,
         )
+
+    def disk_reads_cached(self, peak: dict) -> bool:
+        """Whether the page cache can hold everything on disk: the host memory flexoff leaves free
+        (all of RAM less its own peak, without the planning headroom) holds the disk's bytes."""
+        hw = self.hardware
+        if hw.disk_to_cpu_cached_bandwidth is None or peak["disk"] <= 0:
+            return False
+        return peak["disk"] <= hw.cpu_memory - peak["cpu"]
 
 
 def _maximum(a, b):

@@ -26,7 +26,7 @@ TIERS = ("gpu", "cpu", "disk")
 PACKAGED_PROFILES = {"t4": "t4_flexgen", "t4_flexgen": "t4_flexgen", "h100": "h100", "h200": "h200"}
 
 _BANDWIDTH_FIELDS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
-_OPTIONAL_BANDWIDTH_FIELDS = ("gpu_to_cpu_cache", "cpu_to_disk_cache")
+_OPTIONAL_BANDWIDTH_FIELDS = ("gpu_to_cpu_cache", "cpu_to_disk_cache", "disk_to_cpu_cached")
 _COMPUTE_FIELDS = (
     "prefill_attention_flop_per_s",
     "decode_attention_flop_per_s",
@@ -35,6 +35,7 @@ _COMPUTE_FIELDS = (
     "gpu_dequant_elements_per_s",
     "cpu_dequant_elements_per_s",
 )
+_OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "cpu_attention_share_under_copy")
 _TOP_FIELDS = {
     "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction",
     "bandwidth_bytes_per_s", "compute", "notes", "measurements",
@@ -68,6 +69,13 @@ class HardwareProfile:
     # KV-cache writes are strided and slower on some machines; None means "same as the plain link".
     gpu_to_cpu_cache_bandwidth: float | None = None
     cpu_to_disk_cache_bandwidth: float | None = None
+    # Reads of a file the page cache still holds; None: every disk read is priced at the cold rate.
+    disk_to_cpu_cached_bandwidth: float | None = None
+    # Dequantizing KV-cache-shaped tensors (short groups along head_dim) runs slower than weights.
+    gpu_kv_dequant_throughput: float | None = None
+    # CPU attention and the copy engine share host memory: the share of its speed CPU attention
+    # keeps while pinned host-to-GPU copies run (1.0: no contention).
+    cpu_attention_share_under_copy: float = 1.0
     usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)
     device: str = ""
     source: str = ""
@@ -83,6 +91,10 @@ class HardwareProfile:
     @property
     def ctod_cache_bandwidth(self) -> float:
         return self.cpu_to_disk_cache_bandwidth or self.cpu_to_disk_bandwidth
+
+    @property
+    def kv_dequant_throughput(self) -> float:
+        return self.gpu_kv_dequant_throughput or self.gpu_dequant_throughput
 
     def capacity(self, tier: str) -> float:
         """Bytes the planner may fill on ``tier``: the capacity less the headroom."""
@@ -129,6 +141,13 @@ class HardwareProfile:
             bandwidth["gpu_to_cpu_cache"] = self.gpu_to_cpu_cache_bandwidth
         if self.cpu_to_disk_cache_bandwidth is not None:
             bandwidth["cpu_to_disk_cache"] = self.cpu_to_disk_cache_bandwidth
+        if self.disk_to_cpu_cached_bandwidth is not None:
+            bandwidth["disk_to_cpu_cached"] = self.disk_to_cpu_cached_bandwidth
+        compute = {}
+        if self.gpu_kv_dequant_throughput is not None:
+            compute["gpu_kv_dequant_elements_per_s"] = self.gpu_kv_dequant_throughput
+        if self.cpu_attention_share_under_copy != 1.0:
+            compute["cpu_attention_share_under_copy"] = self.cpu_attention_share_under_copy
         return {
             "format": FORMAT_TAG,
             "version": FORMAT_VERSION,
@@ -146,6 +165,7 @@ class HardwareProfile:
                 "cpu_attention_flop_per_s": self.cpu_attention_flops,
                 "gpu_dequant_elements_per_s": self.gpu_dequant_throughput,
                 "cpu_dequant_elements_per_s": self.cpu_dequant_throughput,
+                **compute,
             },
             "notes": dict(self.notes),
             "measurements": dict(self.measurements),
@@ -239,8 +259,13 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         for k in _OPTIONAL_BANDWIDTH_FIELDS
     }
 
-    compute = _section(data, "compute", source, ("matmul_flop_per_s",) + _COMPUTE_FIELDS)
+    compute = _section(data, "compute", source, ("matmul_flop_per_s",) + _COMPUTE_FIELDS, _OPTIONAL_COMPUTE_FIELDS)
     rates = {k: _positive(compute[k], f"compute.{k}", source) for k in _COMPUTE_FIELDS}
+    optional = {k: _positive(compute[k], f"compute.{k}", source) if compute.get(k) is not None else None
+                for k in _OPTIONAL_COMPUTE_FIELDS}
+    share = optional["cpu_attention_share_under_copy"]
+    if share is not None and share > 1:
+        raise ConfigError(f"{source}: field 'compute.cpu_attention_share_under_copy' must be at most 1, got {share}")
     curve = compute["matmul_flop_per_s"]
     where = "compute.matmul_flop_per_s"
     if not isinstance(curve, list) or not curve:
@@ -262,6 +287,9 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         disk_to_cpu_bandwidth=bw["disk_to_cpu"], cpu_to_disk_bandwidth=bw["cpu_to_disk"],
         gpu_to_cpu_cache_bandwidth=bw_cache["gpu_to_cpu_cache"],
         cpu_to_disk_cache_bandwidth=bw_cache["cpu_to_disk_cache"],
+        disk_to_cpu_cached_bandwidth=bw_cache["disk_to_cpu_cached"],
+        gpu_kv_dequant_throughput=optional["gpu_kv_dequant_elements_per_s"],
+        cpu_attention_share_under_copy=1.0 if share is None else share,
         matmul_flops=tuple(points),
         prefill_attention_flops=rates["prefill_attention_flop_per_s"],
         decode_attention_flops=rates["decode_attention_flop_per_s"],

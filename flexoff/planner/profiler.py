@@ -206,16 +206,64 @@ def _cpu_attention_rate(sizes: ProfileSizes, heads=32, head_dim=128, keys=544):
                                                      "threads": torch.get_num_threads()}
 
 
-def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64):
-    """4-bit dequantization through flexoff's own codec, as the runtime runs it."""
+def _cached_read_bandwidth(directory: str, nbytes: int):
+    """Read back, through the disk tier's own reads, a file just written: what a disk tier that
+    fits in the free host memory sees, since the page cache keeps its pages."""
+    from ..runtime.tiers import DiskTier
+
+    disk = DiskTier(directory)
+    try:
+        region = disk.allocate("cached-read", nbytes)
+        data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        region.write(data)
+        region.read_into(data)  # the first read may still fault pages in
+        start = time.perf_counter()
+        region.read_into(data)
+        seconds = time.perf_counter() - start
+    finally:
+        disk.close()
+    return nbytes / seconds, {"bytes": nbytes, "seconds": seconds}
+
+
+def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device):
+    """CPU attention's speed while pinned host-to-GPU copies stream, as a share of its speed alone."""
+    import threading
+
+    alone, _ = _cpu_attention_rate(sizes)
+    nbytes = max(sizes.copy_bytes)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    device = torch.empty(nbytes, dtype=torch.uint8, device=compute)
+    stream = torch.cuda.Stream(compute)
+    stop = threading.Event()
+
+    def copy_loop():
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                device.copy_(host, non_blocking=True)
+                stream.synchronize()
+
+    worker = threading.Thread(target=copy_loop)
+    worker.start()
+    try:
+        together, _ = _cpu_attention_rate(sizes)
+    finally:
+        stop.set()
+        worker.join()
+    share = min(1.0, together / alone)
+    return share, {"alone_flop_per_s": alone, "under_copy_flop_per_s": together, "copy_bytes": nbytes}
+
+
+def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, width: int = 4096):
+    """4-bit dequantization through flexoff's own codec, as the runtime runs it: rows ``width``
+    wide, grouped along them (4096 for weights; a head_dim of 128 for the KV cache)."""
     from ..compression import dequantize, quantize
 
-    width = 4096
     rows = max(1, sizes.dequant_elements // width)
     packed = quantize(torch.randn(rows, width, device=device, dtype=torch.float16), bits=4, group_size=group_size)
     out = torch.empty(rows, width, device=device, dtype=torch.float16)
     seconds = _time(lambda: dequantize(packed, out=out), device, sizes.min_seconds)
-    return rows * width / seconds, {"elements": rows * width, "group_size": group_size, "seconds": seconds}
+    return rows * width / seconds, {"elements": rows * width, "width": width, "group_size": group_size,
+                                    "seconds": seconds}
 
 
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
@@ -259,6 +307,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         dtype = torch.float32
     log(f"disk: {sizes.disk_bytes // MiB} MiB in {DISK_BLOCK // MiB} MiB blocks under {disk_dir}")
     disk_read, disk_write, measurements["disk"] = _disk_bandwidth(disk_dir, sizes.disk_bytes)
+    cached_read, measurements["disk_cached_read"] = _cached_read_bandwidth(disk_dir, sizes.disk_bytes // 2)
     log("matmuls at several row counts")
     curve, measurements["matmul"] = _matmul_curve(compute, dtype, sizes)
     notes["matmul_flop_per_s"] = (f"measured: {str(dtype).replace('torch.', '')} [m x {sizes.matmul_inner}] . "
@@ -269,25 +318,34 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     measurements["attention"] = attention.pop("raw")
     cpu_attention, measurements["cpu_attention"] = _cpu_attention_rate(sizes)
     gpu_dequant, measurements["gpu_dequant"] = _dequant_rate(compute, sizes)
+    kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, width=128)
+    share_under_copy = 1.0
+    if use_cuda:
+        log("CPU attention while pinned copies stream")
+        share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(sizes, compute)
     if use_cuda:
         cpu_dequant, measurements["cpu_dequant"] = _dequant_rate(cpu, sizes)
     else:
         cpu_dequant = gpu_dequant
     notes["compute"] = ("measured: softmax attention with bmm (32 heads x 128, prompt 512 / 544 keys), "
-                        "the runtime's CPU attention over an fp16 cache, 4-bit group-64 dequantization, a device-to-device "
+                        "the runtime's CPU attention over an fp16 cache, alone and while pinned copies to the GPU stream, "
+                        "4-bit group-64 dequantization of weight rows and of KV rows (head_dim 128), a device-to-device "
                         "copy for memory bandwidth")
+    notes["disk_to_cpu_cached"] = "measured: the disk tier's reads of a file it has just written (page cache)"
 
     return HardwareProfile(
         name=f"measured-{'cuda' if use_cuda else 'cpu'}",
         gpu_memory=int(gpu_memory), cpu_memory=int(cpu_memory), disk_memory=int(disk_free),
         cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_cpu,
         disk_to_cpu_bandwidth=disk_read, cpu_to_disk_bandwidth=disk_write,
+        disk_to_cpu_cached_bandwidth=cached_read,
         matmul_flops=tuple((float(m), float(f)) for m, f in curve),
         prefill_attention_flops=attention["prefill_attention_flop_per_s"],
         decode_attention_flops=attention["decode_attention_flop_per_s"],
         gpu_memory_bandwidth=attention["gpu_memory_bytes_per_s"],
         cpu_attention_flops=cpu_attention,
         gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
+        gpu_kv_dequant_throughput=kv_dequant, cpu_attention_share_under_copy=share_under_copy,
         usable_fraction=(0.9, 0.85, 0.9),
         device=device_name,
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",

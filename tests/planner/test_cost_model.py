@@ -74,6 +74,43 @@ def test_cpu_attention_moves_queries_instead_of_cache(model):
     assert p.prefill.compute == model.predict(offloaded()).prefill.compute
 
 
+def test_cpu_attention_slows_down_while_weights_stream(tiny_opt, make_hardware):
+    # At half speed under copies, CPU attention ends (1 - 0.5) x the 4.72 s weight copy later.
+    contended = make_hardware(cpu_attention_share_under_copy=0.5)
+    p = CostModel(tiny_opt, Workload(4, 3), contended).predict(offloaded(cpu_attention=True))
+    assert p.decode.compute["cpu_attention"] == pytest.approx(2 * 88 / 4 + 0.5 * 4.72)
+    # With the weights on the GPU no copy runs, and nothing slows CPU attention down.
+    resident = CostModel(tiny_opt, Workload(4, 3), contended).predict(offloaded(weights=GPU, cpu_attention=True))
+    assert resident.decode.compute["cpu_attention"] == pytest.approx(2 * 88 / 4)
+    # GPU attention does not share host memory with the copies.
+    gpu = CostModel(tiny_opt, Workload(4, 3), contended).predict(offloaded())
+    assert gpu.decode.compute == CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(offloaded()).decode.compute
+
+
+def test_disk_reads_come_from_the_page_cache_only_while_free_memory_holds_them(tiny_opt, make_hardware):
+    policy = offloaded(weights=DISK, cache=GPU)
+    cold = CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(policy)
+    assert cold.prefill.io["disk_to_cpu"] == pytest.approx(472 / 10) and not cold.disk_reads_cached
+    # 944 bytes on disk; the CPU holds 944 bytes of staging at its peak.
+    roomy = make_hardware(disk_to_cpu_cached_bandwidth=40.0, cpu_memory=944 + 944)
+    warm = CostModel(tiny_opt, Workload(4, 3), roomy).predict(policy)
+    assert warm.disk_reads_cached
+    assert warm.prefill.io["disk_to_cpu"] == pytest.approx(472 / 40)
+    assert warm.total_throughput > cold.total_throughput
+    assert warm.peak_memory == cold.peak_memory
+    # One byte short of room for the file's pages: every read goes to the disk.
+    tight = make_hardware(disk_to_cpu_cached_bandwidth=40.0, cpu_memory=944 + 943)
+    assert not CostModel(tiny_opt, Workload(4, 3), tight).predict(policy).disk_reads_cached
+
+
+def test_cache_dequantization_has_its_own_rate(tiny_opt, make_hardware):
+    policy = offloaded(weights=GPU, cache=GPU, compress_cache=FOUR_BIT)
+    p = CostModel(tiny_opt, Workload(4, 3), make_hardware(gpu_kv_dequant_throughput=50.0)).predict(policy)
+    # quantizing 2 x 4 tokens x 8 new elements, then dequantizing 2 x 5.5 x 8 per step, at 50/s
+    assert p.prefill.compute["dequantize"] == pytest.approx(64 / 50)
+    assert p.decode.compute["dequantize"] == pytest.approx(88 / 50)
+
+
 def test_compression_shrinks_bytes_and_costs_dequantization(model):
     policy = offloaded(weights=DISK, cache=GPU, compress_weight=FOUR_BIT, compress_cache=FOUR_BIT)
     p = model.predict(policy)
@@ -145,6 +182,18 @@ def test_more_bandwidth_or_compute_never_slows_a_policy(tiny_opt, round_hardware
                  "gpu_memory_bandwidth", "cpu_attention_flops"):
         faster = dataclasses.replace(round_hardware, **{name: getattr(round_hardware, name) * 3})
         assert CostModel(tiny_opt, Workload(4, 3), faster).predict(policy).block_latency <= base
+    # Less contention for host memory, or a page cache, or more memory for it, never hurt either.
+    calmer = dataclasses.replace(round_hardware, cpu_attention_share_under_copy=0.9)
+    contended = dataclasses.replace(round_hardware, cpu_attention_share_under_copy=0.3)
+    assert (CostModel(tiny_opt, Workload(4, 3), calmer).predict(policy).block_latency
+            <= CostModel(tiny_opt, Workload(4, 3), contended).predict(policy).block_latency)
+    previous = base
+    for cpu_memory in (100, 3_000, 30_000, 300_000):
+        cached = dataclasses.replace(round_hardware, disk_to_cpu_cached_bandwidth=30.0, cpu_memory=cpu_memory)
+        latency = CostModel(tiny_opt, Workload(4, 3), cached).predict(policy).block_latency
+        assert latency <= previous
+        previous = latency
+    assert previous < base
 
 
 def test_bad_workload_is_a_user_error(tiny_opt, round_hardware):
