@@ -50,6 +50,11 @@ POLICIES = {
                                         compress_weight=True),
     "4-bit w+c w 0/100 cache-cpu 64x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=2,
                                              cpu_attention=False, compress_weight=True, compress_cache=True),
+    # The compressed policies' uncompressed twins, and CPU attention over the compressed cache.
+    "w0/100 cache-gpu 64x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=64, ngb=1, cpu_attention=False),
+    "w0/100 cache-cpu 64x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=2, cpu_attention=False),
+    "4-bit w+c w 0/100 cache-cpu cpu-attn 64x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=2,
+                                                      cpu_attention=True, compress_weight=True, compress_cache=True),
     # A FlexGen policy whose peak GPU use stays under 16 GiB, run by both under the same cap.
     "16GiB w0/100 cache-gpu 8x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=8, ngb=1, cpu_attention=False,
                                       gpu_mem="16GiB"),
@@ -69,6 +74,33 @@ def roofline(model: str, spec: dict, gen_len: int, itemsize: int = 2) -> float:
     shrink = 4.5 / 16 if spec.get("compress_weight") else 1.0
     seconds = shrink * (on["cpu"] / H2D_BANDWIDTH + on["disk"] / DISK_READ_BANDWIDTH)
     return spec["gbs"] * spec["ngb"] / seconds if seconds else float("inf")
+
+
+def moved_bytes_per_token(model: str, spec: dict, prompt_len: int, gen_len: int) -> float:
+    """Bytes that cross PCIe or come from disk per generated token in decode, at stored size (compressed
+    where the policy compresses): the cost model's byte counts, which follow the runtime's placement."""
+    from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
+    from flexoff.planner.hardware import packaged_profile
+
+    policy = policy_of(spec)
+    hw = packaged_profile("h200")
+    cost = CostModel(REGISTRY[model], Workload(prompt_len, gen_len), hw)
+    io, _ = cost.phase_terms(PolicyFrame.of(policy), Placement.of(policy))["decode"]
+    per_layer = (io["cpu_to_gpu"] * hw.cpu_to_gpu_bandwidth + io["gpu_to_cpu"] * hw.gpu_to_cpu_bandwidth
+                 + io["disk_to_cpu"] * hw.disk_to_cpu_bandwidth)
+    return per_layer * cost.num_layers / policy.block_size
+
+
+def policy_of(spec: dict):
+    from flexoff.runtime.policy import CompressionConfig, Policy
+
+    p = spec["percent"]
+    four_bit = CompressionConfig(4, 64)
+    return Policy(spec["gbs"], spec["ngb"], TierFractions.from_percent(p[0], p[1]),
+                  TierFractions.from_percent(p[2], p[3]), TierFractions.from_percent(p[4], p[5]),
+                  cpu_attention=spec["cpu_attention"],
+                  compress_weight=four_bit if spec.get("compress_weight") else None,
+                  compress_cache=four_bit if spec.get("compress_cache") else None)
 
 
 def run_process(argv: list[str], timeout: int, log: Path) -> tuple[int, str, int]:
@@ -167,26 +199,29 @@ def main() -> None:
     print(f"# {args.model}, prompt {args.prompt_len}, generate {args.gen_len}, on {card}", flush=True)
     for name in args.policies.split(","):
         spec = POLICIES[name]
-        row = {"policy": name, "roofline_decode": roofline(args.model, spec, args.gen_len)}
+        row = {"policy": name, "roofline_decode": roofline(args.model, spec, args.gen_len),
+               "moved_bytes_per_token": moved_bytes_per_token(args.model, spec, args.prompt_len, args.gen_len)}
         for system in systems:
             with tempfile.TemporaryDirectory() as workdir:
                 runner = run_flexoff if system == "flexoff" else run_flexgen
                 row[system] = runner(args.model, spec, args, Path(workdir))
             print(f"{name} · {system}: {row[system]}", flush=True)
         results[name] = row
-    header = "| policy | system | prefill | decode | total | peak GPU GiB | peak RSS GiB | decode / roofline |"
-    print("\n" + header + "\n|" + "---|" * 8)
+    header = ("| policy | system | prefill | decode | total | peak GPU GiB | peak RSS GiB | decode / roofline "
+              "| MB moved per token |")
+    print("\n" + header + "\n|" + "---|" * 9)
     for name, row in results.items():
         for system in systems:
             res = row.get(system) or {}
             ok = "error" not in res
             print(f"| {name} | {system} | {fmt(res, 'prefill')} | {fmt(res, 'decode')} | {fmt(res, 'total')} | "
                   f"{res.get('gpu_peak', 0) / 2**30:.1f} | {res.get('rss', 0) / 2**30:.1f} | "
-                  f"{(res['decode'] / row['roofline_decode'] if ok else 0):.0%} |"
+                  f"{(res['decode'] / row['roofline_decode'] if ok else 0):.0%} | "
+                  f"{row['moved_bytes_per_token'] / 1e6:.0f} |"
                   + ("" if ok else f" {res['error'][:80]}"))
         if all(s in row and "error" not in row[s] for s in ("flexoff", "flexgen")):
             print(f"| {name} | flexoff / flexgen | " + " | ".join(
-                f"{row['flexoff'][k] / row['flexgen'][k]:.2f}×" for k in ("prefill", "decode", "total")) + " | | | |")
+                f"{row['flexoff'][k] / row['flexgen'][k]:.2f}×" for k in ("prefill", "decode", "total")) + " | | | | |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
