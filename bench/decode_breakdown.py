@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoff import LLM, Policy, SamplingParams, TierFractions  # noqa: E402
+from flexoff.runtime.policy import CompressionConfig  # noqa: E402
 
 
 def copy_bandwidth(num_bytes: int) -> float:
@@ -39,6 +40,8 @@ def main() -> None:
     parser.add_argument("--num-gpu-batches", type=int, default=1)
     parser.add_argument("--cpu-attention", action="store_true")
     parser.add_argument("--no-overlap", action="store_true")
+    parser.add_argument("--compress-weight", action="store_true", help="4-bit weights, groups of 64")
+    parser.add_argument("--compress-cache", action="store_true", help="4-bit KV cache, groups of 64")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=8)
     parser.add_argument("--offload-dir", default="/tmp")
@@ -48,11 +51,14 @@ def main() -> None:
     policy = Policy(gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
                     weights=TierFractions.from_percent(p[0], p[1]), cache=TierFractions.from_percent(p[2], p[3]),
                     activations=TierFractions.from_percent(p[4], p[5]), cpu_attention=args.cpu_attention,
-                    overlap=not args.no_overlap)
+                    overlap=not args.no_overlap,
+                    compress_weight=CompressionConfig(4, 64) if args.compress_weight else None,
+                    compress_cache=CompressionConfig(4, 64) if args.compress_cache else None)
     llm = LLM(args.model, dummy=True, policy=policy, offload_dir=args.offload_dir)
     streamed = llm.engine.weights.bytes["cpu"]
-    print(f"streamed weight bytes per step: {streamed / 1e9:.2f} GB; pinned copy "
-          f"{copy_bandwidth(min(streamed, 4 << 30)):.1f} GB/s")
+    if streamed:
+        print(f"streamed weight bytes per step: {streamed / 1e9:.2f} GB; pinned copy "
+              f"{copy_bandwidth(min(streamed, 4 << 30)):.1f} GB/s")
     prompts = [[100 + i % 500] * args.prompt_len for i in range(policy.block_size)]
     params = SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)
     llm.generate([q[:32] for q in prompts], SamplingParams(max_new_tokens=2, ignore_eos=True))
