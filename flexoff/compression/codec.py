@@ -17,8 +17,9 @@ no reciprocal), so the CPU, CUDA and the Triton kernel agree bit for bit.
 
 Work runs over blocks of rows (and, for very long rows, blocks of whole groups), so the fp32
 temporaries stay at about ``chunk_elements`` values whatever the tensor's size: an fp16 tensor is
-never copied to fp32 whole. Values must be finite and a group's range must fit fp32; the codec
-does not scan for NaN or inf, since that would cost a device sync per block on CUDA.
+never copied to fp32 whole. On the CPU, dequantize decodes each block with :mod:`.cpu_kernels`
+(contiguous vectorised passes, the same bits, about 2x faster). Values must be finite and a group's
+range must fit fp32; the codec does not scan for NaN or inf, since that would cost a device sync per block on CUDA.
 """
 
 from __future__ import annotations
@@ -29,8 +30,16 @@ from collections.abc import Iterator
 
 import torch
 
+from . import cpu_kernels
+from .cpu_kernels import Scratch
 from .packing import bytes_per_unit, pack_codes, unpack_codes, values_per_unit
-from .tensor import CompressedTensor, CompressionError, check_dtype, check_settings, normalize_dim
+from .tensor import (
+    CompressedTensor,
+    CompressionError,
+    check_dtype,
+    check_settings,
+    normalize_dim,
+)
 
 # Values widened to fp32 at a time. On a GPU, 4M values (16 MiB per temporary) amortise kernel
 # launches; on the CPU, 1M keeps temporaries near the caches and measured about 1.5-3x faster.
@@ -41,6 +50,14 @@ def _chunk(chunk_elements: int | None, device: torch.device) -> int:
     if chunk_elements is None:
         return DEFAULT_CHUNK_ELEMENTS.get(device.type, DEFAULT_CHUNK_ELEMENTS["cpu"])
     return chunk_elements
+
+
+def _dequantize_chunk(chunk_elements: int | None, device: torch.device) -> int:
+    """CPU dequantize: each op of a block is split across the threads, so the block grows with
+    them (16 threads: 4M values ran 2.8x faster than 1M; 2 threads: 2M at least as fast as 1M)."""
+    if chunk_elements is None and device.type == "cpu":
+        return max(1 << 21, torch.get_num_threads() << 18)
+    return _chunk(chunk_elements, device)
 
 
 @torch.no_grad()
@@ -121,19 +138,20 @@ def dequantize(
         return out
 
     out_moved = out.movedim(ct.dim, -1)  # (*rows_shape, D), a view of out
-    for rows, cols in _blocks(ct, _chunk(chunk_elements, ct.device)):
+    scratch = Scratch()
+    for rows, cols in _blocks(ct, _dequantize_chunk(chunk_elements, ct.device)):
         bytes_ = _byte_range(cols, ct.bits)
         groups = _group_range(cols, ct.group_size)
-        width = cols.stop - cols.start
-        values = _dequantize_block(
-            ct.data[rows][..., bytes_].reshape(-1, bytes_.stop - bytes_.start),
-            ct.scale[rows][..., groups].reshape(-1, groups.stop - groups.start),
-            ct.minimum[rows][..., groups].reshape(-1, groups.stop - groups.start),
-            width,
+        _dequantize_block(
+            ct.data[rows][..., bytes_],
+            ct.scale[rows][..., groups],
+            ct.minimum[rows][..., groups],
+            cols.stop - cols.start,
             ct.bits,
             ct.group_size,
+            out_moved[rows][..., cols.start:cols.stop],
+            scratch,
         )
-        _write(out_moved[rows][..., cols.start:cols.stop], values)
     return out
 
 
@@ -246,8 +264,19 @@ def _quantize_block(x: torch.Tensor, bits: int, group_size: int):
     return pack_codes(codes[:, :width], bits), scale, minimum
 
 
-def _dequantize_block(packed, scale, minimum, width: int, bits: int, group_size: int) -> torch.Tensor:
-    """Packed (rows, bytes) with scale/minimum (rows, groups) -> fp32 values (rows, width)."""
+def _dequantize_block(packed, scale, minimum, width: int, bits: int, group_size: int, target, scratch) -> None:
+    """Decode packed (*rows, bytes) with scale/minimum (*rows, groups) into target (*rows, width)."""
+    if packed.device.type == "cpu":
+        cpu_kernels.dequantize_block(packed, scale, minimum, width, bits, group_size, target, scratch)
+    else:
+        _dequantize_block_generic(packed, scale, minimum, width, bits, group_size, target)
+
+
+def _dequantize_block_generic(packed, scale, minimum, width: int, bits: int, group_size: int, target) -> None:
+    """Any device: fp32 temporaries of the whole block. The CPU path gives the same bits faster."""
+    packed = packed.reshape(-1, packed.shape[-1])
+    scale = scale.reshape(-1, scale.shape[-1])
+    minimum = minimum.reshape(-1, minimum.shape[-1])
     rows, groups = scale.shape
     codes = unpack_codes(packed, bits)
     padded = groups * group_size
@@ -258,7 +287,7 @@ def _dequantize_block(packed, scale, minimum, width: int, bits: int, group_size:
     values = codes.to(torch.float32).view(rows, groups, group_size)
     # Multiply, then add, as two roundings: the Triton kernel disables fusion to match.
     values = values.mul_(scale.to(torch.float32).unsqueeze(-1)).add_(minimum.to(torch.float32).unsqueeze(-1))
-    return values.view(rows, padded)[:, :width]
+    _write(target, values.view(rows, padded)[:, :width])
 
 
 def _round_up_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
