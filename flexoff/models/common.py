@@ -3,6 +3,9 @@
 The model files know nothing of where tensors live. A layer receives its weights as a dict and an
 ``attend`` callable from the runtime; ``attend`` stores the new keys/values wherever the cache
 lives and returns the attention output, so the same layer math serves every placement.
+Each architecture also exposes the layer's two halves, ``attention_inputs`` (up to q, k, v) and
+``after_attention`` (from the attention output on; ``layer`` is their composition), so that the
+runtime can run attention elsewhere (on the CPU) while the GPU works on other batches.
 """
 
 from __future__ import annotations

@@ -93,11 +93,11 @@ def embed(cfg: ModelConfig, w: dict, input_ids: torch.Tensor, positions: torch.T
     return F.embedding(input_ids, w["embed_tokens.weight"])
 
 
-def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:
-    """One decoder layer: (batch, seq, hidden) -> (batch, seq, hidden)."""
+def attention_inputs(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context):
+    """The layer up to attention: hidden (batch, seq, hidden) -> q (batch, heads, seq, head_dim) and
+    k, v (batch, kv_heads, seq, head_dim), rotated."""
     cos, sin = context
     batch, seq, _ = hidden.shape
-
     x = _rms_norm(cfg, hidden, w["input_layernorm.weight"])
 
     def project(name: str, heads: int) -> torch.Tensor:
@@ -106,13 +106,23 @@ def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Atte
 
     q = _rotate(project("q_proj", cfg.num_heads), cos, sin)
     k = _rotate(project("k_proj", cfg.num_kv_heads), cos, sin)
-    attn = attend(q, k, project("v_proj", cfg.num_kv_heads))
+    return q, k, project("v_proj", cfg.num_kv_heads)
+
+
+def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The layer from attention on: the layer's input hidden and attention's output -> its output hidden."""
+    batch, seq, _ = hidden.shape
     attn = attn.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim)
     hidden = hidden + linear(attn, w["self_attn.o_proj.weight"])
 
     x = _rms_norm(cfg, hidden, w["post_attention_layernorm.weight"])
     x = F.silu(linear(x, w["mlp.gate_proj.weight"])) * linear(x, w["mlp.up_proj.weight"])
     return hidden + linear(x, w["mlp.down_proj.weight"])
+
+
+def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:
+    """One decoder layer: (batch, seq, hidden) -> (batch, seq, hidden)."""
+    return after_attention(cfg, w, hidden, attend(*attention_inputs(cfg, w, hidden, context)))
 
 
 def head(cfg: ModelConfig, w: dict, hidden: torch.Tensor) -> torch.Tensor:

@@ -76,22 +76,24 @@ def _layer_norm(cfg: ModelConfig, x: torch.Tensor, w: dict, name: str) -> torch.
     return F.layer_norm(x, (x.shape[-1],), w[f"{name}.weight"], w[f"{name}.bias"], cfg.norm_eps)
 
 
-def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:
-    """One decoder layer: (batch, seq, hidden) -> (batch, seq, hidden)."""
+def attention_inputs(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context):
+    """The layer up to attention: hidden (batch, seq, hidden) -> q, k, v (batch, heads, seq, head_dim)."""
     batch, seq, _ = hidden.shape
-    heads, head_dim = cfg.num_heads, cfg.head_dim
-    pre_norm = cfg.do_layer_norm_before
-
-    residual = hidden
-    x = _layer_norm(cfg, hidden, w, "self_attn_layer_norm") if pre_norm else hidden
+    x = _layer_norm(cfg, hidden, w, "self_attn_layer_norm") if cfg.do_layer_norm_before else hidden
 
     def project(name: str) -> torch.Tensor:
         out = linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias"))
-        return out.view(batch, seq, heads, head_dim).transpose(1, 2)
+        return out.view(batch, seq, cfg.num_heads, cfg.head_dim).transpose(1, 2)
 
-    attn = attend(project("q_proj"), project("k_proj"), project("v_proj"))
-    attn = attn.transpose(1, 2).reshape(batch, seq, heads * head_dim)
-    hidden = residual + linear(attn, w["self_attn.out_proj.weight"], w.get("self_attn.out_proj.bias"))
+    return project("q_proj"), project("k_proj"), project("v_proj")
+
+
+def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """The layer from attention on: the layer's input hidden and attention's output -> its output hidden."""
+    batch, seq, _ = hidden.shape
+    pre_norm = cfg.do_layer_norm_before
+    attn = attn.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim)
+    hidden = hidden + linear(attn, w["self_attn.out_proj.weight"], w.get("self_attn.out_proj.bias"))
     if not pre_norm:
         hidden = _layer_norm(cfg, hidden, w, "self_attn_layer_norm")
 
@@ -102,6 +104,11 @@ def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Atte
     if not pre_norm:
         hidden = _layer_norm(cfg, hidden, w, "final_layer_norm")
     return hidden
+
+
+def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:
+    """One decoder layer: (batch, seq, hidden) -> (batch, seq, hidden)."""
+    return after_attention(cfg, w, hidden, attend(*attention_inputs(cfg, w, hidden, context)))
 
 
 def head(cfg: ModelConfig, w: dict, hidden: torch.Tensor) -> torch.Tensor:

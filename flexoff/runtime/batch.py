@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,10 @@ class GpuBatch:
     """One GPU batch of a block: left-padded inputs, its cache and activations, and step state.
 
     The cache has a slot per prompt position (padding included) and per generated token.
+
+    With CPU attention, a decode step's layer is left *pending* half way: attention runs on the
+    host worker while the engine enqueues other batches' GPU work, and ``resolve`` enqueues the
+    rest of the layer once something needs this batch's hidden state.
     """
 
     def __init__(self, cfg: ModelConfig, seqs: list[Sequence], device: torch.device, dtype: torch.dtype,
@@ -55,6 +60,7 @@ class GpuBatch:
         self.activations: BatchActivations = make_activations(len(seqs), self.prompt_len)
         self.hidden: torch.Tensor | None = None
         self.active = True
+        self.pending: tuple[str, Callable[[], torch.Tensor]] | None = None  # (stage, finish) of a half-run layer
 
     def slot_start(self, token: int) -> int:
         """First cache slot written at ``token`` (0 is the prefill)."""
@@ -80,5 +86,20 @@ class GpuBatch:
             self.hidden = arch.embed(self.cfg, weights, self.input_ids, self.positions)
         elif stage != "head":
             layer = int(stage.split(".", 1)[1])
-            attend = self.kv.attender(layer, self.start, self.mask)
-            self.hidden = arch.layer(self.cfg, weights, self.hidden, self.context, attend)
+            if not self.kv.attends_on_cpu(self.start):
+                attend = self.kv.attender(layer, self.start, self.mask)
+                self.hidden = arch.layer(self.cfg, weights, self.hidden, self.context, attend)
+                return
+            hidden, self.hidden = self.hidden, None
+            q, k, v = arch.attention_inputs(self.cfg, weights, hidden, self.context)
+            attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
+            self.pending = (stage, lambda: arch.after_attention(self.cfg, weights, hidden, attended()))
+
+    def resolve(self) -> str | None:
+        """Finish a pending layer (waiting for its CPU attention); returns its stage, or None if none was pending."""
+        if self.pending is None:
+            return None
+        stage, finish = self.pending
+        self.pending = None
+        self.hidden = finish()
+        return stage

@@ -19,7 +19,7 @@ from .metrics import MemoryMeter, Metrics
 from .policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
 from .schedule import COMPUTE, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, STORE_ACTIVATION, block_schedule
-from .tiers import DiskTier, HostMemory, Streams
+from .tiers import DiskTier, HostMemory, HostWorker, Streams
 from .weight_store import TieredWeights
 
 # Decides after each token whether a sequence has hit a stop string; returns True to stop.
@@ -39,6 +39,8 @@ class Engine:
         self.stages = stage_names(cfg)
         self.memory = MemoryMeter(device)
         self.streams = Streams(device, policy.overlap)
+        # Host-side cache work (see kv.py), on one thread for the engine's lifetime.
+        self.worker: HostWorker | None = HostWorker(device, self.streams, policy.pin_cpu_memory)
         self.disk: DiskTier | None = None
         self.weights: TieredWeights | None = None
         self._weight_bytes = weight_bytes(cfg, policy, dtype)
@@ -62,6 +64,9 @@ class Engine:
 
     def close(self) -> None:
         """Free device buffers and pinned memory, and delete every offload file."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
         if self.weights is not None:
             self.weights.close()
             self.weights = None
@@ -90,7 +95,7 @@ class Engine:
 
             def make_kv(count, slots, name=name):
                 return BatchKV(self.cfg, count, slots, policy, self.device, self.dtype, self.streams, self.disk,
-                               workspace, host, name)
+                               workspace, host, name, self.worker)
 
             def make_activations(count, length, name=name):
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,
@@ -102,29 +107,66 @@ class Engine:
 
     def _execute(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
         """Walk the block schedule; stop early once every batch has finished."""
+        try:
+            self._walk(batches, num_tokens, on_head)
+        finally:
+            self.worker.drain()  # no host job may outlive the block's cache (or hide its error)
+
+    def _walk(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
+        """The steps, in order. With CPU attention a batch's decode layer is left pending (see
+        GpuBatch) and resolved when the batch is next needed: at its next compute or activation
+        copy, or at the latest right after the next batch's compute is enqueued, so that each
+        batch's CPU attention runs while the GPU works on its neighbours. A stage's weights are
+        released only once every compute reading them is enqueued; since the ring of layer buffers
+        is then reloaded, a prefetch waits while a batch is pending at a stage it may overwrite.
+        """
         last = len(self.stages) - 1
         cache_stages = frozenset(range(1, last))
+        deferred: list[int] = []  # stages to prefetch once no pending batch holds their buffers
+
+        def resolve(batch: GpuBatch) -> None:
+            stage = batch.resolve()
+            if stage is not None:
+                self.weights.release(stage)
+
+        def prefetch_deferred() -> None:
+            # A prefetch may reuse any stage's buffers but those of the stage just before it.
+            while deferred and all(b.pending is None or b.pending[0] == self.stages[deferred[0] - 1]
+                                   for b in batches):
+                self.weights.prefetch(self.stages[deferred.pop(0)])
+
         for step in block_schedule(num_tokens, len(self.stages), len(batches), cache_stages):
             stage = self.stages[step.stage]
             if step.kind == LOAD_WEIGHTS:
-                self.weights.prefetch(stage)
+                deferred.append(step.stage)
+                prefetch_deferred()
                 continue
             batch = batches[step.batch]
             if not batch.active:
                 continue
+            # Activations kept on the GPU need no copy: the hidden state (maybe still pending) stays
+            # with the batch, so resolving it can wait.
             if step.kind == LOAD_CACHE:
                 batch.kv.prefetch(step.stage - 1, batch.slot_start(step.token))
-            elif step.kind == LOAD_ACTIVATION:
+            elif step.kind == LOAD_ACTIVATION and batch.activations.offloaded:
                 batch.hidden = batch.activations.get()
-            elif step.kind == STORE_ACTIVATION:
+            elif step.kind == STORE_ACTIVATION and batch.activations.offloaded:
+                resolve(batch)
                 batch.activations.put(batch.hidden)
                 batch.hidden = None
             elif step.kind == COMPUTE:
+                resolve(batch)
+                prefetch_deferred()
                 if step.stage == 0:
                     batch.begin_token(step.token)
                 weights = self.weights.get(stage)
                 batch.run_stage(stage, weights)
-                self.weights.release(stage)
+                if batch.pending is None:
+                    self.weights.release(stage)
+                for other in batches:  # their CPU attention overlapped this batch's enqueued GPU work
+                    if other is not batch:
+                        resolve(other)
+                prefetch_deferred()
                 if step.stage == last:
                     on_head(batch, weights)
                     if not any(b.active for b in batches):

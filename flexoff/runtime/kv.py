@@ -10,10 +10,18 @@ Rows elsewhere either travel to a GPU workspace each decode step, or, with CPU a
 put: only the queries and outputs cross PCIe, and attention runs on the CPU in the cache's dtype,
 a few sequences at a time, decompressing only those sequences. The prefill attends on the fresh
 keys and values; the cache only keeps them.
+
+Host work (writing new slots into host caches, CPU attention) runs on the engine's one
+:class:`~.tiers.HostWorker` thread, so the main thread never waits for a device-to-host copy and
+keeps enqueuing GPU work. The worker runs jobs in order, which orders every write to a layer's
+host cache before the next read of it on the worker; the main thread's own reads (loads for GPU
+attention) wait for the layer's last write.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from concurrent.futures import Future
 from functools import partial
 
 import torch
@@ -23,18 +31,20 @@ from ..models.common import attention
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
 from .placement import Piece, split_rows
 from .policy import TIERS, Policy
-from .tiers import DiskTier, HostMemory, Streams, device_allocator
+from .tiers import DiskTier, HostMemory, HostWorker, Streams, device_allocator
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 
 
-def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor) -> torch.Tensor:
+def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention on host tensors, chunked over sequences so no copy of the whole cache is made.
 
     ``read_keys(rows)`` gives those rows' keys (rows, kv_heads, keys, head_dim): a view of a
-    plain cache, or the rows of a compressed one decompressed for this call.
+    plain cache, or the rows of a compressed one decompressed for this call. The output goes to
+    ``out`` (q's shape) when given.
     """
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     for start in range(0, q.shape[0], CPU_ATTENTION_ROWS):
         rows = slice(start, min(start + CPU_ATTENTION_ROWS, q.shape[0]))
         out[rows] = attention(q[rows], read_keys(rows), read_values(rows), mask[rows])
@@ -126,11 +136,11 @@ class _Group:
             for part, offset in zip(self.fmt.parts(buffer), self.sections):
                 region.read_into(part[:end], offset)
 
-    def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, copy_across=None) -> None:
         """Store keys and values (rows, kv_heads, seq, head_dim) at slots [start, start + seq), and
-        persist them to disk for disk rows."""
+        persist them to disk for disk rows. ``copy_across`` brings device tensors to the host."""
         for buffer, new in zip(self.pair(layer), (keys, values)):
-            self.layout.write(self.fmt, buffer, start, new)
+            self.layout.write(self.fmt, buffer, start, new, copy_across)
         if self.tier == "disk":
             end = start + keys.shape[2]
             for region, buffer in zip(self.files[layer], self.staging):
@@ -152,10 +162,12 @@ class BatchKV:
 
     def __init__(self, cfg: ModelConfig, rows: int, slots: int, policy: Policy, device: torch.device,
                  dtype: torch.dtype, streams: Streams, disk: DiskTier | None, workspace: KVWorkspace | None,
-                 host: HostMemory, name: str):
+                 host: HostMemory, name: str, worker: HostWorker):
         self.cfg = cfg
         self.cpu_attention = policy.cpu_attention
         self.streams = streams
+        self.worker = worker
+        self.host = host
         self.device = device
         self.dtype = dtype
         self.workspace = workspace
@@ -164,9 +176,31 @@ class BatchKV:
                        for p in split_rows(rows, policy.cache)]
         self._loaded: dict[int, tuple] = {}  # layer -> (workspace set, event marking its load done)
         self._staging_copied = None  # the last copy out of disk rows' staging (CUDA only)
+        self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
+        self._cpu_output: torch.Tensor | None = None  # (offloaded rows, heads, 1, head_dim), pinned
 
     def _offloaded(self) -> list[_Group]:
         return [g for g in self.groups if g.tier != "gpu"]
+
+    def _on_worker(self, group: _Group) -> bool:
+        # Disk rows that GPU attention loads are written in place instead: the main thread refills
+        # their staging pair, shared by all layers, for each layer's load.
+        return group.tier == "cpu" or (group.tier == "disk" and self.cpu_attention)
+
+    def _store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, groups: list[_Group]) -> None:
+        """Store new keys and values (batch, kv_heads, seq, head_dim) at slots [start, start + seq)
+        of ``groups``; host rows' share is written by the worker, after this point of the compute
+        stream (k and v stay referenced by the job until it has copied them)."""
+        later = [group for group in groups if self._on_worker(group)]
+        for group in groups:
+            if group not in later:
+                group.put(layer, start, k[group.rows], v[group.rows])
+        if later:
+            def write() -> None:
+                for group in later:
+                    group.put(layer, start, k[group.rows], v[group.rows], self.worker.copy_to_host)
+
+            self._written[layer] = self.worker.submit(write, self.streams.record(self.streams.compute))
 
     def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.workspace.dequantized if self.workspace is not None else (None, None)
@@ -180,6 +214,9 @@ class BatchKV:
         groups = self._offloaded()
         if not groups or start == 0 or layer in self._loaded or self.cpu_attention:
             return
+        written = self._written.pop(layer, None)
+        if written is not None:
+            written.result()  # the host rows' last slot, written by the worker
         index = self.workspace.take()
         if self._staging_copied is not None:
             # The staging pair is about to be refilled from disk: the host waits until the last
@@ -208,9 +245,21 @@ class BatchKV:
         if start == 0:
             # Prefill: attend on the fresh keys, then send them to their tiers.
             out = attention(q, k, v, mask)
-            for group in self.groups:
-                group.put(layer, 0, k[group.rows], v[group.rows])
+            self._store(layer, 0, k, v, self.groups)
             return out
+        if self.attends_on_cpu(start):
+            return self.attend_later(layer, start, mask, q, k, v)()
+        out = self._attend_on_gpu(layer, start, mask, q, k, v)
+        offloaded = self._offloaded()
+        if offloaded:
+            self.prefetch(layer, start)
+            self._attend_loaded(layer, start, start + k.shape[2], q, k, v, mask, out, offloaded)
+            self._loaded.pop(layer, None)
+        return out
+
+    def _attend_on_gpu(self, layer, start, mask, q, k, v) -> torch.Tensor:
+        """Decode attention of the GPU rows, in place; returns the output (q's shape), whose other
+        rows the caller fills."""
         end = start + k.shape[2]
         out = torch.empty_like(q)
         for group in self.groups:
@@ -219,22 +268,51 @@ class BatchKV:
                 keys, values = (group.read(buffer, end, out=space)
                                 for buffer, space in zip(group.pair(layer), self._dequantized()))
                 out[group.rows] = attention(q[group.rows], keys, values, mask[group.rows])
-        offloaded = self._offloaded()
-        if offloaded:
-            self.prefetch(layer, start)
-            attend = self._attend_on_cpu if self.cpu_attention else self._attend_loaded
-            attend(layer, start, end, q, k, v, mask, out, offloaded)
-            self._loaded.pop(layer, None)
         return out
 
-    def _attend_on_cpu(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
-        for group in offloaded:
-            group.load(layer, start)
-            group.put(layer, start, k[group.rows], v[group.rows])
-            keys, values = group.pair(layer)
-            part = cpu_attention(q[group.rows].to("cpu", self.dtype), partial(group.read, keys, end),
-                                 partial(group.read, values, end), mask[group.rows].cpu())
-            out[group.rows] = part.to(self.device, non_blocking=True)
+    def attends_on_cpu(self, start: int) -> bool:
+        """Whether a step from slot ``start`` runs attention on the CPU (decode, with rows off the GPU)."""
+        return self.cpu_attention and start > 0 and bool(self._offloaded())
+
+    def attend_later(self, layer: int, start: int, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """Start a decode step's attention with CPU attention; returns ``finish()``, which gives the
+        output (q's shape) on the device.
+
+        GPU rows attend now. The worker stores the other rows' new slot and attends for them on the
+        CPU while the main thread goes on enqueuing other batches' GPU work; ``finish`` waits for it
+        and enqueues the output's copy back. The output lands in one pinned buffer per batch: the
+        batch's next job waits for an event recorded after that copy was enqueued, so it never
+        overwrites an output still in flight.
+        """
+        end = start + k.shape[2]
+        out = self._attend_on_gpu(layer, start, mask, q, k, v)
+        offloaded = self._offloaded()
+        rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
+        shape = (rows.stop - rows.start, *q.shape[1:])
+        if self._cpu_output is None or self._cpu_output.shape != shape:
+            self._cpu_output = self.host.empty(shape, q.dtype)
+        landing = self._cpu_output
+
+        def attend() -> None:
+            # Blocking copies, on the worker's store stream: only the worker waits for them.
+            queries, allowed = q[rows].to("cpu", self.dtype), mask[rows].cpu()
+            for group in offloaded:
+                group.load(layer, start)
+                group.put(layer, start, k[group.rows], v[group.rows], self.worker.copy_to_host)
+                keys, values = group.pair(layer)
+                local = slice(group.rows.start - rows.start, group.rows.stop - rows.start)
+                cpu_attention(queries[local], partial(group.read, keys, end), partial(group.read, values, end),
+                              allowed[local], out=landing[local])
+
+        job = self.worker.submit(attend, self.streams.record(self.streams.compute))
+
+        def finish() -> torch.Tensor:
+            job.result()
+            out[rows].copy_(landing, non_blocking=True)
+            return out
+
+        return finish
 
     def _attend_loaded(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
         """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace."""
@@ -248,8 +326,7 @@ class BatchKV:
                         for buffer, space in zip(loaded, self._dequantized()))
         out[rows] = attention(q[rows], keys, values, mask[rows])
         self.workspace.free_events[index] = self.streams.record(self.streams.compute)
-        for group in offloaded:
-            group.put(layer, start, k[group.rows], v[group.rows])
+        self._store(layer, start, k, v, offloaded)
 
     def nbytes_by_tier(self) -> dict[str, int]:
         """Bytes of this batch's cache per tier (compressed bytes where the cache is compressed),

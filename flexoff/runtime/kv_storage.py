@@ -20,6 +20,8 @@ from .policy import CompressionConfig
 
 # allocate(shape, dtype) -> an uninitialised tensor on the buffer's tier
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+# copy_across(target, source): fill a tensor from one of the same shape on another device
+CopyAcross = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,10 @@ class Layout:
         """A tensor in this layout's order viewed as (rows, kv_heads, slots, head_dim)."""
         return x.permute(tuple(self.order.index(d) for d in range(4)))
 
-    def write(self, fmt: "PlainFormat | QuantizedFormat", buffer, start: int, x: torch.Tensor) -> None:
+    def write(self, fmt: "PlainFormat | QuantizedFormat", buffer, start: int, x: torch.Tensor,
+              copy_across: CopyAcross | None = None) -> None:
         """Store x (rows, kv_heads, seq, head_dim) at slots [start, start + seq)."""
-        fmt.write(buffer.narrow(self.slot_dim, start, x.shape[2]), self.arrange(x))
+        fmt.write(buffer.narrow(self.slot_dim, start, x.shape[2]), self.arrange(x), copy_across)
 
     def read(self, fmt: "PlainFormat | QuantizedFormat", buffer, end: int, rows: slice | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,19 +75,25 @@ SLOT_MAJOR = Layout((2, 0, 1, 3))
 ROW_MAJOR = Layout((0, 1, 2, 3))
 
 
+def copy_whole(target: torch.Tensor, source: torch.Tensor) -> None:
+    """The plain way across devices, for callers without pinned staging."""
+    if not target.is_contiguous():
+        # A strided host destination must not be filled straight from the GPU: that copy runs as
+        # a kernel touching host memory element by element. Bring it over whole, then place it.
+        source = source.to(target.device)
+    target.copy_(source)
+
+
 class _Format:
-    def write(self, target, x: torch.Tensor) -> None:
-        """Store x into ``target`` (the same shape, in the compute dtype, maybe on another device)."""
+    def write(self, target, x: torch.Tensor, copy_across: CopyAcross | None = None) -> None:
+        """Store x into ``target`` (the same shape, in the compute dtype, maybe on another device);
+        ``copy_across(target_part, source_part)`` moves each encoded part between the devices."""
         if x.device == target.device:
             self.fill(target, x)
             return
         # Encode where x is, so that only the encoded bytes cross between devices.
-        encoded = self.encode(x)
-        if not all(part.is_contiguous() for part in self.parts(target)):
-            # A strided host destination must not be filled straight from the GPU: that copy runs as
-            # a kernel touching host memory element by element. Bring it over whole, then place it.
-            encoded = encoded.to(target.device)
-        target.copy_(encoded)
+        for part, source in zip(self.parts(target), self.parts(self.encode(x))):
+            (copy_across or copy_whole)(part, source)
 
     def size_of(self, buffer) -> int:
         return sum(part.numel() * part.element_size() for part in self.parts(buffer))

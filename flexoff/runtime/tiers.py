@@ -10,7 +10,9 @@ import os
 import shutil
 import tempfile
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -104,6 +106,109 @@ class _Nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+class HostWorker:
+    """One thread for host-side cache work: placing new keys and values in host caches, and CPU
+    attention.
+
+    The main thread only enqueues GPU work and records an event; a job waits for that event on the
+    store stream, so the host work of one GPU batch runs while the GPU computes the others. Being
+    one thread, jobs run in submission order: a job that reads a layer's host cache sees every
+    earlier write to it, and disk rows' staging pair is never used by two jobs at once.
+    """
+
+    MAX_IN_FLIGHT = 3  # a job keeps its GPU inputs (a layer's keys at prefill) alive until it has run
+    CHUNK = 32 << 20  # bytes of each of the two pinned chunks a strided host write goes through
+
+    def __init__(self, device: torch.device, streams: Streams, pin: bool):
+        self.device = device
+        self.streams = streams
+        self.pin = pin and torch.cuda.is_available()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host")
+        self._jobs: deque[Future] = deque()
+        self._chunks: list[torch.Tensor] = []
+
+    def submit(self, fn, ready) -> Future:
+        """Run ``fn()`` on the worker once the event ``ready`` has passed (None: no wait needed)."""
+        while self._jobs and (self._jobs[0].done() or len(self._jobs) >= self.MAX_IN_FLIGHT):
+            self._jobs.popleft().result()  # a failed job's error surfaces here, on the main thread
+        future = self._pool.submit(self._run, fn, ready)
+        self._jobs.append(future)
+        return future
+
+    def _run(self, fn, ready):
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+        with device, self.streams.on(self.streams.store):
+            self.streams.wait(self.streams.store, ready)
+            return fn()
+
+    def drain(self) -> None:
+        """Wait for every job, then raise the first failure, if any."""
+        jobs, self._jobs = list(self._jobs), deque()
+        wait(jobs)
+        for job in jobs:
+            job.result()
+
+    def copy_to_host(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        """Copy ``source`` (on the compute device) into the host tensor ``target``; worker thread only.
+
+        A strided host target is not filled straight from the GPU (that copy runs as a kernel
+        touching host memory element by element, or through a pageable copy of the whole tensor):
+        it goes through two pinned chunks, so the host places one while the next crosses PCIe.
+        """
+        if target.is_contiguous() or not source.is_cuda:
+            target.copy_(source)
+        else:
+            self.staged_copy(target, source)
+
+    def staged_copy(self, target: torch.Tensor, source: torch.Tensor) -> None:
+        asynchronous = self.streams.store is not None  # without a store stream, copies must block
+        previous = None
+        for index, (into, piece) in enumerate(_pieces(target, source, self.CHUNK)):
+            landing = self._chunk(index % 2, into)
+            landing.copy_(piece, non_blocking=asynchronous)
+            current = (into, landing, self.streams.record(self.streams.store))
+            if previous is not None:
+                _place(*previous)
+            previous = current
+        if previous is not None:
+            _place(*previous)
+
+    def _chunk(self, index: int, like: torch.Tensor) -> torch.Tensor:
+        while len(self._chunks) <= index:
+            # A power of two: the CUDA host allocator rounds every pinned request up to one.
+            self._chunks.append(torch.empty((self.CHUNK,), dtype=torch.uint8, pin_memory=self.pin))
+        nbytes = like.numel() * like.element_size()
+        return self._chunks[index][:nbytes].view(like.dtype).view(like.shape)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._jobs.clear()
+        self._chunks.clear()
+
+
+def _pieces(target: torch.Tensor, source: torch.Tensor, limit: int):
+    """Matching views of ``target`` and ``source`` of at most ``limit`` bytes each, cut along the
+    leading dimensions."""
+    size = target.numel() * target.element_size()
+    if size <= limit:
+        yield target, source
+        return
+    per_entry = size // target.shape[0]
+    if per_entry > limit:
+        for index in range(target.shape[0]):
+            yield from _pieces(target[index], source[index], limit)
+        return
+    step = limit // per_entry
+    for start in range(0, target.shape[0], step):
+        yield target[start:start + step], source[start:start + step]
+
+
+def _place(target: torch.Tensor, landing: torch.Tensor, copied) -> None:
+    if copied is not None:
+        copied.synchronize()
+    target.copy_(landing)
 
 
 class DiskTier:

@@ -13,7 +13,7 @@ from flexoff.runtime import engine as engine_module
 from flexoff.runtime.kv import BatchKV, KVWorkspace
 from flexoff.runtime.memory import kv_cache_bytes
 from flexoff.runtime.policy import CompressionConfig
-from flexoff.runtime.tiers import DiskTier, HostMemory, Streams
+from flexoff.runtime.tiers import DiskTier, HostMemory, HostWorker, Streams
 from tests.conftest import PROMPTS
 
 KINDS = ["opt-post-proj", "llama-gqa"]  # both have head_dim 8
@@ -137,7 +137,8 @@ def batch_caches(policy: Policy, disk: DiskTier, rows: int = 6, slots: int = 40)
     streams = Streams(device, policy.overlap)
     workspace = KVWorkspace.for_block(BIG_HEADS, policy, rows, slots, device, dtype, streams)
     host = HostMemory(pin=False)
-    return [BatchKV(BIG_HEADS, rows, slots, policy, device, dtype, streams, disk, workspace, host, f"b{n}")
+    worker = HostWorker(device, streams, pin=False)  # never used here, so it starts no thread
+    return [BatchKV(BIG_HEADS, rows, slots, policy, device, dtype, streams, disk, workspace, host, f"b{n}", worker)
             for n in range(policy.num_gpu_batches)]
 
 
