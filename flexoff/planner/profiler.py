@@ -7,6 +7,7 @@ a memory budget in RAM, as everywhere in flexoff. Each measurement is kept raw i
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import shutil
@@ -237,9 +238,12 @@ def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device):
     stop = threading.Event()
 
     def copy_loop():
+        # Several copies per wake-up: the thread then sleeps in synchronize() without the GIL,
+        # as the runtime's copies do, instead of competing with the attention for it.
         with torch.cuda.stream(stream):
             while not stop.is_set():
-                device.copy_(host, non_blocking=True)
+                for _ in range(8):
+                    device.copy_(host, non_blocking=True)
                 stream.synchronize()
 
     worker = threading.Thread(target=copy_loop)
@@ -253,17 +257,18 @@ def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device):
     return share, {"alone_flop_per_s": alone, "under_copy_flop_per_s": together, "copy_bytes": nbytes}
 
 
-def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, width: int = 4096):
-    """4-bit dequantization through flexoff's own codec, as the runtime runs it: rows ``width``
-    wide, grouped along them (4096 for weights; a head_dim of 128 for the KV cache)."""
+def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, shape: tuple[int, ...] = (4096,)):
+    """4-bit dequantization through flexoff's own codec, as the runtime runs it, of a tensor whose
+    trailing dimensions are ``shape``, grouped along the last: a weight's rows, or a slot-major KV
+    cache's (sequences, heads, head_dim) slots."""
     from ..compression import dequantize, quantize
 
-    rows = max(1, sizes.dequant_elements // width)
-    packed = quantize(torch.randn(rows, width, device=device, dtype=torch.float16), bits=4, group_size=group_size)
-    out = torch.empty(rows, width, device=device, dtype=torch.float16)
+    lead = max(1, sizes.dequant_elements // math.prod(shape))
+    full = (lead, *shape)
+    packed = quantize(torch.randn(full, device=device, dtype=torch.float16), bits=4, group_size=group_size)
+    out = torch.empty(full, device=device, dtype=torch.float16)
     seconds = _time(lambda: dequantize(packed, out=out), device, sizes.min_seconds)
-    return rows * width / seconds, {"elements": rows * width, "width": width, "group_size": group_size,
-                                    "seconds": seconds}
+    return out.numel() / seconds, {"shape": list(full), "group_size": group_size, "seconds": seconds}
 
 
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
@@ -318,7 +323,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     measurements["attention"] = attention.pop("raw")
     cpu_attention, measurements["cpu_attention"] = _cpu_attention_rate(sizes)
     gpu_dequant, measurements["gpu_dequant"] = _dequant_rate(compute, sizes)
-    kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, width=128)
+    kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
