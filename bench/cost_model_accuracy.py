@@ -221,9 +221,9 @@ def main() -> int:
                               "prefill_bound": predicted.prefill.bound, "decode_bound": predicted.decode.bound},
                 "measured": measured,
             })
-    if args.json:
-        Path(args.json).write_text(json.dumps({"hardware": hardware.to_dict(), "prompt_len": args.prompt_len,
-                                               "gen_len": args.gen_len, "records": records}, indent=2))
+            if args.json:  # after every case, so a run cut short keeps what it measured
+                Path(args.json).write_text(json.dumps({"hardware": hardware.to_dict(), "prompt_len": args.prompt_len,
+                                                       "gen_len": args.gen_len, "records": records}, indent=2))
     oom = [r["case"] for r in records if r["searched"] and "error" in r["measured"]]
     if oom:
         print(f"searched policies that failed: {', '.join(oom)}")
