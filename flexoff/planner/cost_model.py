@@ -29,6 +29,7 @@ from typing import NamedTuple
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..runtime.policy import TIERS, CompressionConfig, Policy, TierFractions
+from ..runtime.tiers import HostWorker
 from .hardware import HardwareProfile
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
@@ -39,6 +40,7 @@ IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
 COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
 FP32_BYTES = 4
+HOST_JOBS_IN_FLIGHT = HostWorker.MAX_IN_FLIGHT  # each holds one GPU batch's new keys and values
 
 
 @dataclass(frozen=True)
@@ -295,7 +297,8 @@ class CostModel:
         gpu_prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
                        + 2 * (1 - p.wg) * W + dequant_buffer
                        + 2 * (1 - p.hg) * act * s * gbs
-                       + 2 * (1 - p.cg) * kv * s * gbs  # new cache waiting to be stored
+                       # new cache waiting to be stored: this batch's, and the host worker's queue
+                       + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv * s * gbs
                        + intermediates(gbs * s, s))
         gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
                       + 2 * (1 - p.wg) * W + dequant_buffer

@@ -25,6 +25,7 @@ from .hardware import HardwareProfile
 MiB = 1 << 20
 GiB = 1 << 30
 DISK_BLOCK = 4 * MiB
+STAGE_BYTES = 256 * MiB  # about one decoder layer's disk share
 # On a machine without CUDA, this share of RAM plays the GPU's memory.
 CPU_ONLY_GPU_BUDGET = 0.25
 
@@ -217,15 +218,19 @@ def _cached_read_bandwidth(directory: str, nbytes: int):
     disk = DiskTier(directory)
     try:
         region = disk.allocate("cached-read", nbytes)
-        data = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        region.write(data)
-        region.read_into(data)  # the first read may still fault pages in
-        start = time.perf_counter()
-        region.read_into(data)
-        seconds = time.perf_counter() - start
+        region.write(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
+        # Into pinned staging a stage at a time, as the weight store reads.
+        staging = torch.empty(min(nbytes, STAGE_BYTES), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+        def read_all():
+            for offset in range(0, nbytes - staging.numel() + 1, staging.numel()):
+                region.read_into(staging, offset)
+
+        seconds = _time(read_all, torch.device("cpu"), 0.0, max_repeats=3)
     finally:
         disk.close()
-    return nbytes / seconds, {"bytes": nbytes, "seconds": seconds}
+    return nbytes // staging.numel() * staging.numel() / seconds, {"bytes": nbytes, "seconds": seconds,
+                                                                    "read_bytes": staging.numel()}
 
 
 def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device):

@@ -196,9 +196,17 @@ class BatchKV:
             if group not in later:
                 group.put(layer, start, k[group.rows], v[group.rows])
         if later:
+            # The job keeps its rows alive until it has copied them. Rows cut out of the batch are
+            # copied first, or their views would keep the whole layer's keys alive (several GB at
+            # prefill for a large batch with few rows off the GPU).
+            def own(x: torch.Tensor, group: _Group) -> torch.Tensor:
+                return x if group.rows == slice(0, x.shape[0]) else x[group.rows].clone()
+
+            rows = [(group, own(k, group), own(v, group)) for group in later]
+
             def write() -> None:
-                for group in later:
-                    group.put(layer, start, k[group.rows], v[group.rows], self.worker.copy_to_host)
+                for group, keys, values in rows:
+                    group.put(layer, start, keys, values, self.worker.copy_to_host)
 
             self._written[layer] = self.worker.submit(write, self.streams.record(self.streams.compute))
 

@@ -149,8 +149,9 @@ def test_everything_on_gpu_memory_by_hand(model):
 
 def test_offloaded_memory_counts_double_buffers(model):
     p = model.predict(offloaded(activations=CPU))
-    # two layers' weight buffers, two batches of hidden (8 x 4 x 2 each) and of new cache (16 x 4 x 2)
-    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 256 + 576)
+    # two layers' weight buffers, two batches of hidden (8 x 4 x 2 each), and the new cache (16 x 4 x 2)
+    # of this batch and of the three the host worker may still be copying
+    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 4 * 128 + 576)
     # decode: two hidden buffers (8 x 2 each), two batches of cache (16 x 7 x 2 each), transients 192
     assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 192)
     assert p.memory_by_phase[("cpu", "prefill")] == pytest.approx(944 + 448 + 64)
