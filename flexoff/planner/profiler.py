@@ -166,7 +166,6 @@ def _attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128,
     valid[::2, :prompt // 8] = False  # left padding on half the rows
     mask = attention_mask(valid, 0, prompt)
     prefill_seconds = _time(lambda: attention(q, q, q, mask), device, sizes.min_seconds)
-    del q, mask
     q1 = torch.randn(batch, 1, head_dim, device=device, dtype=dtype)
     cache = torch.randn(batch, keys, head_dim, device=device, dtype=dtype)
 

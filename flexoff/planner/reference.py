@@ -6,7 +6,6 @@ a test checks that the checked-in files still match what the search finds.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,6 +96,11 @@ def write_reference_policies(directory: str | Path) -> dict[str, SearchResult]:
 
 
 if __name__ == "__main__":
-    target = sys.argv[1] if len(sys.argv) > 1 else "policies"
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m flexoff.planner.reference",
+                                     description="Search the reference policies again and write them as JSON.")
+    parser.add_argument("directory", nargs="?", default="policies", help="where to write them (default: policies)")
+    target = parser.parse_args().directory
     for name, found in write_reference_policies(target).items():
         print(f"{name}: {policy_summary(found.policy)}, {found.throughput:.4g} token/s")
