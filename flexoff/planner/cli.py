@@ -136,7 +136,8 @@ def run_profile(args) -> int:
           f"{profile.decode_attention_flops / 1e12:.3g}, cpu {profile.cpu_attention_flops / 1e9:.3g} GFLOP/s "
           f"({profile.cpu_attention_share_under_copy:.0%} of it while copies stream); "
           f"dequant {profile.gpu_dequant_throughput / 1e9:.3g} G elements/s "
-          f"(KV rows {profile.kv_dequant_throughput / 1e9:.3g}; CPU {profile.cpu_dequant_throughput / 1e9:.3g})")
+          f"(KV rows {profile.kv_dequant_throughput / 1e9:.3g}; CPU {profile.cpu_dequant_throughput / 1e9:.3g}); "
+          f"quantizing a prefill's cache {profile.kv_quant_throughput / 1e9:.3g} G elements/s")
     print(f"wrote {output} in {time.perf_counter() - started:.1f} s")
     return 0
 

@@ -215,9 +215,9 @@ class CostModel:
             "gpu_matmul": 2 * (self.layer_matmul_numel * s + self.head_matmul_numel_per_layer) * bls
             / hw.matmul_flops_at(gbs * s),
             "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
-            # Weights are dequantized for every GPU batch; new cache is quantized once.
+            # Weights are dequantized for every GPU batch; the new cache is quantized once.
             "dequantize": (nb * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
-            + (bls * s * self.kv_numel / hw.kv_dequant_throughput if cc else 0.0),
+            + (bls * s * self.kv_numel / hw.kv_quant_throughput if cc else 0.0),
             "cpu_attention": 0.0 * c_off,
         }
 

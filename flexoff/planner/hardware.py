@@ -35,7 +35,8 @@ _COMPUTE_FIELDS = (
     "gpu_dequant_elements_per_s",
     "cpu_dequant_elements_per_s",
 )
-_OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "cpu_attention_share_under_copy")
+_OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "gpu_kv_quant_elements_per_s",
+                            "cpu_attention_share_under_copy")
 _TOP_FIELDS = {
     "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction",
     "bandwidth_bytes_per_s", "compute", "notes", "measurements",
@@ -73,6 +74,8 @@ class HardwareProfile:
     disk_to_cpu_cached_bandwidth: float | None = None
     # Dequantizing KV-cache-shaped tensors (short groups along head_dim) runs slower than weights.
     gpu_kv_dequant_throughput: float | None = None
+    # Quantizing a prefill's keys into a compressed cache; None: at the KV dequantization rate.
+    gpu_kv_quant_throughput: float | None = None
     # CPU attention and the copy engine share host memory: the share of its speed CPU attention
     # keeps while pinned host-to-GPU copies run (1.0: no contention).
     cpu_attention_share_under_copy: float = 1.0
@@ -95,6 +98,10 @@ class HardwareProfile:
     @property
     def kv_dequant_throughput(self) -> float:
         return self.gpu_kv_dequant_throughput or self.gpu_dequant_throughput
+
+    @property
+    def kv_quant_throughput(self) -> float:
+        return self.gpu_kv_quant_throughput or self.kv_dequant_throughput
 
     def capacity(self, tier: str) -> float:
         """Bytes the planner may fill on ``tier``: the capacity less the headroom."""
@@ -146,6 +153,8 @@ class HardwareProfile:
         compute = {}
         if self.gpu_kv_dequant_throughput is not None:
             compute["gpu_kv_dequant_elements_per_s"] = self.gpu_kv_dequant_throughput
+        if self.gpu_kv_quant_throughput is not None:
+            compute["gpu_kv_quant_elements_per_s"] = self.gpu_kv_quant_throughput
         if self.cpu_attention_share_under_copy != 1.0:
             compute["cpu_attention_share_under_copy"] = self.cpu_attention_share_under_copy
         return {
@@ -289,6 +298,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         cpu_to_disk_cache_bandwidth=bw_cache["cpu_to_disk_cache"],
         disk_to_cpu_cached_bandwidth=bw_cache["disk_to_cpu_cached"],
         gpu_kv_dequant_throughput=optional["gpu_kv_dequant_elements_per_s"],
+        gpu_kv_quant_throughput=optional["gpu_kv_quant_elements_per_s"],
         cpu_attention_share_under_copy=1.0 if share is None else share,
         matmul_flops=tuple(points),
         prefill_attention_flops=rates["prefill_attention_flop_per_s"],

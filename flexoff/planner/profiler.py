@@ -277,6 +277,19 @@ def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, shape: tupl
     return out.numel() / seconds, {"shape": list(full), "group_size": group_size, "seconds": seconds}
 
 
+def _kv_quant_rate(device, dtype, sizes: ProfileSizes, heads=32, prompt=512, head_dim=128):
+    """Quantizing a prefill's keys (batch, heads, prompt, head_dim) into a slot-major compressed
+    cache, through the codec as the runtime calls it."""
+    from ..compression import CompressedTensor, quantize
+    from ..runtime.kv_storage import SLOT_MAJOR
+
+    keys = torch.randn(sizes.attention_batch, heads, prompt, head_dim, device=device, dtype=dtype)
+    out = CompressedTensor.empty(SLOT_MAJOR.shape(prompt, sizes.attention_batch, heads, head_dim), dtype,
+                                 4, 64, -1, device)
+    seconds = _time(lambda: quantize(SLOT_MAJOR.arrange(keys), 4, 64, -1, out=out), device, sizes.min_seconds)
+    return keys.numel() / seconds, {"shape": list(keys.shape), "group_size": 64, "seconds": seconds}
+
+
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
                     log=lambda message: None) -> HardwareProfile:
     """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice."""
@@ -330,6 +343,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     cpu_attention, measurements["cpu_attention"] = _cpu_attention_rate(sizes)
     gpu_dequant, measurements["gpu_dequant"] = _dequant_rate(compute, sizes)
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
+    kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
@@ -341,7 +355,8 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     notes["compute"] = ("measured: the runtime's attention (32 heads x 128; prefill of 512 with a causal and "
                         "padding mask, decode with softmax and bmm over 544 keys), "
                         "the runtime's CPU attention over an fp16 cache, alone and while pinned copies to the GPU stream, "
-                        "4-bit group-64 dequantization of weight rows and of KV rows (head_dim 128), a device-to-device "
+                        "4-bit group-64 dequantization of weight rows and of KV rows (head_dim 128), quantization of a "
+                        "prefill's keys into a slot-major cache, a device-to-device "
                         "copy for memory bandwidth")
     notes["disk_to_cpu_cached"] = "measured: the disk tier's reads of a file it has just written (page cache)"
 
@@ -357,7 +372,8 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         gpu_memory_bandwidth=attention["gpu_memory_bytes_per_s"],
         cpu_attention_flops=cpu_attention,
         gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
-        gpu_kv_dequant_throughput=kv_dequant, cpu_attention_share_under_copy=share_under_copy,
+        gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant,
+        cpu_attention_share_under_copy=share_under_copy,
         usable_fraction=(0.9, 0.85, 0.9),
         device=device_name,
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",

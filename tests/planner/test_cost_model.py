@@ -103,11 +103,15 @@ def test_disk_reads_come_from_the_page_cache_only_while_free_memory_holds_them(t
     assert not CostModel(tiny_opt, Workload(4, 3), tight).predict(policy).disk_reads_cached
 
 
-def test_cache_dequantization_has_its_own_rate(tiny_opt, make_hardware):
+def test_cache_quantization_and_dequantization_have_their_own_rates(tiny_opt, make_hardware):
     policy = offloaded(weights=GPU, cache=GPU, compress_cache=FOUR_BIT)
     p = CostModel(tiny_opt, Workload(4, 3), make_hardware(gpu_kv_dequant_throughput=50.0)).predict(policy)
     # quantizing 2 x 4 tokens x 8 new elements, then dequantizing 2 x 5.5 x 8 per step, at 50/s
     assert p.prefill.compute["dequantize"] == pytest.approx(64 / 50)
+    assert p.decode.compute["dequantize"] == pytest.approx(88 / 50)
+    slow = make_hardware(gpu_kv_dequant_throughput=50.0, gpu_kv_quant_throughput=8.0)
+    p = CostModel(tiny_opt, Workload(4, 3), slow).predict(policy)
+    assert p.prefill.compute["dequantize"] == pytest.approx(64 / 8)
     assert p.decode.compute["dequantize"] == pytest.approx(88 / 50)
 
 

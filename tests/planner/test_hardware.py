@@ -29,12 +29,12 @@ def test_profile_round_trips_through_json(tmp_path):
 
 def test_optional_measurements_round_trip(tmp_path, make_hardware):
     measured = make_hardware(disk_to_cpu_cached_bandwidth=9e9, gpu_kv_dequant_throughput=5e11,
-                             cpu_attention_share_under_copy=0.44)
+                             gpu_kv_quant_throughput=2e10, cpu_attention_share_under_copy=0.44)
     measured.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == measured
     # Profiles without them price disk reads cold, KV rows like weights, and no contention.
     plain = make_hardware()
-    assert plain.kv_dequant_throughput == plain.gpu_dequant_throughput
+    assert plain.kv_dequant_throughput == plain.kv_quant_throughput == plain.gpu_dequant_throughput
     assert plain.disk_to_cpu_cached_bandwidth is None and plain.cpu_attention_share_under_copy == 1.0
 
 
