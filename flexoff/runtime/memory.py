@@ -19,7 +19,7 @@ from .kv import KVWorkspace
 from .kv_storage import kv_format
 from .placement import place_stage, split_rows
 from .policy import TIERS, Policy
-from .tiers import Streams
+from .tiers import HostWorker, Streams
 from .weight_store import compressible, stage_kind
 
 
@@ -120,6 +120,13 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
     working = rows * prompt_len * (cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize
     working += rows * cfg.vocab_size * 4 * 2
     sizes["gpu"] += working
+    # The host worker's queued prefill jobs each keep one batch's new keys and values of the rows
+    # they store in host memory on the GPU until copied, through two pinned chunks.
+    off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
+    if off_gpu:
+        per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+        sizes["gpu"] += HostWorker.MAX_IN_FLIGHT * per_job
+        sizes["cpu"] += 2 * HostWorker.CHUNK
     return sizes
 
 

@@ -68,3 +68,23 @@ def test_failure_midway_leaves_no_offload_files(tmp_path, monkeypatch):
         llm.generate([[5, 6, 7]] * 3)
     llm.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_block_memory_counts_the_host_workers_queue():
+    from flexoff.models import REGISTRY
+    from flexoff.runtime.memory import block_bytes, kv_cache_bytes
+    from flexoff.runtime.tiers import HostWorker
+
+    cfg = REGISTRY["opt-125m"]
+    on_gpu = Policy(4, 2, TierFractions(1, 0, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0))
+    on_cpu = Policy(4, 2, TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(1, 0, 0))
+    prompt, gen = 16, 8
+
+    def beyond_cache(policy):
+        return {t: block_bytes(cfg, policy, prompt, gen, 2)[t] - kv_cache_bytes(cfg, policy, prompt + gen, 2)[t]
+                for t in ("gpu", "cpu")}
+
+    # Each queued prefill job keeps one batch's new keys and values (4 rows x 16 tokens) on the GPU.
+    per_job = 2 * 4 * prompt * cfg.num_kv_heads * cfg.head_dim * 2
+    assert beyond_cache(on_cpu)["gpu"] - beyond_cache(on_gpu)["gpu"] == HostWorker.MAX_IN_FLIGHT * per_job
+    assert beyond_cache(on_cpu)["cpu"] - beyond_cache(on_gpu)["cpu"] == 2 * HostWorker.CHUNK
