@@ -209,27 +209,36 @@ def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
                                                      "threads": torch.get_num_threads()}
 
 
-def _cached_read_bandwidth(directory: str, nbytes: int):
+def _cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
     """Read back, through the disk tier's own reads, a file just written: what a disk tier that
-    fits in the free host memory sees, since the page cache keeps its pages."""
+    fits in the free host memory sees, since the page cache keeps its pages. Stages are read into
+    pinned staging a stage at a time on the disk tier's threads, ``streams`` at once: the weight
+    store's ring of two buffers lets the next stage's read start while this one's finishes."""
     from ..runtime.tiers import DiskTier
 
     disk = DiskTier(directory)
     try:
         region = disk.allocate("cached-read", nbytes)
         region.write(torch.randint(0, 255, (nbytes,), dtype=torch.uint8))
-        # Into pinned staging a stage at a time, as the weight store reads.
-        staging = torch.empty(min(nbytes, STAGE_BYTES), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        stage = min(nbytes // streams, STAGE_BYTES)
+        pinned = torch.cuda.is_available()
+        staging = [torch.empty(stage, dtype=torch.uint8, pin_memory=pinned) for _ in range(streams)]
+        offsets = range(0, nbytes - stage + 1, stage)
 
         def read_all():
-            for offset in range(0, nbytes - staging.numel() + 1, staging.numel()):
-                region.read_into(staging, offset)
+            in_flight = []
+            for i, offset in enumerate(offsets):
+                if len(in_flight) == streams:  # its staging buffer is the one to refill
+                    in_flight.pop(0).result()
+                in_flight.append(region.read_async(staging[i % streams], offset))
+            for read in in_flight:
+                read.result()
 
         seconds = _time(read_all, torch.device("cpu"), 0.0, max_repeats=3)
     finally:
         disk.close()
-    return nbytes // staging.numel() * staging.numel() / seconds, {"bytes": nbytes, "seconds": seconds,
-                                                                    "read_bytes": staging.numel()}
+    return len(offsets) * stage / seconds, {"bytes": len(offsets) * stage, "seconds": seconds,
+                                            "read_bytes": stage, "streams": streams}
 
 
 def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device):
