@@ -75,25 +75,18 @@ SLOT_MAJOR = Layout((2, 0, 1, 3))
 ROW_MAJOR = Layout((0, 1, 2, 3))
 
 
-def copy_whole(target: torch.Tensor, source: torch.Tensor) -> None:
-    """The plain way across devices, for callers without pinned staging."""
-    if not target.is_contiguous():
-        # A strided host destination must not be filled straight from the GPU: that copy runs as
-        # a kernel touching host memory element by element. Bring it over whole, then place it.
-        source = source.to(target.device)
-    target.copy_(source)
-
-
 class _Format:
     def write(self, target, x: torch.Tensor, copy_across: CopyAcross | None = None) -> None:
         """Store x into ``target`` (the same shape, in the compute dtype, maybe on another device);
-        ``copy_across(target_part, source_part)`` moves each encoded part between the devices."""
+        ``copy_across(target_part, source_part)`` moves each encoded part between the devices. The
+        default is a plain copy: strided host targets (a row-major CPU cache) are written by the
+        host worker, which passes its pinned staged copy."""
         if x.device == target.device:
             self.fill(target, x)
             return
         # Encode where x is, so that only the encoded bytes cross between devices.
         for part, source in zip(self.parts(target), self.parts(self.encode(x))):
-            (copy_across or copy_whole)(part, source)
+            (copy_across or torch.Tensor.copy_)(part, source)
 
     def size_of(self, buffer) -> int:
         return sum(part.numel() * part.element_size() for part in self.parts(buffer))
