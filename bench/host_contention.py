@@ -1,8 +1,9 @@
 """Do CPU attention and host-to-GPU weight copies slow each other down?
 
-Both read host memory: CPU attention reads the cache, the copy engine reads pinned weights. The
-cost model treats them as independent streams; this measures each alone and both at once, and the
-page-cache read rate of a file that was just written (what a disk tier smaller than free RAM sees).
+Both read host memory: CPU attention reads the cache, the copy engine reads pinned weights. This
+measures each alone and both at once (the slowdown the cost model charges), and the
+page-cache read rate of a file that was just written (what a disk tier smaller than free RAM sees),
+with the same copy loop and disk reads as `flexoff profile`.
 
     python bench/host_contention.py [--seqs 32 --heads 56 --keys 544] [--copy-gib 1] [--dir /tmp]
 """
@@ -10,10 +11,8 @@ page-cache read rate of a file that was just written (what a disk tier smaller t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from flexoff.planner.profiler import cached_read_bandwidth, copies_streaming  # noqa: E402
 from flexoff.runtime.kv import cpu_attention  # noqa: E402
 
 
@@ -59,52 +59,27 @@ def main() -> None:
         nbytes = int(args.copy_gib * (1 << 30))
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        stream = torch.cuda.Stream()
 
         def copy():
-            with torch.cuda.stream(stream):
-                device.copy_(host, non_blocking=True)
-            stream.synchronize()
+            device.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
 
         copy_alone = timed(copy, args.repeats)
         print(f"pinned H2D copy alone: {copy_alone * 1e3:.2f} ms, {nbytes / copy_alone / 1e9:.1f} GB/s")
-        # Both at once: copies loop on a thread while attention runs on this one.
-        stop = threading.Event()
-        copies = [0]
-
-        def copy_loop():
-            while not stop.is_set():
-                copy()
-                copies[0] += 1
-
-        worker = threading.Thread(target=copy_loop)
-        worker.start()
-        time.sleep(0.05)
-        start = time.perf_counter()
-        first = copies[0]
-        together = timed(attend, args.repeats)
-        elapsed = time.perf_counter() - start
-        done = copies[0] - first
-        stop.set()
-        worker.join()
+        del host, device
+        # Both at once: the profiler's copy loop runs on a thread while attention runs on this one.
+        with copies_streaming(torch.device("cuda"), nbytes) as copies:
+            time.sleep(0.05)
+            start, first = time.perf_counter(), copies[0]
+            together = timed(attend, args.repeats)
+            elapsed, done = time.perf_counter() - start, copies[0] - first
         print(f"together: CPU attention {together * 1e3:.2f} ms ({attention_alone / together:.0%} of alone), "
               f"copies {done * nbytes / elapsed / 1e9:.1f} GB/s ({done * nbytes / elapsed / (nbytes / copy_alone):.0%} "
               f"of alone)")
 
     # A file just written is read back from the page cache while free memory holds it.
-    size = 2 << 30
-    block = os.urandom(1 << 20) * 64
-    with tempfile.NamedTemporaryFile(dir=args.dir) as f:
-        for _ in range(size // len(block)):
-            f.write(block)
-        f.flush()
-        buffer = bytearray(len(block))
-        start = time.perf_counter()
-        with open(f.name, "rb", buffering=0) as r:
-            while r.readinto(buffer):
-                pass
-        seconds = time.perf_counter() - start
-        print(f"buffered re-read of a {size >> 30} GiB file just written: {size / seconds / 1e9:.1f} GB/s")
+    rate, _ = cached_read_bandwidth(args.dir, 2 << 30)
+    print(f"disk tier reads of a 2 GiB file just written (page cache): {rate / 1e9:.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ import mmap
 import os
 import shutil
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,7 +211,7 @@ def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
                                                      "threads": torch.get_num_threads()}
 
 
-def _cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
+def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
     """Read back, through the disk tier's own reads, a file just written: what a disk tier that
     fits in the free host memory sees, since the page cache keeps its pages. Stages are read into
     pinned staging a stage at a time on the disk tier's threads, ``streams`` at once: the weight
@@ -241,33 +243,40 @@ def _cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
                                             "read_bytes": stage, "streams": streams}
 
 
-def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device):
-    """CPU attention's speed while pinned host-to-GPU copies stream, as a share of its speed alone."""
-    import threading
-
-    alone, _ = _cpu_attention_rate(sizes)
-    nbytes = max(sizes.copy_bytes)
+@contextmanager
+def copies_streaming(compute: torch.device, nbytes: int):
+    """Pinned host-to-GPU copies of ``nbytes`` looping on a thread while the block runs; yields a
+    one-item list counting the copies finished so far."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     device = torch.empty(nbytes, dtype=torch.uint8, device=compute)
     stream = torch.cuda.Stream(compute)
-    stop = threading.Event()
+    stop, done = threading.Event(), [0]
 
     def copy_loop():
         # Several copies per wake-up: the thread then sleeps in synchronize() without the GIL,
-        # as the runtime's copies do, instead of competing with the attention for it.
+        # as the runtime's copies do, instead of competing with the measured work for it.
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 for _ in range(8):
                     device.copy_(host, non_blocking=True)
                 stream.synchronize()
+                done[0] += 8
 
     worker = threading.Thread(target=copy_loop)
     worker.start()
     try:
-        together, _ = _cpu_attention_rate(sizes)
+        yield done
     finally:
         stop.set()
         worker.join()
+
+
+def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device, alone: float):
+    """CPU attention's speed while pinned host-to-GPU copies stream, as a share of ``alone``, its
+    speed without them."""
+    nbytes = max(sizes.copy_bytes)
+    with copies_streaming(compute, nbytes):
+        together, _ = _cpu_attention_rate(sizes)
     share = min(1.0, together / alone)
     return share, {"alone_flop_per_s": alone, "under_copy_flop_per_s": together, "copy_bytes": nbytes}
 
@@ -340,7 +349,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         dtype = torch.float32
     log(f"disk: {sizes.disk_bytes // MiB} MiB in {DISK_BLOCK // MiB} MiB blocks under {disk_dir}")
     disk_read, disk_write, measurements["disk"] = _disk_bandwidth(disk_dir, sizes.disk_bytes)
-    cached_read, measurements["disk_cached_read"] = _cached_read_bandwidth(disk_dir, sizes.disk_bytes // 2)
+    cached_read, measurements["disk_cached_read"] = cached_read_bandwidth(disk_dir, sizes.disk_bytes // 2)
     log("matmuls at several row counts")
     curve, measurements["matmul"] = _matmul_curve(compute, dtype, sizes)
     notes["matmul_flop_per_s"] = (f"measured: {str(dtype).replace('torch.', '')} [m x {sizes.matmul_inner}] . "
@@ -356,7 +365,8 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
-        share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(sizes, compute)
+        share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(
+            sizes, compute, cpu_attention)
     if use_cuda:
         cpu_dequant, measurements["cpu_dequant"] = _dequant_rate(cpu, sizes)
     else:
