@@ -19,6 +19,23 @@ PROMPTS = [
 ]
 
 
+def generate(path, policy, offload_dir=None, *, params, prompts=PROMPTS, **llm_args):
+    """Outputs of ``prompts`` from the model saved at ``path`` under ``policy``, closing it after."""
+    from flexoff import LLM
+
+    where = {} if offload_dir is None else {"offload_dir": str(offload_dir)}
+    with LLM(str(path), policy=policy, **where, **llm_args) as llm:
+        return llm.generate(prompts, params)
+
+
+def assert_same_outputs(outs, ref, rtol: float = 0.0, atol: float = 1e-4) -> None:
+    """The same tokens and finish reasons, and log-probabilities within the tolerances."""
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
+    torch.testing.assert_close(torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in ref]),
+                               rtol=rtol, atol=atol)
+
+
 def build_tokenizer(directory, bos: str, eos: str, pad: str):
     """A word-level tokenizer over WORDS with the model family's special tokens, saved as tokenizer.json."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors

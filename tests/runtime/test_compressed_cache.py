@@ -3,6 +3,7 @@ device, compression really changes (a little) what the model computes, and the c
 shrink on every tier."""
 
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from flexoff.runtime.kv import BatchKV, KVWorkspace
 from flexoff.runtime.memory import kv_cache_bytes
 from flexoff.runtime.policy import CompressionConfig
 from flexoff.runtime.tiers import DiskTier, HostMemory, HostWorker, Streams
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, assert_same_outputs, generate
 
 KINDS = ["opt-post-proj", "llama-gqa"]  # both have head_dim 8
 FOUR_BIT = CompressionConfig(4, 4)  # two groups per head
@@ -36,15 +37,7 @@ def compressed_policy(compression: CompressionConfig, placement: str, cpu_attent
                   cpu_attention=cpu_attention, compress_cache=compression)
 
 
-def generate(path, policy: Policy, offload_dir, **llm_args):
-    with LLM(str(path), policy=policy, offload_dir=str(offload_dir), **llm_args) as llm:
-        return llm.generate(PROMPTS, PARAMS)
-
-
-def assert_same_outputs(outs, ref, rtol: float = 0.0) -> None:
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    torch.testing.assert_close(torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in ref]),
-                               rtol=rtol, atol=1e-4)
+generate = partial(generate, params=PARAMS)
 
 
 def references(tiny_model_dir, offload_dirs, **llm_args):

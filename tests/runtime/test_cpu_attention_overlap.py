@@ -3,19 +3,20 @@ batches' GPU work is enqueued. Tokens and logprobs must still be those of the pl
 the batches' prompt lengths, cache tiers and compression, and when a batch stops early."""
 
 import random
+from functools import partial
 import threading
 
 import pytest
 import torch
 
-from flexoff import LLM, Policy, SamplingParams, TierFractions
+from flexoff import Policy, SamplingParams, TierFractions
 from flexoff.runtime import batch as batch_module
 from flexoff.runtime import engine as engine_module
 from flexoff.runtime import kv as kv_module
 from flexoff.runtime.kv_storage import ROW_MAJOR
 from flexoff.runtime.policy import CompressionConfig
 from flexoff.runtime.tiers import HostWorker, Streams
-from tests.conftest import WORDS, build_tokenizer
+from tests.conftest import WORDS, assert_same_outputs, build_tokenizer, generate
 
 KINDS = ["opt-post-proj", "llama-gqa"]
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
@@ -47,16 +48,8 @@ def cpu_attention_policy(**changes) -> Policy:
     return Policy(**base)
 
 
-def run(path, policy: Policy, offload_dir, prompts=PROMPTS, params=PARAMS, **llm_args):
-    with LLM(str(path), policy=policy, offload_dir=str(offload_dir), **llm_args) as llm:
-        return llm.generate(prompts, params)
-
-
-def assert_same(outs, ref) -> None:
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    assert [o.finish_reason for o in outs] == [o.finish_reason for o in ref]
-    torch.testing.assert_close(torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in ref]),
-                               rtol=1e-4, atol=1e-4)
+run = partial(generate, prompts=PROMPTS, params=PARAMS)
+assert_same = partial(assert_same_outputs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")

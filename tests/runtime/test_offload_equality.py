@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flexoff import LLM, Policy, SamplingParams, TierFractions
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, assert_same_outputs, generate
 
 ON_GPU = TierFractions(1, 0, 0)
 ON_CPU = TierFractions(0, 1, 0)
@@ -47,8 +47,7 @@ def references(tiny_model_dir):
     refs = {}
     for kind in ("opt-post-proj", "llama-gqa"):
         path, _ = tiny_model_dir(kind)
-        outs = LLM(str(path), policy=Policy(gpu_batch_size=8)).generate(PROMPTS, PARAMS)
-        refs[kind] = outs
+        refs[kind] = generate(path, Policy(gpu_batch_size=8), params=PARAMS)
     return refs
 
 
@@ -59,15 +58,8 @@ PARAMS = SamplingParams(max_new_tokens=7, ignore_eos=True)
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_policy_matches_plain_run(tiny_model_dir, references, tmp_path, kind, name):
     path, _ = tiny_model_dir(kind)
-    llm = LLM(str(path), policy=POLICIES[name], offload_dir=str(tmp_path))
-    try:
-        outs = llm.generate(PROMPTS, PARAMS)
-    finally:
-        llm.close()
-    ref = references[kind]
-    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
-    torch.testing.assert_close(torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in ref]),
-                               rtol=1e-4, atol=1e-5)
+    outs = generate(path, POLICIES[name], tmp_path, params=PARAMS)
+    assert_same_outputs(outs, references[kind], rtol=1e-4, atol=1e-5)
     assert os.listdir(tmp_path) == []  # offload files are gone once the model is closed
 
 
