@@ -16,8 +16,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoff import LLM, Policy, SamplingParams, TierFractions  # noqa: E402
-from flexoff.runtime.policy import CompressionConfig  # noqa: E402
+from flexoff import LLM, Policy, SamplingParams  # noqa: E402
+from flexoff.runtime.policy import CompressionConfig, placement_from_percent  # noqa: E402
 
 
 def copy_bandwidth(num_bytes: int) -> float:
@@ -47,10 +47,8 @@ def main() -> None:
     parser.add_argument("--offload-dir", default="/tmp")
     parser.add_argument("--trace", default="/tmp/flexoff-trace.json", help="where to write the chrome trace")
     args = parser.parse_args()
-    p = args.percent
     policy = Policy(gpu_batch_size=args.gpu_batch_size, num_gpu_batches=args.num_gpu_batches,
-                    weights=TierFractions.from_percent(p[0], p[1]), cache=TierFractions.from_percent(p[2], p[3]),
-                    activations=TierFractions.from_percent(p[4], p[5]), cpu_attention=args.cpu_attention,
+                    **placement_from_percent(args.percent), cpu_attention=args.cpu_attention,
                     overlap=not args.no_overlap,
                     compress_weight=CompressionConfig(4, 64) if args.compress_weight else None,
                     compress_cache=CompressionConfig(4, 64) if args.compress_cache else None)

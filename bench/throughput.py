@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from flexoff.models import REGISTRY, stage_names, stage_specs  # noqa: E402
 from flexoff.runtime.placement import place_stage  # noqa: E402
-from flexoff.runtime.policy import TierFractions  # noqa: E402
+from flexoff.runtime.policy import placement_from_percent  # noqa: E402
 
 # Measured on the lent H100 machine (shared/reference/anchors.md): pinned host->GPU copy and
 # O_DIRECT disk reads.
@@ -65,7 +65,7 @@ def roofline(model: str, spec: dict, gen_len: int, itemsize: int = 2) -> float:
     """Decode token/s if each step only had to stream the off-GPU weights once (4.5 bits a value
     when compressed in groups of 64)."""
     cfg = REGISTRY[model]
-    w = TierFractions.from_percent(*spec["percent"][:2])
+    w = placement_from_percent(spec["percent"])["weights"]
     on = {"cpu": 0, "disk": 0}
     for stage in stage_names(cfg):
         for placement in place_stage(stage_specs(cfg, stage), w):
@@ -94,10 +94,8 @@ def moved_bytes_per_token(model: str, spec: dict, prompt_len: int, gen_len: int)
 def policy_of(spec: dict):
     from flexoff.runtime.policy import CompressionConfig, Policy
 
-    p = spec["percent"]
     four_bit = CompressionConfig(4, 64)
-    return Policy(spec["gbs"], spec["ngb"], TierFractions.from_percent(p[0], p[1]),
-                  TierFractions.from_percent(p[2], p[3]), TierFractions.from_percent(p[4], p[5]),
+    return Policy(spec["gbs"], spec["ngb"], **placement_from_percent(spec["percent"]),
                   cpu_attention=spec["cpu_attention"],
                   compress_weight=four_bit if spec.get("compress_weight") else None,
                   compress_cache=four_bit if spec.get("compress_cache") else None)

@@ -78,17 +78,14 @@ def policy_from_args(args):
     from dataclasses import replace
 
     from .api import DEFAULT_POLICY
-    from .runtime.policy import CompressionConfig, Policy, TierFractions
+    from .runtime.policy import CompressionConfig, Policy, placement_from_percent
 
     policy = Policy.load(args.policy) if args.policy else None
     overrides = {name: getattr(args, name) for name in ("gpu_batch_size", "num_gpu_batches", "cpu_attention",
                                                         "overlap", "pin_cpu_memory")
                  if getattr(args, name, None) is not None}
     if getattr(args, "percent", None):
-        w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = args.percent
-        overrides.update(weights=TierFractions.from_percent(w_gpu, w_cpu),
-                         cache=TierFractions.from_percent(c_gpu, c_cpu),
-                         activations=TierFractions.from_percent(a_gpu, a_cpu))
+        overrides.update(placement_from_percent(args.percent))
     if getattr(args, "compress_weight", None):
         overrides["compress_weight"] = CompressionConfig(args.weight_bits, args.weight_group)
     if getattr(args, "compress_cache", None):

@@ -51,6 +51,14 @@ class TierFractions:
         return cls(gpu_percent / 100.0, cpu_percent / 100.0, disk / 100.0)
 
 
+def placement_from_percent(percent) -> dict[str, TierFractions]:
+    """FlexGen's ``--percent``: weights, cache and activations on gpu and cpu (six numbers, the rest
+    on disk), as Policy's ``weights``, ``cache`` and ``activations`` arguments."""
+    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = percent
+    return {"weights": TierFractions.from_percent(w_gpu, w_cpu), "cache": TierFractions.from_percent(c_gpu, c_cpu),
+            "activations": TierFractions.from_percent(a_gpu, a_cpu)}
+
+
 @dataclass(frozen=True)
 class CompressionConfig:
     """Group-wise asymmetric quantization settings."""
