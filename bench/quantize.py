@@ -2,8 +2,9 @@
 
 The prefill stores every prompt token's keys and values; with a compressed cache they are quantized
 as they are stored, from the layer's (batch, heads, seq, head_dim) output into the cache's
-slot-major layout. This times that quantization at several block sizes (values per block: fewer,
-larger blocks launch fewer kernels), then a whole prefill with and without a compressed cache.
+slot-major layout. This times that quantization by the torch path at several block sizes (values
+per block: fewer, larger blocks launch fewer kernels) and by the fused Triton kernel where there is
+one, then a whole prefill with and without a compressed cache (the runtime's default path).
 
     python bench/quantize.py [--model opt-6.7b --batch 128]
 """
@@ -20,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexoff import LLM, Policy, TierFractions  # noqa: E402
-from flexoff.compression import CompressedTensor, quantize  # noqa: E402
+from flexoff.compression import CompressedTensor, quantize, triton_available  # noqa: E402
 from flexoff.runtime.kv_storage import SLOT_MAJOR  # noqa: E402
 from flexoff.runtime.policy import CompressionConfig  # noqa: E402
 
@@ -48,9 +49,13 @@ def time_quantize(batch: int, heads: int, prompt_len: int, device: torch.device,
     print(f"quantize {tuple(keys.shape)} into the slot-major cache on {device}")
     for chunk in (1 << 22, 1 << 25, 1 << 27):
         seconds = seconds_of(lambda chunk=chunk: quantize(SLOT_MAJOR.arrange(keys), 4, 64, -1, out=out,
-                                                          chunk_elements=chunk))
-        print(f"  blocks of {chunk >> 20}M values: {seconds * 1e3:.1f} ms, "
+                                                          use_triton=False, chunk_elements=chunk))
+        print(f"  torch, blocks of {chunk >> 20}M values: {seconds * 1e3:.1f} ms, "
               f"{keys.numel() / seconds / 1e9:.1f} G values/s")
+    if device.type == "cuda" and triton_available():
+        seconds = seconds_of(lambda: quantize(SLOT_MAJOR.arrange(keys), 4, 64, -1, out=out, use_triton=True))
+        print(f"  Triton kernel: {seconds * 1e3:.1f} ms, {keys.numel() / seconds / 1e9:.1f} G values/s, "
+              f"{keys.numel() * keys.element_size() / seconds / 1e9:.0f} GB/s read")
 
 
 def main() -> None:

@@ -68,6 +68,7 @@ def quantize(
     dim: int = -1,
     *,
     out: CompressedTensor | None = None,
+    use_triton: bool | None = None,
     chunk_elements: int | None = None,
 ) -> CompressedTensor:
     """Compress ``tensor`` (fp16, bf16 or fp32) in groups of ``group_size`` values along ``dim``.
@@ -75,6 +76,9 @@ def quantize(
     The result lives on ``tensor``'s device. With ``out`` (for example a ``narrow`` of a larger
     compressed KV cache), the codes are written into its storage and ``out`` is returned.
     A ``group_size`` that does not divide the dimension is fine: the last group is shorter.
+    ``use_triton``: None picks the fused kernel for 4-bit on CUDA where it handles the layout
+    (power-of-two groups that divide the dimension, rows in at most three strided runs), True
+    insists on it, False uses the torch path. Both give identical bytes.
     """
     check_settings(bits, group_size)
     check_dtype(tensor.dtype)
@@ -92,6 +96,16 @@ def quantize(
             raise CompressionError(f"out is on {out.device} but the tensor is on {tensor.device}")
 
     moved = tensor.movedim(dim, -1)  # (*rows_shape, D), a view
+    if use_triton is None:
+        kernels = _load_triton_kernels() if tensor.device.type == "cuda" and bits == 4 else None
+        if kernels is not None and _quantize_triton(kernels, moved, out):
+            return out
+    elif use_triton:
+        kernels = _require_triton(bits)
+        if not _quantize_triton(kernels, moved, out):
+            raise CompressionError(f"the Triton quantize kernel does not handle shape {tuple(tensor.shape)} "
+                                   f"grouped by {group_size} along dim {dim} with these strides")
+        return out
     for rows, cols in _blocks(out, _chunk(chunk_elements, tensor.device)):
         piece = moved[rows][..., cols.start:cols.stop]
         # reshape copies only this block when the moved view is not contiguous.
@@ -324,12 +338,53 @@ def _choose_triton(ct: CompressedTensor, use_triton: bool | None):
         if ct.device.type != "cuda" or ct.bits != 4:
             return None
         return _load_triton_kernels()
-    if ct.bits != 4:
-        raise CompressionError(f"the Triton dequantize kernel handles 4-bit tensors, not {ct.bits}-bit")
+    return _require_triton(ct.bits)
+
+
+def _require_triton(bits: int):
+    if bits != 4:
+        raise CompressionError(f"the Triton kernels handle 4-bit tensors, not {bits}-bit")
     kernels = _load_triton_kernels()
     if kernels is None:
         raise CompressionError("use_triton=True but Triton is not installed")
     return kernels
+
+
+def _quantize_triton(kernels, moved: torch.Tensor, out: CompressedTensor) -> bool:
+    """Quantize ``moved`` (*rows, width) into ``out`` with the fused kernel, in place, whatever the
+    row strides; False (and nothing written) where the kernel does not handle the layout."""
+    parts = (moved, out.data, out.scale, out.minimum)
+    merged = _merge_rows(tuple(moved.shape[:-1]), [part.stride()[:-1] for part in parts])
+    if merged is None:
+        return False
+    sizes, strides = merged
+    width = moved.shape[-1]
+    if not kernels.quantize_4bit_supported(out.group_size, width, sizes):
+        return False
+    if any(part.shape[-1] > 1 and part.stride(-1) != 1 for part in parts):
+        return False
+    views = [part.as_strided(sizes + (part.shape[-1],), rows + (part.stride(-1),), part.storage_offset())
+             for part, rows in zip(parts, strides)]
+    kernels.quantize_4bit(*views, out.group_size)
+    return True
+
+
+def _merge_rows(shape: tuple[int, ...], strides: list[tuple[int, ...]]):
+    """Fold row dimensions that are one run in every operand: (sizes, per-operand strides), at most
+    three dimensions, or None. Dimensions of size 1 drop out."""
+    dims = [(size, [s[d] for s in strides]) for d, size in enumerate(shape) if size != 1]
+    merged: list[tuple[int, list[int]]] = []
+    for size, inner in dims:
+        if merged:
+            outer_size, outer = merged[-1]
+            if all(o == i * size for o, i in zip(outer, inner)):
+                merged[-1] = (outer_size * size, inner)
+                continue
+        merged.append((size, inner))
+    if len(merged) > 3:
+        return None
+    sizes = tuple(size for size, _ in merged)
+    return sizes, [tuple(s[k] for _, s in merged) for k in range(len(strides))]
 
 
 def _dequantize_triton(kernels, ct: CompressedTensor, out: torch.Tensor) -> None:

@@ -1,11 +1,16 @@
-"""Fused Triton dequantize kernel for 4-bit codes (CUDA).
+"""Fused Triton kernels for 4-bit codes (CUDA): dequantize, and quantize whole power-of-two groups.
 
-One pass reads the packed bytes and the group scales and minimums and writes the output dtype
-directly, where the torch path makes several fp32 temporaries. Importing this module needs
-Triton; :mod:`flexoff.compression.codec` imports it only when it is about to use it.
+Each is one pass over memory where the torch path makes several fp32 temporaries per block of
+work: dequantize reads the packed bytes with the group scales and minimums and writes the output
+dtype; quantize reads the values once and writes codes, scales and minimums. Both compute exactly
+what the torch path computes (IEEE division, round half to even, no fused multiply-add), so the
+bytes and values agree bit for bit. Importing this module needs Triton;
+:mod:`flexoff.compression.codec` imports it only when it is about to use it.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -142,3 +147,139 @@ def dequantize_4bit(
         enable_fp_fusion=False,
     )
     return out
+
+
+# Round half to even for 0 <= x < 2**22: adding 1.5 * 2**23 leaves no fraction bits, so the IEEE
+# addition itself rounds, to nearest even, as torch.round does.
+_ROUND_MAGIC = 12582912.0
+
+
+@triton.jit
+def _quantize_4bit_kernel(
+    x_ptr,
+    data_ptr,
+    scale_ptr,
+    minimum_ptr,
+    rows,
+    size1,
+    size2,
+    x_stride0,
+    x_stride1,
+    x_stride2,
+    data_stride0,
+    data_stride1,
+    data_stride2,
+    meta_stride0,
+    meta_stride1,
+    meta_stride2,
+    width,
+    num_col_blocks,
+    GROUP_SIZE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_VALUES: tl.constexpr,
+    ROUND_SCALE: tl.constexpr,
+):
+    program = tl.program_id(0)
+    row_block = program // num_col_blocks
+    col_block = program % num_col_blocks
+    GROUPS: tl.constexpr = BLOCK_VALUES // GROUP_SIZE
+    BLOCK_BYTES: tl.constexpr = BLOCK_VALUES // 2
+
+    # Rows are indexed by up to three dimensions, each with its own stride in every operand, so
+    # a permuted view (a layer's keys in the cache's slot-major order) is read in place.
+    row = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
+    row_ok = row < rows
+    i2 = row % size2
+    i1 = (row // size2) % size1
+    i0 = row // size2 // size1
+    x_row = i0 * x_stride0 + i1 * x_stride1 + i2 * x_stride2
+    data_row = i0 * data_stride0 + i1 * data_stride1 + i2 * data_stride2
+    meta_row = i0 * meta_stride0 + i1 * meta_stride1 + i2 * meta_stride2
+
+    col = (col_block * BLOCK_VALUES + tl.arange(0, BLOCK_VALUES)).to(tl.int64)
+    # width is a multiple of GROUP_SIZE, so a group is either wholly inside or wholly masked.
+    mask = row_ok[:, None] & (col[None, :] < width)
+    x = tl.load(x_ptr + x_row[:, None] + col[None, :], mask=mask, other=0.0).to(tl.float32)
+    grouped = tl.reshape(x, (BLOCK_ROWS, GROUPS, GROUP_SIZE))
+    low = tl.min(grouped, axis=2)
+    high = tl.max(grouped, axis=2)
+    raw_scale = tl.div_rn(high - low, 15.0)
+    store_type = scale_ptr.dtype.element_ty
+    if ROUND_SCALE:
+        # Round the scale up to the 16-bit dtype: for non-negative floats the next value up is the
+        # next bit pattern.
+        rounded = raw_scale.to(store_type, fp_downcast_rounding="rtne")
+        bumped = (rounded.to(tl.int16, bitcast=True) + 1).to(store_type, bitcast=True)
+        scale = tl.where(rounded.to(tl.float32) < raw_scale, bumped, rounded)
+    else:
+        scale = raw_scale.to(store_type)
+    minimum = low.to(store_type)  # exact: the minimum is one of the values
+    scale32 = scale.to(tl.float32)
+    divisor = tl.where(scale32 > 0, scale32, 1.0)
+    codes = tl.div_rn(grouped - minimum.to(tl.float32)[:, :, None], divisor[:, :, None])
+    codes = (codes + _ROUND_MAGIC) - _ROUND_MAGIC
+    codes = tl.minimum(tl.maximum(codes, 0.0), 15.0).to(tl.uint8)
+    # Value 2j is the low nibble of byte j and value 2j+1 the high nibble.
+    low_nibble, high_nibble = tl.split(tl.reshape(codes, (BLOCK_ROWS, BLOCK_BYTES, 2)))
+    packed = low_nibble | (high_nibble << 4)
+
+    byte = col_block * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    tl.store(data_ptr + data_row[:, None] + byte[None, :], packed,
+             mask=row_ok[:, None] & (byte[None, :] < width // 2))
+    group = col_block * GROUPS + tl.arange(0, GROUPS)
+    meta_offset = meta_row[:, None] + group[None, :]
+    meta_mask = row_ok[:, None] & (group[None, :] < width // GROUP_SIZE)
+    tl.store(scale_ptr + meta_offset, scale, mask=meta_mask)
+    tl.store(minimum_ptr + meta_offset, minimum, mask=meta_mask)
+
+
+def quantize_4bit_supported(group_size: int, width: int, rows_shape: tuple[int, ...]) -> bool:
+    """Whether :func:`quantize_4bit` handles this layout (otherwise use the torch path)."""
+    return (group_size >= 2 and group_size & (group_size - 1) == 0 and group_size <= _QUANT_MAX_VALUES
+            and width > 0 and width % group_size == 0 and len(rows_shape) <= 3)
+
+
+_QUANT_MAX_VALUES = 512  # values per row in one tile; wider rows take several column blocks
+_QUANT_TILE_VALUES = 2048
+
+
+def quantize_4bit(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                  group_size: int) -> None:
+    """Encode x (*rows, width) into data (*rows, width / 2), scale and minimum (*rows, groups).
+
+    Up to three row dimensions with any strides; the last dimension of every operand must be
+    contiguous. See :func:`quantize_4bit_supported` for the layouts handled.
+    """
+    rows_shape = tuple(x.shape[:-1])
+    width = x.shape[-1]
+    if not quantize_4bit_supported(group_size, width, rows_shape):
+        raise ValueError(f"layout not handled: rows {rows_shape}, width {width}, group {group_size}")
+    for name, part in (("x", x), ("data", data), ("scale", scale), ("minimum", minimum)):
+        if part.stride(-1) != 1 and part.shape[-1] > 1:
+            raise ValueError(f"{name} must be contiguous along its last dimension")
+    if scale.stride()[:-1] != minimum.stride()[:-1]:
+        raise ValueError("scale and minimum must share their row strides")
+    rows = math.prod(rows_shape)
+    if rows == 0:
+        return
+    pad = 3 - len(rows_shape)
+    sizes = (1,) * pad + rows_shape
+    x_strides, data_strides, meta_strides = (
+        (0,) * pad + tuple(part.stride()[:-1]) for part in (x, data, scale)
+    )
+    block_values = min(_QUANT_MAX_VALUES, _next_power_of_2(width))
+    block_rows = max(1, _QUANT_TILE_VALUES // block_values)
+    num_col_blocks = triton.cdiv(width, block_values)
+    grid = (triton.cdiv(rows, block_rows) * num_col_blocks,)
+    _quantize_4bit_kernel[grid](
+        x, data, scale, minimum,
+        rows, sizes[1], sizes[2],
+        *x_strides, *data_strides, *meta_strides,
+        width, num_col_blocks,
+        GROUP_SIZE=group_size,
+        BLOCK_ROWS=block_rows,
+        BLOCK_VALUES=block_values,
+        ROUND_SCALE=scale.dtype != torch.float32,
+        num_warps=4,
+        enable_fp_fusion=False,
+    )

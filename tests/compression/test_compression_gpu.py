@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from flexoff.compression import CompressedTensor, dequantize, dequantize_chunks, quantize, triton_available
+from flexoff.compression.tensor import CompressionError
+from flexoff.runtime.kv_storage import SLOT_MAJOR
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (shape, dim, group_size): KV-like, weight-like along either dimension, ragged groups, 1-D.
@@ -87,6 +89,50 @@ def test_triton_on_slices_and_into_strided_outputs():
 
 @pytest.mark.gpu
 @needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,group_size", [((4, 8, 33, 128), 64), ((384, 512), 64), ((5, 7168), 64),
+                                              ((3, 5, 96), 32), ((2, 3, 4, 5, 64), 16), ((1000, 1024), 1024)])
+def test_triton_quantize_gives_the_torch_bytes(dtype, shape, group_size):
+    x = random(shape, dtype, seed=5).cuda()
+    x[0, ..., :group_size] = 1.25  # constant groups: zero scale
+    x[-1, ..., -group_size:] = x[-1, ..., -group_size:] * 1e-3  # tiny ranges
+    by_torch = quantize(x, 4, group_size, -1, use_triton=False)
+    assert_same_compressed(quantize(x, 4, group_size, -1, use_triton=True), by_torch)
+    assert_same_compressed(quantize(x, 4, group_size, -1), by_torch)  # CUDA + 4-bit picks Triton
+    assert_same_compressed(quantize(x.cpu(), 4, group_size, -1), by_torch)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_quantize_reads_permuted_keys_into_a_narrowed_cache(dtype):
+    # A prefill's keys (rows, heads, seq, head_dim), a transposed projection, stored at slots
+    # [3, 3 + seq) and rows [1, 1 + rows) of a larger slot-major cache.
+    projected = random((3, 40, 8 * 128), dtype, seed=6).cuda()  # (rows, seq, heads * head_dim)
+    keys = projected.view(3, 40, 8, 128).transpose(1, 2)
+    caches = [CompressedTensor.empty(SLOT_MAJOR.shape(48, 5, 8, 128), dtype, 4, 64, -1, "cuda") for _ in range(2)]
+    for cache, use_triton in zip(caches, (False, True)):
+        for part in (cache.data, cache.scale, cache.minimum):
+            part.zero_()
+        target = cache.narrow(0, 3, 40).narrow(1, 1, 3)
+        quantize(SLOT_MAJOR.arrange(keys), 4, 64, -1, out=target, use_triton=use_triton)
+    assert_same_compressed(*caches)
+    assert caches[1].scale[0].abs().sum() == 0 and caches[1].scale[3:43, 1:4].abs().min() > 0
+
+
+@needs_triton
+def test_triton_quantize_refuses_layouts_it_does_not_handle():
+    x = random((3, 5, 100), torch.float16, seed=7)
+    with pytest.raises(CompressionError, match="does not handle"):
+        quantize(x, 4, 7, -1, use_triton=True)  # groups of 7
+    with pytest.raises(CompressionError, match="4-bit"):
+        quantize(x, 8, 64, -1, use_triton=True)
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_pinned_host_copy_round_trips_through_the_gpu():
     x = random((64, 256), torch.float16, seed=4)
     ct = quantize(x, 4, 64).pin_memory()
@@ -112,7 +158,8 @@ def test_weight_sized_tensor_round_trips_on_cuda():
 _INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
-    from flexoff.compression import dequantize, quantize
+    from flexoff.compression import CompressedTensor, dequantize, quantize
+    from flexoff.runtime.kv_storage import SLOT_MAJOR
     cases = [((3, 5, 100), 2, 7), ((64, 96), 0, 64), ((2, 3, 40, 128), -1, 64), ((300,), 0, 64)]
     # bf16 is left out: the interpreter truncates fp32 -> bf16 instead of rounding to nearest.
     for dtype in (torch.float16, torch.float32):
@@ -123,6 +170,21 @@ _INTERPRETER_CHECK = textwrap.dedent(
             if dim != 0:
                 part = ct.narrow(0, 1, 1)
                 assert torch.equal(dequantize(part, use_triton=True), dequantize(part, use_triton=False))
+        for shape, group_size in (((2, 3, 33, 128), 64), ((64, 96), 32), ((7, 640), 64)):
+            x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
+            x[0, ..., :group_size] = 1.25
+            a, b = (quantize(x, 4, group_size, -1, use_triton=t) for t in (True, False))
+            assert all(torch.equal(p, q) for p, q in zip((a.data, a.scale, a.minimum), (b.data, b.scale, b.minimum)))
+        keys = (torch.randn(3, 4, 10, 128, generator=torch.Generator().manual_seed(2))).to(dtype)
+        parts = []
+        for use_triton in (True, False):
+            cache = CompressedTensor.empty(SLOT_MAJOR.shape(16, 5, 4, 128), dtype, 4, 64, -1, "cpu")
+            for part in (cache.data, cache.scale, cache.minimum):
+                part.zero_()
+            quantize(SLOT_MAJOR.arrange(keys), 4, 64, -1, out=cache.narrow(0, 2, 10).narrow(1, 1, 3),
+                     use_triton=use_triton)
+            parts.append((cache.data, cache.scale, cache.minimum))
+        assert all(torch.equal(p, q) for p, q in zip(*parts)), dtype
     print("interpreter ok")
     """
 )
