@@ -151,7 +151,7 @@ def dequantize_4bit(
 
 # Round half to even for 0 <= x < 2**22: adding 1.5 * 2**23 leaves no fraction bits, so the IEEE
 # addition itself rounds, to nearest even, as torch.round does.
-_ROUND_MAGIC = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

@@ -10,7 +10,10 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
   the same memory (the profile's ``cpu_attention_share_under_copy``);
 - the page cache: disk data that fits in the host memory left free is read back at the cached
   rate, when the profile has one. The search plans with the cold rate, so that a policy it picks
-  never relies on memory that other processes may take.
+  never relies on memory that other processes may take;
+- the host: the runtime spends a fixed time issuing each layer of each GPU batch (launches and
+  bookkeeping, measured by the profiler). The device works while the host issues the next layer,
+  so this is one more stream in the max; it bounds small batches.
 
 Every time and memory term is affine in the placement fractions. The formulas take the fractions as
 floats or as numpy arrays, so the search reads the LP's coefficients off the same code that
@@ -37,6 +40,8 @@ from .sizes import (
 )
 
 IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
+# Streams that run beside the compute: the four links, and the host issuing the work.
+STREAM_TERMS = IO_TERMS + ("host",)
 COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
 FP32_BYTES = 4
@@ -116,7 +121,7 @@ class PhaseBreakdown:
     """Seconds per layer of one phase, term by term, and the term that bounds it."""
 
     phase: str
-    io: dict  # term -> seconds per layer
+    io: dict  # stream (a link, or the host) -> seconds per layer
     compute: dict  # sub-term -> seconds per layer; they add up
     seconds_per_layer: float
     bound: str  # an IO term, or "compute (<largest sub-term>)"
@@ -186,7 +191,7 @@ class CostModel:
     # ---- time
 
     def phase_terms(self, frame: PolicyFrame, p: Placement, disk_read_bandwidth: float | None = None) -> dict:
-        """{phase: (io terms, compute sub-terms)}, each in seconds per layer, affine in ``p``.
+        """{phase: (streams, compute sub-terms)}, each in seconds per layer, affine in ``p``.
 
         ``disk_read_bandwidth`` overrides the profile's cold disk read rate (page-cache hits).
         """
@@ -201,6 +206,8 @@ class CostModel:
         s_avg = s + n / 2  # mean cache length over the decode steps (A.3)
         w_off, c_off, h_off = p.wc + p.wd, p.cc + p.cd, p.hc + p.hd
         cw, cc, cpu_att = frame.compress_weight is not None, frame.compress_cache is not None, frame.cpu_attention
+        # Per layer: every GPU batch's layer, and its share of the step's embedding, head and sampling.
+        host = nb * (hw.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers) + 0.0 * w_off
 
         prefill_io = {
             "cpu_to_gpu": (w_off * W + h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
@@ -209,6 +216,7 @@ class CostModel:
             "disk_to_cpu": (p.wd * W + p.hd * act * s * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * s * bls / hw.ctod_cache_bandwidth
             + p.hd * act * s * bls / hw.cpu_to_disk_bandwidth,
+            "host": host,
         }
         # Prefill attention always runs on the GPU: the cache is produced there.
         prefill_compute = {
@@ -232,6 +240,7 @@ class CostModel:
             + (h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
             "disk_to_cpu": (p.wd * W + p.hd * act * bls + p.cd * kv * s_avg * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
+            "host": host,
         }
         attention_flops = 4 * s_avg * self.query_width  # per sequence: q.K^T and p.V
         gpu_attention_seconds = max(attention_flops / hw.decode_attention_flops, s_avg * kv16 / hw.gpu_memory_bandwidth)
@@ -297,8 +306,9 @@ class CostModel:
         gpu_prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
                        + 2 * (1 - p.wg) * W + dequant_buffer
                        + 2 * (1 - p.hg) * act * s * gbs
-                       # new cache waiting to be stored: this batch's, and the host worker's queue
-                       + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv * s * gbs
+                       # new cache waiting to be stored, in the compute dtype whatever the stored
+                       # format: this batch's, and the host worker's queue
+                       + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16 * s * gbs
                        + intermediates(gbs * s, s))
         gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
                       + 2 * (1 - p.wg) * W + dequant_buffer

@@ -308,6 +308,40 @@ def _kv_quant_rate(device, dtype, sizes: ProfileSizes, heads=32, prompt=512, hea
     return keys.numel() / seconds, {"shape": list(keys.shape), "group_size": 64, "seconds": seconds}
 
 
+def _host_overhead(compute: torch.device, dtype, repeats: int = 3):
+    """The runtime's host time per decoder layer and per decode step of one GPU batch, apart from
+    the work itself: decode of one sequence through models too narrow (hidden 64) to keep the device
+    busy, all on the device, at two depths. The slope over depth is per layer, the rest per step
+    (embedding, head, sampling)."""
+    from ..models.config import ModelConfig
+    from ..runtime.batch import Sequence
+    from ..runtime.engine import Engine
+    from ..runtime.policy import Policy, TierFractions
+    from ..runtime.sampling import SamplingParams, SequenceSampler
+    from ..weights.dummy import DummyWeights
+
+    steps, depths, per_step = 24, (2, 10), {}
+    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
+    on_device = TierFractions(1, 0, 0)
+    for layers in depths:
+        config = ModelConfig(name=f"host-overhead-{layers}", family="opt", vocab_size=512, hidden_size=64,
+                             num_layers=layers, num_heads=2, intermediate_size=256, max_positions=64)
+        engine = Engine(config, DummyWeights(0), Policy(1, 1, on_device, on_device, on_device), compute, dtype)
+        try:
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                seq = Sequence(0, [5] * 8, params, SequenceSampler(params, 0))
+                times.append(engine.generate_block([seq]).decode_time / steps)
+            per_step[layers] = min(times[1:])
+        finally:
+            engine.close()
+    low, high = depths
+    per_layer = max(0.0, (per_step[high] - per_step[low]) / (high - low))
+    step = max(0.0, per_step[low] - low * per_layer)
+    return per_layer, step, {"decode_seconds_per_step": {str(k): v for k, v in per_step.items()},
+                             "hidden": 64, "sequences": 1, "steps": steps}
+
+
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
                     log=lambda message: None) -> HardwareProfile:
     """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice."""
@@ -362,6 +396,8 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     gpu_dequant, measurements["gpu_dequant"] = _dequant_rate(compute, sizes)
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
+    log("the runtime's host time per layer")
+    host_layer, host_step, measurements["host_overhead"] = _host_overhead(compute, dtype)
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
@@ -378,6 +414,8 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
                         "prefill's keys into a slot-major cache, a device-to-device "
                         "copy for memory bandwidth")
     notes["disk_to_cpu_cached"] = "measured: the disk tier's reads of a file it has just written (page cache)"
+    notes["host_seconds"] = ("measured: decode of one sequence through the runtime on 64-wide OPT models of 2 and "
+                             "10 layers, all on the device; fit: the slope is per layer, the intercept per step")
 
     return HardwareProfile(
         name=f"measured-{'cuda' if use_cuda else 'cpu'}",
@@ -393,6 +431,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
         gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant,
         cpu_attention_share_under_copy=share_under_copy,
+        host_seconds_per_layer=max(host_layer, 1e-9), host_seconds_per_step=max(host_step, 1e-9),
         usable_fraction=(0.9, 0.85, 0.9),
         device=device_name,
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",

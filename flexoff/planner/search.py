@@ -21,7 +21,7 @@ from ..errors import PolicyError
 from ..models.config import ModelConfig
 from ..runtime.policy import TIERS, CompressionConfig, Policy
 from ..units import format_size
-from .cost_model import IO_TERMS, PHASES, CostModel, Placement, PolicyFrame, Prediction, Workload
+from .cost_model import PHASES, STREAM_TERMS, CostModel, Placement, PolicyFrame, Prediction, Workload
 from .hardware import HardwareProfile
 
 FRACTION_NAMES = Placement._fields
@@ -82,7 +82,7 @@ class FrameProblem:
         for phase in PHASES:
             io, compute = terms[phase]
             compute_total = sum(_full(v) for v in compute.values())
-            parts = [_full(io[k]) for k in IO_TERMS] + [compute_total]
+            parts = [_full(io[k]) for k in STREAM_TERMS] + [compute_total]
             self.time_terms[phase] = parts if frame.overlap else [sum(parts)]
         self.memory = {key: _full(v) for key, v in model.memory_terms(frame, _POINTS).items()}
         self.capacity = model.capacities()

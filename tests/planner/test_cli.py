@@ -101,4 +101,5 @@ def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
     assert "CPU only" in profile.device
     assert profile.measurements["disk"]["bytes"] == 8 << 20
     assert [m for m, _ in profile.matmul_flops] == [1, 16, 64]
+    assert profile.host_seconds_per_layer > 0 and "host_overhead" in profile.measurements
     assert "wrote" in out

@@ -87,6 +87,24 @@ def test_cpu_attention_slows_down_while_weights_stream(tiny_opt, make_hardware):
     assert gpu.decode.compute == CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(offloaded()).decode.compute
 
 
+def test_host_time_per_layer_bounds_small_batches(tiny_opt, make_hardware):
+    # 0.5 s per layer and 3 s per step (spread over the 2 layers) for each of 2 GPU batches.
+    slow_host = make_hardware(host_seconds_per_layer=0.5, host_seconds_per_step=3.0)
+    policy = offloaded(weights=GPU, cache=GPU, num_gpu_batches=2, gpu_batch_size=1)
+    p = CostModel(tiny_opt, Workload(4, 3), slow_host).predict(policy)
+    assert p.decode.io["host"] == p.prefill.io["host"] == pytest.approx(2 * (0.5 + 3.0 / 2))
+    # Everything on the GPU: the device computes while the host issues, so the slower one bounds.
+    assert p.decode.compute_seconds > 4.0
+    assert p.decode.bound == "compute (gpu_attention)"
+    assert p.decode.seconds_per_layer == pytest.approx(p.decode.compute_seconds)
+    slower = make_hardware(host_seconds_per_layer=5.0, host_seconds_per_step=3.0)
+    q = CostModel(tiny_opt, Workload(4, 3), slower).predict(policy)
+    assert q.decode.compute_seconds < 13.0
+    assert q.decode.bound == "host" and q.decode.seconds_per_layer == pytest.approx(2 * (5.0 + 1.5))
+    # A profile without the measurement has no host term.
+    assert CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(policy).decode.io["host"] == 0
+
+
 def test_disk_reads_come_from_the_page_cache_only_while_free_memory_holds_them(tiny_opt, make_hardware):
     policy = offloaded(weights=DISK, cache=GPU)
     cold = CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(policy)
@@ -187,6 +205,8 @@ def test_more_bandwidth_or_compute_never_slows_a_policy(tiny_opt, round_hardware
                  "gpu_memory_bandwidth", "cpu_attention_flops"):
         faster = dataclasses.replace(round_hardware, **{name: getattr(round_hardware, name) * 3})
         assert CostModel(tiny_opt, Workload(4, 3), faster).predict(policy).block_latency <= base
+    slower_host = dataclasses.replace(round_hardware, host_seconds_per_layer=1.0, host_seconds_per_step=1.0)
+    assert CostModel(tiny_opt, Workload(4, 3), slower_host).predict(policy).block_latency >= base
     # Less contention for host memory, or a page cache, or more memory for it, never hurt either.
     calmer = dataclasses.replace(round_hardware, cpu_attention_share_under_copy=0.9)
     contended = dataclasses.replace(round_hardware, cpu_attention_share_under_copy=0.3)
