@@ -239,7 +239,7 @@ def quantize_4bit_supported(group_size: int, width: int, rows_shape: tuple[int, 
             and width > 0 and width % group_size == 0 and len(rows_shape) <= 3)
 
 
-_QUANT_MAX_VALUES = 512  # values per row in one tile; wider rows take several column blocks
+_QUANT_MAX_VALUES = 1024  # values per row in one tile; wider rows take several column blocks
 _QUANT_TILE_VALUES = 2048
 
 

@@ -329,8 +329,8 @@ def default_profile_path() -> Path:
 
 
 def packaged_profile(name: str) -> HardwareProfile:
-    """A reference profile shipped with flexoff: ``t4`` (the FlexGen paper's machine), ``h100``
-    (from the lent machine's published figures) or ``h200`` (measured there by ``flexoff profile``)."""
+    """A reference profile shipped with flexoff: ``t4`` (the FlexGen paper's machine), or ``h100`` and
+    ``h200`` (the lent machines, each measured there by ``flexoff profile``)."""
     key = PACKAGED_PROFILES.get(name.lower())
     if key is None:
         raise ConfigError(f"unknown hardware profile {name!r}; packaged: {', '.join(sorted(PACKAGED_PROFILES))}")
