@@ -29,8 +29,11 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import torch
+
 from ..errors import ConfigError
 from ..models.config import ModelConfig
+from ..runtime.memory import weight_buffer_bytes
 from ..runtime.policy import TIERS, CompressionConfig, Policy, TierFractions
 from ..runtime.tiers import HostWorker
 from .hardware import HardwareProfile
@@ -178,6 +181,7 @@ class CostModel:
         self.query_width = c.num_heads * c.head_dim
         self.kv_width = c.num_kv_heads * c.head_dim
         self.mlp_buffers = 2 if c.family == "opt" else 3  # fc1 out; or gate, up and their product
+        self._buffer_bytes: dict = {}
 
     # ---- sizes under a frame
 
@@ -187,6 +191,26 @@ class CostModel:
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
         """Stored KV bytes of one token in one layer."""
         return self.kv_numel * bytes_per_element(frame.compress_cache)
+
+    def weight_buffer_bytes(self, frame: PolicyFrame, wg):
+        """GPU bytes of the buffers the runtime assembles streamed weights in, affine in ``wg``.
+
+        The runtime's own accounting with every weight off the GPU (a layer's ring of two, plus
+        the embedding's and head's buffers, at stored size) scales with the share off the GPU.
+        The one tensor a fraction splits is assembled whole: up to two of the largest matrix more,
+        priced as ``wg`` x that, which is exact with nothing on the GPU, close for a small share
+        off it (where it matters), and two matrices too many with everything on it. Compressed
+        weights add one matrix of dequantization scratch (in the runtime's figure)."""
+        key = frame.compress_weight
+        if key not in self._buffer_bytes:
+            off_gpu = Policy(1, 1, TierFractions(0, 1, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0),
+                             compress_weight=frame.compress_weight)
+            scratch = self.largest_matrix_numel * FP16_BYTES if frame.compress_weight is not None else 0.0
+            streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)) - scratch
+            self._buffer_bytes[key] = (streamed, scratch, 2 * self.largest_matrix_numel
+                                       * bytes_per_element(frame.compress_weight))
+        streamed, scratch, split = self._buffer_bytes[key]
+        return (1 - wg) * streamed + wg * split + scratch
 
     # ---- time
 
@@ -291,7 +315,7 @@ class CostModel:
         kv_total = kv * s_max * bls * layers
         c_off = p.cc + p.cd
         gpu_att = p.cg + (0.0 if frame.cpu_attention else c_off)
-        dequant_buffer = self.largest_matrix_numel * FP16_BYTES if frame.compress_weight is not None else 0.0
+        weight_buffers = self.weight_buffer_bytes(frame, p.wg)
 
         def intermediates(rows: int, keys: int) -> float:
             """Largest transient of one GPU batch: attention scores, MLP activations or logits."""
@@ -304,14 +328,14 @@ class CostModel:
 
         # Buffers of off-GPU data come in pairs: the batch computed now and the one being loaded.
         gpu_prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
-                       + 2 * (1 - p.wg) * W + dequant_buffer
+                       + weight_buffers
                        + 2 * (1 - p.hg) * act * s * gbs
                        # new cache waiting to be stored, in the compute dtype whatever the stored
                        # format: this batch's, and the host worker's queue
                        + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16 * s * gbs
                        + intermediates(gbs * s, s))
         gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
-                      + 2 * (1 - p.wg) * W + dequant_buffer
+                      + weight_buffers
                       + 2 * (1 - p.hg) * act * gbs
                       + (0.0 * c_off if frame.cpu_attention else 2 * c_off * kv * s_max * gbs)
                       + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att)

@@ -56,9 +56,23 @@ def usable_offload_dir(path: str) -> Path:
 
 def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of weights per tier (compressed where the policy says), plus the GPU buffers that
-    streamed or compressed stages are assembled in."""
+    streamed stages are assembled and compressed matrices dequantized in."""
+    sizes, buffers = _weight_placement_bytes(cfg, policy, dtype)
+    sizes["gpu"] += buffers
+    return sizes
+
+
+def weight_buffer_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> int:
+    """GPU bytes of the buffers streamed stages are assembled in (a layer's ring of two, and one each
+    for the embedding and the head where they stream), and of the scratch compressed matrices are
+    dequantized into. A tensor with any rows off the GPU is assembled whole, compressed or not."""
+    return _weight_placement_bytes(cfg, policy, dtype)[1]
+
+
+def _weight_placement_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> tuple[dict[str, int], int]:
     sizes = {tier: 0 for tier in TIERS}
     buffers: dict[str, int] = {}
+    largest = 0
     itemsize = dtype.itemsize
     compression = policy.compress_weight
     for stage in stage_names(cfg):
@@ -71,15 +85,15 @@ def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[s
                 shape = (piece.stop - piece.start, *spec.shape[1:])
                 sizes[piece.tier] += (compressed_nbytes(shape, compression.bits, compression.group_size, -1, dtype)
                                       if compressed else placement.row_numel * shape[0] * itemsize)
-            if placement.only_tier != "gpu" or compressed:
-                streamed += spec.numel * itemsize
-                if compressed:  # the compressed landing space beside the dequantized buffer
-                    streamed += compressed_nbytes(spec.shape, compression.bits, compression.group_size, -1, dtype)
+            if placement.only_tier != "gpu":  # assembled whole, compressed or not
+                streamed += (compressed_nbytes(spec.shape, compression.bits, compression.group_size, -1, dtype)
+                             if compressed else spec.numel * itemsize)
+            if compressed:
+                largest = max(largest, spec.numel * itemsize)
         kind = stage_kind(stage)
         copies = 2 if kind == "layer" and cfg.num_layers > 1 else 1
         buffers[kind] = max(buffers.get(kind, 0), copies * streamed)
-    sizes["gpu"] += sum(buffers.values())
-    return sizes
+    return sizes, sum(buffers.values()) + largest  # and the one dequantization scratch
 
 
 # The cache's scales and minimums take its dtype; only that dtype's size matters to the estimate.

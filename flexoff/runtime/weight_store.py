@@ -6,12 +6,17 @@ embedding and head stages have one set each. Host pieces are copied on the load 
 are read by the disk tier's threads into pinned staging, then copied.
 
 With weight compression, matrices are quantized as they are loaded (one tensor at a time) and
-stored compressed on every tier, so their bytes cross PCIe and disk compressed; the load stream
-dequantizes them into the buffer just before use.
+stored compressed on every tier, so their bytes cross PCIe and disk compressed; they are assembled
+compressed and dequantized one matrix at a time, as the layer reads each, on the compute stream
+into one scratch buffer of the largest matrix's size. A stage's weights are therefore a mapping
+(:class:`StageWeights`) whose compressed entries are valid until the next entry is read: the
+layers read each matrix just before the matmul that consumes it. Dequantizing per read costs each
+GPU batch its own pass, but keeps the GPU's weight memory at the compressed size plus one matrix.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -71,7 +76,7 @@ class _OnDisk:
 
 @dataclass
 class _StagePieces:
-    resident: dict[str, torch.Tensor] = field(default_factory=dict)  # ready-to-use tensors on the GPU
+    resident: dict[str, Stored] = field(default_factory=dict)  # wholly on the GPU (maybe compressed)
     # name -> list of (start row, stop row, storage): a GPU or host tensor (maybe compressed) or _OnDisk
     parts: dict[str, list] = field(default_factory=dict)
     region: DiskRegion | None = None
@@ -80,13 +85,35 @@ class _StagePieces:
 
 @dataclass
 class _BufferSet:
-    tensors: dict[str, torch.Tensor]  # assembled weights in the compute dtype
-    compressed: dict[str, CompressedTensor]  # GPU landing space of compressed pieces, before dequantizing
+    tensors: dict[str, Stored]  # assembled weights: in the compute dtype, or compressed
     staging: torch.Tensor | None  # pinned host bytes for this stage's disk pieces
     holder: str | None = None  # stage whose weights are (being) loaded here
     ready: object = None  # event: the loads are done
     free: object = None  # event: the last compute that read these buffers is done
     pending: object = None  # future of a load running on the disk threads
+
+
+class StageWeights(Mapping):
+    """One stage's weights on the GPU by name. Compressed matrices are dequantized when read, on
+    the current stream, into a scratch buffer that the next read reuses: read each matrix just
+    before the operation that consumes it, and do not keep it past the next read."""
+
+    def __init__(self, tensors: dict[str, Stored], scratch: torch.Tensor | None):
+        self._tensors = tensors
+        self._scratch = scratch
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self._tensors[name]
+        if not isinstance(value, CompressedTensor):
+            return value
+        out = self._scratch[:value.numel()].view(value.shape)
+        return dequantize(value, out=out)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 class TieredWeights:
@@ -106,6 +133,7 @@ class TieredWeights:
             # One stage at a time: the source's copy is dropped before the next stage is read.
             self._stages[stage] = self._materialise(source, stage, placements)
         self._buffers = self._make_buffers()
+        self._scratch = self._make_scratch()
 
     # Placing the weights
     def _compressed(self, spec: WeightSpec) -> bool:
@@ -135,6 +163,10 @@ class TieredWeights:
             full = source.load_tensor(stage, spec, self.device if compressed else torch.device("cpu"), self.dtype)
             if compressed:
                 full = self._quantize(full)
+                if placement.only_tier == "gpu":
+                    pieces.resident[spec.name] = full
+                    self.bytes["gpu"] += _nbytes(full)
+                    continue
             parts = []
             for piece in placement.pieces:
                 rows = full.narrow(0, piece.start, piece.stop - piece.start)
@@ -173,19 +205,28 @@ class TieredWeights:
             count = 2 if kind == "layer" and self.cfg.num_layers > 1 else 1
             disk_bytes = max(self._stages[s].disk_bytes for s in stage_names(self.cfg) if stage_kind(s) == kind)
 
-            def landing(name: str) -> CompressedTensor:
+            def assembly(name: str) -> Stored:
                 c = self.compression
-                return CompressedTensor.empty(specs[name].shape, self.dtype, c.bits, c.group_size, -1, self.device)
+                if self._compressed(specs[name]):
+                    return CompressedTensor.empty(specs[name].shape, self.dtype, c.bits, c.group_size, -1, self.device)
+                return torch.empty(specs[name].shape, device=self.device, dtype=self.dtype)
 
             buffers[kind] = [
                 _BufferSet(
-                    {name: torch.empty(specs[name].shape, device=self.device, dtype=self.dtype) for name in pieces.parts},
-                    {name: landing(name) for name in pieces.parts if self._compressed(specs[name])},
+                    {name: assembly(name) for name in pieces.parts},
                     self.host.empty((disk_bytes,), torch.uint8) if disk_bytes else None,
                 )
                 for _ in range(count)
             ]
         return buffers
+
+    def _make_scratch(self) -> torch.Tensor | None:
+        """One dequantization buffer, the size of the largest compressed matrix."""
+        if self.compression is None:
+            return None
+        largest = max((p.spec.numel for placements in self.placements.values() for p in placements
+                       if self._compressed(p.spec)), default=0)
+        return torch.empty(largest, device=self.device, dtype=self.dtype) if largest else None
 
     def _set_for(self, stage: str) -> _BufferSet | None:
         sets = self._buffers.get(stage_kind(stage))
@@ -224,21 +265,19 @@ class TieredWeights:
         streams.wait(streams.load, buffer.free)
         with streams.on(streams.load):
             for name, parts in pieces.parts.items():
-                landing = buffer.compressed.get(name, buffer.tensors[name])
+                landing = buffer.tensors[name]
                 for start, stop, storage in parts:
                     if isinstance(storage, _OnDisk):
                         storage = storage.view(buffer.staging)
                     landing.narrow(0, start, stop - start).copy_(storage, non_blocking=True)
-                if name in buffer.compressed:
-                    dequantize(landing, out=buffer.tensors[name])
         buffer.ready = streams.record(streams.load)
 
-    def get(self, stage: str) -> dict[str, torch.Tensor]:
+    def get(self, stage: str) -> StageWeights:
         """The stage's weights on the GPU, ready for compute enqueued after this call."""
         buffer = self._set_for(stage)
         pieces = self._stages[stage]
         if buffer is None:
-            return pieces.resident
+            return StageWeights(pieces.resident, self._scratch)
         if buffer.holder != stage:
             self.prefetch(stage)
         if buffer.pending is not None:
@@ -247,7 +286,7 @@ class TieredWeights:
         self.streams.wait(self.streams.compute, buffer.ready)
         weights = dict(pieces.resident)
         weights.update({name: buffer.tensors[name] for name in pieces.parts})
-        return weights
+        return StageWeights(weights, self._scratch)
 
     def release(self, stage: str) -> None:
         """The last compute reading ``stage``'s buffers has been enqueued; they may be reloaded after it."""
@@ -272,4 +311,5 @@ class TieredWeights:
     def close(self) -> None:
         self._stages.clear()
         self._buffers.clear()
+        self._scratch = None
         self.host.close()

@@ -31,10 +31,10 @@ def _grid(step: float) -> Placement:
 
 
 @pytest.mark.parametrize("model_name, frame", [
-    ("opt-30b", PolicyFrame(48, 3, cpu_attention=True)),
+    ("opt-30b", PolicyFrame(32, 3, cpu_attention=True)),
     ("opt-30b", PolicyFrame(16, 4, FOUR_BIT, FOUR_BIT)),
     ("opt-175b", PolicyFrame(16, 4, FOUR_BIT, FOUR_BIT)),
-    ("opt-175b", PolicyFrame(8, 8, cpu_attention=True)),
+    ("opt-175b", PolicyFrame(4, 8, cpu_attention=True)),
 ])
 def test_lp_answer_is_feasible_and_no_grid_placement_beats_it(model_name, frame):
     model = CostModel(REGISTRY[model_name], WORKLOAD, packaged_profile("t4"))
