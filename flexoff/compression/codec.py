@@ -358,13 +358,10 @@ def _quantize_triton(kernels, moved: torch.Tensor, out: CompressedTensor) -> boo
     if merged is None:
         return False
     sizes, strides = merged
-    width = moved.shape[-1]
-    if not kernels.quantize_4bit_supported(out.group_size, width, sizes):
-        return False
-    if any(part.shape[-1] > 1 and part.stride(-1) != 1 for part in parts):
-        return False
     views = [part.as_strided(sizes + (part.shape[-1],), rows + (part.stride(-1),), part.storage_offset())
              for part, rows in zip(parts, strides)]
+    if not kernels.quantize_4bit_supported(*views, out.group_size):
+        return False
     kernels.quantize_4bit(*views, out.group_size)
     return True
 

@@ -233,32 +233,33 @@ def _quantize_4bit_kernel(
     tl.store(minimum_ptr + meta_offset, minimum, mask=meta_mask)
 
 
-def quantize_4bit_supported(group_size: int, width: int, rows_shape: tuple[int, ...]) -> bool:
-    """Whether :func:`quantize_4bit` handles this layout (otherwise use the torch path)."""
-    return (group_size >= 2 and group_size & (group_size - 1) == 0 and group_size <= _QUANT_MAX_VALUES
-            and width > 0 and width % group_size == 0 and len(rows_shape) <= 3)
-
-
 _QUANT_MAX_VALUES = 1024  # values per row in one tile; wider rows take several column blocks
 _QUANT_TILE_VALUES = 2048
+
+
+def quantize_4bit_supported(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                            group_size: int) -> bool:
+    """Whether :func:`quantize_4bit` handles these operands (otherwise use the torch path): whole
+    power-of-two groups of at most 1024 values, at most three row dimensions, every operand
+    contiguous along its last dimension, and scale and minimum with the same row strides."""
+    width = x.shape[-1]
+    return (group_size >= 2 and group_size & (group_size - 1) == 0 and group_size <= _QUANT_MAX_VALUES
+            and width > 0 and width % group_size == 0 and x.dim() - 1 <= 3
+            and all(part.stride(-1) == 1 or part.shape[-1] == 1 for part in (x, data, scale, minimum))
+            and scale.stride()[:-1] == minimum.stride()[:-1])
 
 
 def quantize_4bit(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                   group_size: int) -> None:
     """Encode x (*rows, width) into data (*rows, width / 2), scale and minimum (*rows, groups).
 
-    Up to three row dimensions with any strides; the last dimension of every operand must be
-    contiguous. See :func:`quantize_4bit_supported` for the layouts handled.
+    Up to three row dimensions with any strides; see :func:`quantize_4bit_supported` for the
+    layouts handled.
     """
     rows_shape = tuple(x.shape[:-1])
     width = x.shape[-1]
-    if not quantize_4bit_supported(group_size, width, rows_shape):
-        raise ValueError(f"layout not handled: rows {rows_shape}, width {width}, group {group_size}")
-    for name, part in (("x", x), ("data", data), ("scale", scale), ("minimum", minimum)):
-        if part.stride(-1) != 1 and part.shape[-1] > 1:
-            raise ValueError(f"{name} must be contiguous along its last dimension")
-    if scale.stride()[:-1] != minimum.stride()[:-1]:
-        raise ValueError("scale and minimum must share their row strides")
+    if not quantize_4bit_supported(x, data, scale, minimum, group_size):
+        raise ValueError(f"layout not handled: x {tuple(x.shape)} with strides {x.stride()}, group {group_size}")
     rows = math.prod(rows_shape)
     if rows == 0:
         return
