@@ -36,6 +36,7 @@ from ..models.config import ModelConfig
 from ..runtime.memory import weight_buffer_bytes
 from ..runtime.policy import TIERS, CompressionConfig, Policy, TierFractions
 from ..runtime.tiers import HostWorker
+from ..runtime.weight_store import dequantize_scratch_numel
 from .hardware import HardwareProfile
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
@@ -205,7 +206,7 @@ class CostModel:
         if key not in self._buffer_bytes:
             off_gpu = Policy(1, 1, TierFractions(0, 1, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0),
                              compress_weight=frame.compress_weight)
-            scratch = self.largest_matrix_numel * FP16_BYTES if frame.compress_weight is not None else 0.0
+            scratch = float(dequantize_scratch_numel(self.config, frame.compress_weight) * FP16_BYTES)
             streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)) - scratch
             self._buffer_bytes[key] = (streamed, scratch, 2 * self.largest_matrix_numel
                                        * bytes_per_element(frame.compress_weight))

@@ -20,7 +20,7 @@ from .kv_storage import kv_format
 from .placement import place_stage, split_rows
 from .policy import TIERS, Policy
 from .tiers import HostWorker, Streams
-from .weight_store import compressible, stage_kind
+from .weight_store import compressible, dequantize_scratch_numel, stage_kind
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,6 @@ def weight_buffer_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) ->
 def _weight_placement_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> tuple[dict[str, int], int]:
     sizes = {tier: 0 for tier in TIERS}
     buffers: dict[str, int] = {}
-    largest = 0
     itemsize = dtype.itemsize
     compression = policy.compress_weight
     for stage in stage_names(cfg):
@@ -88,12 +87,11 @@ def _weight_placement_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype
             if placement.only_tier != "gpu":  # assembled whole, compressed or not
                 streamed += (compressed_nbytes(spec.shape, compression.bits, compression.group_size, -1, dtype)
                              if compressed else spec.numel * itemsize)
-            if compressed:
-                largest = max(largest, spec.numel * itemsize)
         kind = stage_kind(stage)
         copies = 2 if kind == "layer" and cfg.num_layers > 1 else 1
         buffers[kind] = max(buffers.get(kind, 0), copies * streamed)
-    return sizes, sum(buffers.values()) + largest  # and the one dequantization scratch
+    scratch = dequantize_scratch_numel(cfg, compression) * itemsize
+    return sizes, sum(buffers.values()) + scratch
 
 
 # The cache's scales and minimums take its dtype; only that dtype's size matters to the estimate.

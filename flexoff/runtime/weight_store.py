@@ -39,6 +39,14 @@ def compressible(spec: WeightSpec) -> bool:
     return len(spec.shape) == 2
 
 
+def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None) -> int:
+    """Elements of the one buffer compressed matrices are dequantized into: the largest of them."""
+    if compression is None:
+        return 0
+    return max((spec.numel for stage in stage_names(cfg) for spec in stage_specs(cfg, stage) if compressible(spec)),
+               default=0)
+
+
 def _parts(value: Stored) -> list[torch.Tensor]:
     return [value.data, value.scale, value.minimum] if isinstance(value, CompressedTensor) else [value]
 
@@ -222,11 +230,8 @@ class TieredWeights:
 
     def _make_scratch(self) -> torch.Tensor | None:
         """One dequantization buffer, the size of the largest compressed matrix."""
-        if self.compression is None:
-            return None
-        largest = max((p.spec.numel for placements in self.placements.values() for p in placements
-                       if self._compressed(p.spec)), default=0)
-        return torch.empty(largest, device=self.device, dtype=self.dtype) if largest else None
+        numel = dequantize_scratch_numel(self.cfg, self.compression)
+        return torch.empty(numel, device=self.device, dtype=self.dtype) if numel else None
 
     def _set_for(self, stage: str) -> _BufferSet | None:
         sets = self._buffers.get(stage_kind(stage))
