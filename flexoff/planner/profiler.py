@@ -336,8 +336,9 @@ def _host_overhead(compute: torch.device, dtype, repeats: int = 3):
         finally:
             engine.close()
     low, high = depths
-    per_layer = max(0.0, (per_step[high] - per_step[low]) / (high - low))
-    step = max(0.0, per_step[low] - low * per_layer)
+    # A profile holds positive figures: noise that hides either one leaves it a nanosecond.
+    per_layer = max(1e-9, (per_step[high] - per_step[low]) / (high - low))
+    step = max(1e-9, per_step[low] - low * per_layer)
     return per_layer, step, {"decode_seconds_per_step": {str(k): v for k, v in per_step.items()},
                              "hidden": 64, "sequences": 1, "steps": steps}
 
@@ -439,7 +440,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
         gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant,
         cpu_attention_share_under_copy=share_under_copy,
-        host_seconds_per_layer=max(host_layer, 1e-9), host_seconds_per_step=max(host_step, 1e-9),
+        host_seconds_per_layer=host_layer, host_seconds_per_step=host_step,
         usable_fraction=(0.9, 0.85, 0.9),
         device=device_name,
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",
