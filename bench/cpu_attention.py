@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import median_seconds
 from flexoff.compression import CompressedTensor, compressed_nbytes, dequantize
 from flexoff.models.common import attention
 from flexoff.runtime.kv import cpu_attention
@@ -68,25 +69,6 @@ def matmul_native(q, k, v, mask):
     scores = torch.matmul(q * scale, k.transpose(-1, -2)).float()
     scores.masked_fill_(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), v)
-
-
-def seconds_per_call(fn, repeat: int, cuda: bool = False) -> float:
-    """Median seconds of one call, after one warm-up call."""
-    fn()
-    samples = []
-    for _ in range(repeat):
-        if cuda:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(start.elapsed_time(stop) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - begin)
-    return sorted(samples)[len(samples) // 2]
 
 
 def plain_table(args) -> None:
@@ -138,16 +120,16 @@ def compressed_table(args) -> None:
         rows_.append((name, seconds, where))
 
     row("CPU attention, plain fp16 cache (kv.cpu_attention)",
-        seconds_per_call(lambda: cpu_attention(q, lambda r: k[r], lambda r: v[r], mask), args.repeat), "cpu")
-    cpu_step = seconds_per_call(lambda: cpu_attention(q, read[0], read[1], mask), args.repeat)
+        median_seconds(lambda: cpu_attention(q, lambda r: k[r], lambda r: v[r], mask), args.repeat), "cpu")
+    cpu_step = median_seconds(lambda: cpu_attention(q, read[0], read[1], mask), args.repeat)
     row(f"CPU attention, {args.bits}-bit cache (kv.cpu_attention, decompress per chunk)", cpu_step, "cpu")
     row(f"  of which: CPU dequantize {args.bits}-bit -> fp16 (keys + values)",
-        seconds_per_call(lambda: [fn(slice(0, args.rows)) for fn in read], args.repeat), "cpu")
+        median_seconds(lambda: [fn(slice(0, args.rows)) for fn in read], args.repeat), "cpu")
     # The runtime decodes into a fresh tensor each call (page faults on a large one); into a
     # reused buffer shows the codec's own speed.
     reused = [torch.empty(shape, dtype=dtype) for _ in range(2)]
     row(f"  CPU dequantize {args.bits}-bit -> fp16 into reused buffers (not what the runtime does)",
-        seconds_per_call(lambda: [dequantize(buffer.narrow(2, 0, args.tokens), out=out)
+        median_seconds(lambda: [dequantize(buffer.narrow(2, 0, args.tokens), out=out)
                                   for buffer, out in zip(cache, reused)], args.repeat), "cpu")
     gpu_step = None
     if torch.cuda.is_available():
@@ -176,10 +158,10 @@ def compressed_table(args) -> None:
         expected = cpu_attention(q, read[0], read[1], mask).float()
         error = (whole().cpu().float() - expected).abs().max().item()
         row("GPU: PCIe copy of the compressed cache (pinned -> GPU)",
-            seconds_per_call(copy, args.repeat, cuda=True), "gpu")
+            median_seconds(copy, args.repeat, cuda=True), "gpu")
         row(f"GPU: Triton dequantize + attention (max diff vs CPU {error:.1e})",
-            seconds_per_call(decode_and_attend, args.repeat, cuda=True), "gpu")
-        gpu_step = seconds_per_call(whole, args.repeat, cuda=True)
+            median_seconds(decode_and_attend, args.repeat, cuda=True), "gpu")
+        gpu_step = median_seconds(whole, args.repeat, cuda=True)
         row("GPU: copy + dequantize + attention, one after another", gpu_step, "gpu")
 
     print(f"\n{args.rows} sequences x {args.heads} heads x {args.tokens} keys x {args.head_dim}, {args.bits}-bit "

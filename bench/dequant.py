@@ -15,13 +15,13 @@ import argparse
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.timing import median_seconds  # noqa: E402
 from flexoff.compression import dequantize, quantize, triton_available  # noqa: E402
 
 # (shape, grouped dim, what it stands for)
@@ -43,27 +43,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def time_call(fn, device: torch.device, repeats: int, warmup: int) -> float:
-    """Median seconds of one call."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(start.elapsed_time(stop) / 1000)
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - begin)
-    samples.sort()
-    return samples[len(samples) // 2]
 
 
 def main(argv=None) -> int:
@@ -99,7 +78,7 @@ def main(argv=None) -> int:
             def run(ct=ct, out=out, use_triton=use_triton):
                 dequantize(ct, out=out, use_triton=use_triton)
 
-            seconds = time_call(run, device, repeats, warmup)
+            seconds = median_seconds(run, repeats, cuda=device.type == "cuda", warmup=warmup)
             out_gbs = out.numel() * out.element_size() / seconds / 1e9
             in_gbs = ct.nbytes / seconds / 1e9
             shape_text = "x".join(map(str, shape))
