@@ -31,7 +31,7 @@ from ..models.common import attention
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
 from .placement import Piece, split_rows
 from .policy import TIERS, Policy
-from .tiers import DiskTier, HostMemory, HostWorker, Streams, device_allocator
+from .tiers import DiskTier, HostMemory, HostWorker, Streams, device_allocator, read_pinned
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 
@@ -289,8 +289,8 @@ class BatchKV:
 
         GPU rows attend now. The worker stores the other rows' new slot and attends for them on the
         CPU while the main thread goes on enqueuing other batches' GPU work; ``finish`` waits for it
-        and enqueues the output's copy back. The output lands in one pinned buffer per batch: the
-        batch's next job waits for an event recorded after that copy was enqueued, so it never
+        and enqueues the read of its output. The output lands in one pinned buffer per batch: the
+        batch's next job waits for an event recorded after that read was enqueued, so it never
         overwrites an output still in flight.
         """
         end = start + k.shape[2]
@@ -317,7 +317,7 @@ class BatchKV:
 
         def finish() -> torch.Tensor:
             job.result()
-            out[rows].copy_(landing, non_blocking=True)
+            read_pinned(out[rows], landing)
             return out
 
         return finish

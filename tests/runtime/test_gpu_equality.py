@@ -43,3 +43,24 @@ def test_cuda_fp32_matches_transformers(tiny_model_dir, kind):
         pytest.skip("needs CUDA")
     path, hf = tiny_model_dir(kind)
     assert_last_logits_match(LLM(str(path), device="cuda", dtype="float32"), hf, 1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_read_pinned_copies_every_bit_pattern(dtype):
+    """The kernel read of pinned host memory (CPU attention's output) gives the same bytes as a copy,
+    for sources carved at an offset out of a pinned slab, as the host memory allocator hands them out."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flexoff.runtime.tiers import HostMemory, read_pinned
+
+    integer = {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+    info = torch.iinfo(integer)
+    bits = torch.randint(info.min, info.max, (3, 5, 7), dtype=integer)
+    bits.view(-1)[:4] = torch.tensor([0, 1, -1, info.min], dtype=integer)  # +0, a subnormal, a NaN, -0
+    host = HostMemory(pin=True)
+    host.empty((13,), torch.uint8)  # the source starts past the slab's first bytes
+    source = host.empty(bits.shape, dtype)
+    source.view(integer).copy_(bits)
+    target = torch.full(bits.shape, 7, dtype=dtype, device="cuda")
+    read_pinned(target, source)
+    assert torch.equal(target.cpu().view(integer), bits)
