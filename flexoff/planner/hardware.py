@@ -36,7 +36,8 @@ _COMPUTE_FIELDS = (
     "cpu_dequant_elements_per_s",
 )
 _OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "gpu_kv_quant_elements_per_s",
-                            "cpu_attention_share_under_copy", "host_seconds_per_layer", "host_seconds_per_step")
+                            "cpu_attention_share_under_copy", "cpu_attention_seconds_per_call",
+                            "host_seconds_per_layer", "host_seconds_per_step")
 _TOP_FIELDS = {
     "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction",
     "bandwidth_bytes_per_s", "compute", "notes", "measurements",
@@ -79,6 +80,9 @@ class HardwareProfile:
     # CPU attention and the copy engine share host memory: the share of its speed CPU attention
     # keeps while pinned host-to-GPU copies run (1.0: no contention).
     cpu_attention_share_under_copy: float = 1.0
+    # A fixed cost of each CPU attention call (up to CPU_ATTENTION_ROWS sequences) beside its FLOPs:
+    # small GPU batches attend at well under the profiled rate. 0: not measured.
+    cpu_attention_seconds_per_call: float = 0.0
     # The runtime's host time per decoder layer and per step of one GPU batch (launches, bookkeeping),
     # apart from the work it launches: a floor under small batches. 0: not measured.
     host_seconds_per_layer: float = 0.0
@@ -161,7 +165,7 @@ class HardwareProfile:
             compute["gpu_kv_quant_elements_per_s"] = self.gpu_kv_quant_throughput
         if self.cpu_attention_share_under_copy != 1.0:
             compute["cpu_attention_share_under_copy"] = self.cpu_attention_share_under_copy
-        for key in ("host_seconds_per_layer", "host_seconds_per_step"):
+        for key in ("cpu_attention_seconds_per_call", "host_seconds_per_layer", "host_seconds_per_step"):
             if getattr(self, key) > 0:
                 compute[key] = getattr(self, key)
         return {
@@ -307,6 +311,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         gpu_kv_dequant_throughput=optional["gpu_kv_dequant_elements_per_s"],
         gpu_kv_quant_throughput=optional["gpu_kv_quant_elements_per_s"],
         cpu_attention_share_under_copy=1.0 if share is None else share,
+        cpu_attention_seconds_per_call=optional["cpu_attention_seconds_per_call"] or 0.0,
         host_seconds_per_layer=optional["host_seconds_per_layer"] or 0.0,
         host_seconds_per_step=optional["host_seconds_per_step"] or 0.0,
         matmul_flops=tuple(points),

@@ -42,12 +42,13 @@ class ProfileSizes:
     attention_batch: int
     dequant_elements: int
     min_seconds: float  # repeat each timing until this much time has passed
+    cold_bytes: int  # CPU attention cycles through this much cache, more than CPU caches hold
 
 
 QUICK = ProfileSizes((16 * MiB, 64 * MiB, 256 * MiB), 256 * MiB, (1, 8, 32, 128, 512, 2048),
-                     2048, 4096, 4, 16 * MiB, 0.1)
+                     2048, 4096, 4, 16 * MiB, 0.1, 64 * MiB)
 FULL = ProfileSizes((64 * MiB, 256 * MiB, 1 * GiB), 4 * GiB, (1, 8, 32, 128, 512, 4096),
-                    7168, 28672, 16, 256 * MiB, 0.5)
+                    7168, 28672, 16, 256 * MiB, 0.5, 512 * MiB)
 
 
 def _sync(device: torch.device) -> None:
@@ -189,26 +190,45 @@ def _attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128,
     }
 
 
-def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
-    """Decode attention as the runtime runs it on the CPU: its own function, over an fp16 cache in
-    the row-major layout it keeps for CPU attention, with a padding mask. The full profile's cache
-    (32 sequences of an OPT-30B layer, 0.5 GB) is larger than CPU caches, as real ones are."""
+def _cpu_attention_seconds(rows: int, sizes: ProfileSizes, heads=56, head_dim=128, keys=544) -> float:
+    """Seconds of one decode attention over ``rows`` sequences as the runtime runs it on the CPU: its
+    own function, over an fp16 cache in the row-major layout it keeps for CPU attention, with a
+    padding mask. Calls cycle through enough distinct caches (``sizes.cold_bytes`` in all) that none is
+    still in a CPU cache when it is read again, as a layer's cache is not in the runtime."""
     from ..runtime.kv import cpu_attention
 
-    rows = 2 * sizes.attention_batch
+    shape = (rows, heads, keys, head_dim)
+    copies = max(1, -(-sizes.cold_bytes // (2 * 2 * math.prod(shape))))
     q = torch.randn(rows, heads, 1, head_dim).half()
-    keys_cache = torch.randn(rows, heads, keys, head_dim).half()
-    values_cache = torch.randn(rows, heads, keys, head_dim).half()
+    caches = [(torch.randn(shape).half(), torch.randn(shape).half()) for _ in range(copies)]
     mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
     mask[:, :, :, :8] = False  # left padding
 
     def attend():
-        return cpu_attention(q, keys_cache.__getitem__, values_cache.__getitem__, mask)
+        for keys_cache, values_cache in caches:
+            cpu_attention(q, keys_cache.__getitem__, values_cache.__getitem__, mask)
 
-    seconds = _time(attend, torch.device("cpu"), sizes.min_seconds)
-    batch = rows * heads
-    return 4.0 * batch * keys * head_dim / seconds, {"heads_x_batch": batch, "keys": keys, "seconds": seconds,
-                                                     "threads": torch.get_num_threads()}
+    return _time(attend, torch.device("cpu"), sizes.min_seconds) / copies
+
+
+def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
+    """CPU attention's FLOP/s and its fixed cost per call, fit to a full call (the full profile's
+    cache of 32 sequences of an OPT-30B layer, 0.5 GB, is larger than CPU caches, as real ones are)
+    and a call of a few sequences: seconds = per_call + FLOPs / rate."""
+    from ..runtime.kv import CPU_ATTENTION_ROWS
+
+    flops_per_row = 4.0 * heads * keys * head_dim
+    small = 2
+    large = min(max(2 * sizes.attention_batch, 2 * small), CPU_ATTENTION_ROWS)
+    large_seconds = _cpu_attention_seconds(large, sizes, heads, head_dim, keys)
+    small_seconds = _cpu_attention_seconds(small, sizes, heads, head_dim, keys)
+    slope = (large_seconds - small_seconds) / (large - small)
+    raw = {"heads": heads, "keys": keys, "head_dim": head_dim, "rows": [small, large],
+           "seconds": [small_seconds, large_seconds], "threads": torch.get_num_threads()}
+    per_call = small_seconds - small * slope
+    if slope <= 0 or per_call <= 0:  # timing noise: no fixed cost can be told apart from the FLOPs
+        return large * flops_per_row / large_seconds, 0.0, raw
+    return flops_per_row / slope, per_call, raw
 
 
 def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
@@ -255,11 +275,15 @@ def copies_streaming(compute: torch.device, nbytes: int):
     def copy_loop():
         # Several copies per wake-up: the thread then sleeps in synchronize() without the GIL,
         # as the runtime's copies do, instead of competing with the measured work for it.
+        # The wait blocks instead of spinning: a spinning thread takes a core from the measured
+        # work, which the runtime's copies (waited on by the GPU, not the host) never do.
+        finished = torch.cuda.Event(blocking=True)
         with torch.cuda.stream(stream):
             while not stop.is_set():
                 for _ in range(8):
                     device.copy_(host, non_blocking=True)
-                stream.synchronize()
+                finished.record(stream)
+                finished.synchronize()
                 done[0] += 8
 
     worker = threading.Thread(target=copy_loop)
@@ -271,14 +295,14 @@ def copies_streaming(compute: torch.device, nbytes: int):
         worker.join()
 
 
-def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device, alone: float):
-    """CPU attention's speed while pinned host-to-GPU copies stream, as a share of ``alone``, its
-    speed without them."""
+def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device, rows: int, alone: float):
+    """CPU attention's speed over ``rows`` sequences while pinned host-to-GPU copies stream, as a
+    share of its speed without them (``alone`` seconds)."""
     nbytes = max(sizes.copy_bytes)
     with copies_streaming(compute, nbytes):
-        together, _ = _cpu_attention_rate(sizes)
-    share = min(1.0, together / alone)
-    return share, {"alone_flop_per_s": alone, "under_copy_flop_per_s": together, "copy_bytes": nbytes}
+        together = _cpu_attention_seconds(rows, sizes)
+    share = min(1.0, alone / together)
+    return share, {"rows": rows, "alone_seconds": alone, "under_copy_seconds": together, "copy_bytes": nbytes}
 
 
 def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, shape: tuple[int, ...] = (4096,)):
@@ -399,7 +423,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     log("attention and dequantization")
     attention = _attention_rates(compute, dtype, sizes)
     measurements["attention"] = attention.pop("raw")
-    cpu_attention, measurements["cpu_attention"] = _cpu_attention_rate(sizes)
+    cpu_attention, cpu_attention_call, measurements["cpu_attention"] = _cpu_attention_rate(sizes)
     gpu_dequant, measurements["gpu_dequant"] = _dequant_rate(compute, sizes)
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
@@ -408,8 +432,9 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
+        timed = measurements["cpu_attention"]
         share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(
-            sizes, compute, cpu_attention)
+            sizes, compute, timed["rows"][-1], timed["seconds"][-1])
     if use_cuda:
         cpu_dequant, measurements["cpu_dequant"] = _dequant_rate(cpu, sizes)
     else:
@@ -439,7 +464,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         cpu_attention_flops=cpu_attention,
         gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
         gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant,
-        cpu_attention_share_under_copy=share_under_copy,
+        cpu_attention_share_under_copy=share_under_copy, cpu_attention_seconds_per_call=cpu_attention_call,
         host_seconds_per_layer=host_layer, host_seconds_per_step=host_step,
         usable_fraction=(0.9, 0.85, 0.9),
         device=device_name,

@@ -92,7 +92,7 @@ def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
     from flexoff.planner import profiler
 
     monkeypatch.setattr(profiler, "QUICK", profiler.ProfileSizes(
-        (1 << 20, 4 << 20), 8 << 20, (1, 16, 64), 128, 256, 1, 1 << 16, 0.0))
+        (1 << 20, 4 << 20), 8 << 20, (1, 16, 64), 128, 256, 1, 1 << 16, 0.0, 1 << 20))
     output = tmp_path / "hw.json"
     code, out, err = run(["profile", "--quick", "--device", "cpu", "--output", str(output),
                           "--disk-dir", str(tmp_path)], capsys)
@@ -102,4 +102,5 @@ def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
     assert profile.measurements["disk"]["bytes"] == 8 << 20
     assert [m for m, _ in profile.matmul_flops] == [1, 16, 64]
     assert profile.host_seconds_per_layer > 0 and "host_overhead" in profile.measurements
+    assert profile.measurements["cpu_attention"]["rows"] == [2, 4]
     assert "wrote" in out

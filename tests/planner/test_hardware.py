@@ -31,14 +31,16 @@ def test_profile_round_trips_through_json(tmp_path):
 def test_optional_measurements_round_trip(tmp_path, make_hardware):
     measured = make_hardware(disk_to_cpu_cached_bandwidth=9e9, gpu_kv_dequant_throughput=5e11,
                              gpu_kv_quant_throughput=2e10, cpu_attention_share_under_copy=0.44,
-                             host_seconds_per_layer=2e-4, host_seconds_per_step=1e-3)
+                             cpu_attention_seconds_per_call=3e-4, host_seconds_per_layer=2e-4,
+                             host_seconds_per_step=1e-3)
     measured.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == measured
+
     # Profiles without them price disk reads cold, KV rows like weights, and no contention.
     plain = make_hardware()
     assert plain.kv_dequant_throughput == plain.kv_quant_throughput == plain.gpu_dequant_throughput
     assert plain.disk_to_cpu_cached_bandwidth is None and plain.cpu_attention_share_under_copy == 1.0
-    assert plain.host_seconds_per_layer == plain.host_seconds_per_step == 0.0
+    assert plain.host_seconds_per_layer == plain.host_seconds_per_step == plain.cpu_attention_seconds_per_call == 0.0
 
 
 def test_matmul_curve_interpolates_log_log_and_scales_below_the_first_point(make_hardware):
@@ -69,6 +71,7 @@ def _t4_dict():
     (lambda d: d["compute"].update(cpu_attention_share_under_copy=1.5), "compute.cpu_attention_share_under_copy"),
     (lambda d: d["compute"].update(gpu_kv_dequant_elements_per_s=0), "compute.gpu_kv_dequant_elements_per_s"),
     (lambda d: d["compute"].update(host_seconds_per_layer=-1e-3), "compute.host_seconds_per_layer"),
+    (lambda d: d["compute"].update(cpu_attention_seconds_per_call="0.3ms"), "compute.cpu_attention_seconds_per_call"),
     (lambda d: d["bandwidth_bytes_per_s"].update(disk_to_cpu_cached="x"), "bandwidth_bytes_per_s.disk_to_cpu_cached"),
 ])
 def test_malformed_profile_is_refused_naming_the_field(mutate, field):
