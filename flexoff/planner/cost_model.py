@@ -33,6 +33,7 @@ import torch
 
 from ..errors import ConfigError
 from ..models.config import ModelConfig
+from ..runtime.kv import CPU_ATTENTION_ROWS
 from ..runtime.memory import weight_buffer_bytes
 from ..runtime.policy import TIERS, CompressionConfig, Policy, TierFractions
 from ..runtime.tiers import HostWorker
@@ -272,13 +273,18 @@ class CostModel:
         cpu_attention_seconds = attention_flops / hw.cpu_attention_flops
         if cc:
             cpu_attention_seconds += s_avg * self.kv_numel / hw.cpu_dequant_throughput
+        # Each GPU batch attends in calls of up to CPU_ATTENTION_ROWS sequences, each with a fixed cost.
+        cpu_attention_calls = nb * math.ceil(gbs / CPU_ATTENTION_ROWS) * hw.cpu_attention_seconds_per_call
         decode_compute = {
             "gpu_matmul": 2 * (self.layer_matmul_numel + self.head_matmul_numel_per_layer) * bls
             / hw.matmul_flops_at(gbs),
             "gpu_attention": gpu_att * bls * gpu_attention_seconds,
             "dequantize": ((nb * self.matrix_numel / hw.gpu_dequant_throughput) if cw else 0.0)
             + ((gpu_att * bls * s_avg * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0 * gpu_att),
-            "cpu_attention": cpu_share * bls * cpu_attention_seconds,
+            # The host joins CPU attention's time instead of running beside it: it finishes each
+            # batch's layer only once that batch's attention is back, and the worker thread waits for
+            # the interpreter while the host issues work.
+            "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + host),
         }
         if cpu_att:
             # While the weights stream, CPU attention runs at a share f of its speed: it finishes

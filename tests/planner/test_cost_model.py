@@ -87,6 +87,20 @@ def test_cpu_attention_slows_down_while_weights_stream(tiny_opt, make_hardware):
     assert gpu.decode.compute == CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(offloaded()).decode.compute
 
 
+def test_cpu_attention_pays_a_fixed_cost_per_call(tiny_opt, make_hardware):
+    # 0.25 s per call of up to CPU_ATTENTION_ROWS (32) sequences, beside the FLOPs (88 per sequence at 4 FLOP/s).
+    per_call = make_hardware(cpu_attention_seconds_per_call=0.25)
+    for gbs, batches, calls in ((2, 1, 1), (2, 3, 3), (40, 1, 2), (40, 2, 4)):
+        policy = offloaded(gpu_batch_size=gbs, num_gpu_batches=batches, cpu_attention=True, weights=GPU)
+        p = CostModel(tiny_opt, Workload(4, 3), per_call).predict(policy)
+        assert p.decode.compute["cpu_attention"] == pytest.approx(gbs * batches * 88 / 4 + calls * 0.25)
+    # Only the share of the cache off the GPU is attended on the CPU.
+    half = offloaded(gpu_batch_size=2, num_gpu_batches=3, cpu_attention=True, weights=GPU,
+                     cache=TierFractions(0.5, 0.5, 0))
+    p = CostModel(tiny_opt, Workload(4, 3), per_call).predict(half)
+    assert p.decode.compute["cpu_attention"] == pytest.approx(0.5 * (6 * 88 / 4 + 3 * 0.25))
+
+
 def test_host_time_per_layer_bounds_small_batches(tiny_opt, make_hardware):
     # 0.5 s per layer and 3 s per step (spread over the 2 layers) for each of 2 GPU batches.
     slow_host = make_hardware(host_seconds_per_layer=0.5, host_seconds_per_step=3.0)
@@ -209,6 +223,8 @@ def test_more_bandwidth_or_compute_never_slows_a_policy(tiny_opt, round_hardware
         assert CostModel(tiny_opt, Workload(4, 3), faster).predict(policy).block_latency <= base
     slower_host = dataclasses.replace(round_hardware, host_seconds_per_layer=1.0, host_seconds_per_step=1.0)
     assert CostModel(tiny_opt, Workload(4, 3), slower_host).predict(policy).block_latency >= base
+    costly_calls = dataclasses.replace(round_hardware, cpu_attention_seconds_per_call=1.0)
+    assert CostModel(tiny_opt, Workload(4, 3), costly_calls).predict(policy).block_latency >= base
     # Less contention for host memory, or a page cache, or more memory for it, never hurt either.
     calmer = dataclasses.replace(round_hardware, cpu_attention_share_under_copy=0.9)
     contended = dataclasses.replace(round_hardware, cpu_attention_share_under_copy=0.3)
