@@ -170,7 +170,8 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=1, help="blocks to generate per policy (default 1)")
     parser.add_argument("--predict-only", action="store_true", help="skip the runs (the default without CUDA)")
     parser.add_argument("--warmup", action="store_true", help="a 2-token generation before the timed one")
-    parser.add_argument("--only", default=None, help="run only cases whose name contains this text")
+    parser.add_argument("--only", action="append", help="run only the case of this name, or else those whose name "
+                                                        "contains it (repeatable)")
     parser.add_argument("--offload-dir", default=os.environ.get("FLEXOFF_OFFLOAD_DIR", tempfile.gettempdir()),
                         help="disk tier directory (default $FLEXOFF_OFFLOAD_DIR or the temp dir)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every prediction and measurement")
@@ -178,7 +179,10 @@ def main() -> int:
 
     hardware = resolve_hardware(args.hardware)
     workload = Workload(args.prompt_len, args.gen_len)
-    cases = [c for c in build_cases(hardware, workload) if args.only is None or args.only in c.name]
+    cases = build_cases(hardware, workload)
+    if args.only:
+        names = {c.name for c in cases}
+        cases = [c for c in cases if any(c.name == text if text in names else text in c.name for text in args.only)]
     predict_only = args.predict_only
     if not predict_only:
         import torch

@@ -61,6 +61,78 @@ class AttentionTimer:
         kv_module.cpu_attention = self._inner
 
 
+class EventLog:
+    """Timestamps of the schedule's host calls, the worker's jobs, and (on CUDA) the GPU finishing
+    each weight load, patched in around the runtime's own methods."""
+
+    def __init__(self, llm: LLM):
+        self.llm = llm
+        self.rows: list[tuple[float, str, str]] = []
+        self.loads: list[tuple[str, object]] = []
+        self._undo: list = []
+
+    def _mark(self, label: str) -> None:
+        self.rows.append((time.perf_counter(), threading.current_thread().name, label))
+
+    def _wrap(self, owner, name, label):
+        inner = getattr(owner, name)
+
+        def wrapped(*args, **kwargs):
+            text = label(*args)
+            if text is None:  # nothing worth a line (a resolve with nothing pending)
+                return inner(*args, **kwargs)
+            self._mark(f"{text} begin")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._mark(f"{text} end")
+
+        setattr(owner, name, wrapped)
+        self._undo.append((owner, name, inner))
+
+    def __enter__(self):
+        engine = self.llm.engine
+        store, worker = engine.weights, engine.worker
+        batch_type = type(engine).__module__.replace("engine", "batch")
+        batch_cls = sys.modules[batch_type].GpuBatch
+        self._wrap(store, "prefetch", lambda stage: f"prefetch {stage}")
+        self._wrap(batch_cls, "run_stage", lambda b, stage, w: f"run {id(b) % 997} {stage}")
+        self._wrap(batch_cls, "resolve", lambda b: f"resolve {id(b) % 997} {b.pending[0]}" if b.pending else None)
+        self._wrap(worker, "_run", lambda fn, ready: "job")
+        inner_load = store._load
+
+        def load(stage, buffer):
+            inner_load(stage, buffer)
+            if torch.cuda.is_available():
+                done = torch.cuda.Event(enable_timing=True)
+                done.record(store.streams.load)
+                self.loads.append((stage, done))
+
+        store._load = load
+        self._undo.append((store, "_load", inner_load))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            self.origin = torch.cuda.Event(enable_timing=True)
+            self.origin.record()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            for stage, done in self.loads:
+                self.rows.append((self.start + self.origin.elapsed_time(done) / 1e3, "gpu", f"loaded {stage}"))
+        for owner, name, inner in reversed(self._undo):
+            if owner.__dict__.get(name) is not None and not isinstance(owner, type):
+                delattr(owner, name)
+            else:
+                setattr(owner, name, inner)
+
+    def write(self, path: Path) -> None:
+        lines = [f"{(t - self.start) * 1e3:10.3f} {thread[:14]:14s} {label}" for t, thread, label in sorted(self.rows)]
+        path.write_text("\n".join(lines) + "\n")
+
+
 def parse_policy(text: str) -> Policy:
     shape, _, weights = text.partition(":")
     gbs, batches = (int(x) for x in shape.lower().split("x"))
@@ -104,7 +176,13 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=16)
     parser.add_argument("--hardware", default="h100")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--threads", type=int, help="torch's intra-op threads (default: torch's own choice)")
+    parser.add_argument("--events", help="a directory for one timeline per policy (3 tokens): host calls, worker "
+                                         "jobs and weight-load completions, in ms")
+    parser.add_argument("--trace", help="a directory for one chrome trace per policy (3 tokens)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = truncated_model(args.model, args.layers, Path(tmp))
@@ -120,6 +198,17 @@ def main() -> None:
             llm.generate(prompts[:1], SamplingParams(max_new_tokens=3, ignore_eos=True))
             with AttentionTimer() as timer:
                 metrics = llm.generate(prompts, SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True)).metrics
+            if args.events:
+                with EventLog(llm) as log:
+                    llm.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+                Path(args.events).mkdir(parents=True, exist_ok=True)
+                log.write(Path(args.events) / f"{args.model}-{text.replace(':', '_')}.txt")
+            if args.trace:
+                activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+                with torch.profiler.profile(activities=activities) as prof:
+                    llm.generate(prompts, SamplingParams(max_new_tokens=3, ignore_eos=True))
+                Path(args.trace).mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(Path(args.trace) / f"{args.model}-{text.replace(':', '_')}.json"))
             llm.close()
             steps = args.gen_len - 1
             measured = metrics.decode_time / steps / cfg.num_layers
