@@ -39,7 +39,7 @@ _OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "gpu_kv_quant_eleme
                             "cpu_attention_share_under_copy", "cpu_attention_seconds_per_call",
                             "host_seconds_per_layer", "host_seconds_per_step")
 _TOP_FIELDS = {
-    "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction",
+    "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction", "pinned_host_memory",
     "bandwidth_bytes_per_s", "compute", "notes", "measurements",
 }
 
@@ -88,6 +88,8 @@ class HardwareProfile:
     host_seconds_per_layer: float = 0.0
     host_seconds_per_step: float = 0.0
     usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)
+    # The runtime pins host memory where CUDA exists, in slabs whose unused ends count too.
+    pinned_host_memory: bool = True
     device: str = ""
     source: str = ""
     notes: dict = field(default_factory=dict, compare=False)
@@ -176,6 +178,7 @@ class HardwareProfile:
             "source": self.source,
             "memory_bytes": {"gpu": self.gpu_memory, "cpu": self.cpu_memory, "disk": self.disk_memory},
             "usable_fraction": dict(zip(TIERS, self.usable_fraction)),
+            "pinned_host_memory": self.pinned_host_memory,
             "bandwidth_bytes_per_s": bandwidth,
             "compute": {
                 "matmul_flop_per_s": [[m, f] for m, f in self.matmul_flops],
@@ -266,6 +269,9 @@ def _parse_profile(data, source: str) -> HardwareProfile:
 
     memory = _section(data, "memory_bytes", source, TIERS)
     sizes = [_size(memory[t], f"memory_bytes.{t}", source) for t in TIERS]
+    pinned = data.get("pinned_host_memory", True)
+    if not isinstance(pinned, bool):
+        raise ConfigError(f"{source}: field 'pinned_host_memory' must be true or false, got {pinned!r}")
     usable = _section(data, "usable_fraction", source, TIERS)
     fractions = tuple(_positive(usable[t], f"usable_fraction.{t}", source) for t in TIERS)
     for tier, fraction in zip(TIERS, fractions):
@@ -321,7 +327,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         cpu_attention_flops=rates["cpu_attention_flop_per_s"],
         gpu_dequant_throughput=rates["gpu_dequant_elements_per_s"],
         cpu_dequant_throughput=rates["cpu_dequant_elements_per_s"],
-        usable_fraction=fractions,
+        usable_fraction=fractions, pinned_host_memory=pinned,
         device=data.get("device", ""), source=data.get("source", ""),
         notes=dict(data.get("notes", {})), measurements=dict(data.get("measurements", {})),
     )

@@ -466,7 +466,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant,
         cpu_attention_share_under_copy=share_under_copy, cpu_attention_seconds_per_call=cpu_attention_call,
         host_seconds_per_layer=host_layer, host_seconds_per_step=host_step,
-        usable_fraction=(0.9, 0.85, 0.9),
+        usable_fraction=(0.9, 0.85, 0.9), pinned_host_memory=use_cuda,
         device=device_name,
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",
         notes=notes, measurements=measurements,

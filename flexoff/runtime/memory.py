@@ -3,6 +3,7 @@ capacities it must fit in."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -11,15 +12,15 @@ from pathlib import Path
 import psutil
 import torch
 
-from ..compression import compressed_nbytes
+from ..compression import CompressedTensor
 from ..errors import PolicyError
 from ..models import ModelConfig, stage_names, stage_specs
 from ..units import format_size
 from .kv import KVWorkspace
-from .kv_storage import kv_format
+from .kv_storage import SLOT_MAJOR, kv_format
 from .placement import place_stage, split_rows
 from .policy import TIERS, Policy
-from .tiers import HostWorker, Streams
+from .tiers import HostWorker, Streams, device_allocator, slab_bytes
 from .weight_store import compressible, dequantize_scratch_numel, stage_kind
 
 
@@ -54,12 +55,20 @@ def usable_offload_dir(path: str) -> Path:
     return directory
 
 
-def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, pinned: bool = False) -> dict[str, int]:
     """Bytes of weights per tier (compressed where the policy says), plus the GPU buffers that
-    streamed stages are assembled and compressed matrices dequantized in."""
-    sizes, buffers = _weight_placement_bytes(cfg, policy, dtype)
+    streamed stages are assembled and compressed matrices dequantized in. ``pinned``: host memory is
+    pinned, so the CPU figure is the slabs it takes (see :class:`~.tiers.SlabPlan`), disk stages'
+    host staging included."""
+    sizes, buffers, requests = _weight_placement_bytes(cfg, policy, dtype)
     sizes["gpu"] += buffers
+    sizes["cpu"] = slab_bytes(requests) if pinned else sum(requests)
     return sizes
+
+
+def weight_host_requests(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> list[int]:
+    """The weight store's host allocations, in the order it makes them."""
+    return _weight_placement_bytes(cfg, policy, dtype)[2]
 
 
 def weight_buffer_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> int:
@@ -69,29 +78,49 @@ def weight_buffer_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) ->
     return _weight_placement_bytes(cfg, policy, dtype)[1]
 
 
-def _weight_placement_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> tuple[dict[str, int], int]:
+def _stored_parts(shape: tuple[int, ...], compressed, dtype: torch.dtype) -> list[int]:
+    """Bytes of each tensor a stored weight (or piece of one) is allocated as."""
+    if compressed is None:
+        return [math.prod(shape) * dtype.itemsize]
+    meta = CompressedTensor.empty(shape, dtype, compressed.bits, compressed.group_size, -1, device="meta")
+    return [t.numel() * t.element_size() for t in (meta.data, meta.scale, meta.minimum)]
+
+
+def _weight_placement_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype
+                            ) -> tuple[dict[str, int], int, list[int]]:
+    """(bytes per tier, GPU buffer bytes, host allocations in the order the weight store makes them)."""
     sizes = {tier: 0 for tier in TIERS}
     buffers: dict[str, int] = {}
+    staging: dict[str, int] = {}
+    requests: list[int] = []
     itemsize = dtype.itemsize
     compression = policy.compress_weight
     for stage in stage_names(cfg):
         placements = place_stage(stage_specs(cfg, stage), policy.weights)
-        streamed = 0
+        streamed = disk = 0
         for placement in placements:
             spec = placement.spec
-            compressed = compression is not None and compressible(spec)
+            compressed = compression if compression is not None and compressible(spec) else None
             for piece in placement.pieces:
                 shape = (piece.stop - piece.start, *spec.shape[1:])
-                sizes[piece.tier] += (compressed_nbytes(shape, compression.bits, compression.group_size, -1, dtype)
-                                      if compressed else placement.row_numel * shape[0] * itemsize)
+                parts = _stored_parts(shape, compressed, dtype)
+                sizes[piece.tier] += sum(parts)
+                if piece.tier == "cpu":
+                    requests += parts
+                elif piece.tier == "disk":
+                    disk += sum(parts)
             if placement.only_tier != "gpu":  # assembled whole, compressed or not
-                streamed += (compressed_nbytes(spec.shape, compression.bits, compression.group_size, -1, dtype)
-                             if compressed else spec.numel * itemsize)
+                streamed += sum(_stored_parts(spec.shape, compressed, dtype))
         kind = stage_kind(stage)
         copies = 2 if kind == "layer" and cfg.num_layers > 1 else 1
         buffers[kind] = max(buffers.get(kind, 0), copies * streamed)
+        staging[kind] = max(staging.get(kind, 0), disk)
+    # Each buffer set has its host staging for disk pieces, made after every stage's pieces.
+    for kind, disk in staging.items():
+        if disk and buffers[kind]:
+            requests += [disk] * (2 if kind == "layer" and cfg.num_layers > 1 else 1)
     scratch = dequantize_scratch_numel(cfg, compression) * itemsize
-    return sizes, sum(buffers.values()) + scratch
+    return sizes, sum(buffers.values()) + scratch, requests
 
 
 # The cache's scales and minimums take its dtype; only that dtype's size matters to the estimate.
@@ -117,8 +146,28 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) 
     return sizes
 
 
-def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int) -> dict[str, int]:
-    """KV cache, activations and working memory of one full block, per tier."""
+def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
+    """Host allocations of one block in the order the engine makes them: batch by batch, its cache
+    (each tier's rows for every layer, keys then values; one staging pair for disk rows), then its
+    offloaded activations."""
+    fmt = kv_format(policy.compress_cache, _DTYPE_OF_SIZE[itemsize])
+    meta = device_allocator("meta")
+    cache: list[int] = []
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+        if piece.tier == "gpu":
+            continue
+        shape = SLOT_MAJOR.shape(slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
+        pair = [t.numel() * t.element_size() for t in fmt.parts(fmt.empty(shape, meta))] * 2
+        cache += pair * (cfg.num_layers if piece.tier == "cpu" else 1)
+    activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
+                   for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
+    return (cache + activations) * policy.num_gpu_batches
+
+
+def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
+                pinned: bool = False) -> dict[str, int]:
+    """KV cache, activations and working memory of one full block, per tier. ``pinned``: host
+    memory is pinned, so its figure is the slabs the block's allocations take."""
     sizes = kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize)
     rows = policy.gpu_batch_size
     hidden_per_row = prompt_len * cfg.hidden_size * itemsize
@@ -127,6 +176,8 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
         sizes[tier] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
         if piece.tier == "disk":
             sizes["disk"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
+    if pinned:
+        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize))
     # Working memory of the largest step, one batch at a time: the prefill's MLP intermediate,
     # q/k/v, and fp32 logits of the last position.
     working = rows * prompt_len * (cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize

@@ -63,20 +63,62 @@ def read_pinned(target: torch.Tensor, source: torch.Tensor) -> None:
     torch.mul(alias.view(integer).view(source.shape), 1, out=target.view(integer))
 
 
-class HostMemory:
-    """Host allocations of one lifetime (the engine's weights, or one block's cache).
+class SlabPlan:
+    """Where pinned host allocations go: first fit, at ``ALIGN``-byte boundaries, into slabs of
+    ``SLAB`` bytes (a larger request gets a power-of-two slab of its own size).
 
-    Pinned memory (where CUDA exists) lets copies to the GPU run asynchronously. It is carved out of
-    large slabs because the CUDA host allocator rounds every request up to a power of two, which
-    would waste up to half of each odd-sized tensor: 18 GB of KV cache became 32 GB.
+    Pure bookkeeping, so that the memory estimates reserve what :class:`HostMemory` reserves: the
+    space a slab's last requests leave unused (a 411 MB matrix does not fit the 201 MB left by two
+    others) is host memory all the same, 6-7% of OPT-30B's weights.
     """
 
     SLAB = 1 << 30
     ALIGN = 512
 
+    def __init__(self):
+        self.slabs: list[list[int]] = []  # [size, bytes used]
+
+    def place(self, nbytes: int) -> tuple[int, int]:
+        """(slab index, offset) for ``nbytes``; a new slab is added when none has room."""
+        need = -(-nbytes // self.ALIGN) * self.ALIGN
+        index = next((i for i, (size, used) in enumerate(self.slabs) if size - used >= need), None)
+        if index is None:
+            self.slabs.append([max(self.SLAB, 1 << max(0, need - 1).bit_length()), 0])
+            index = len(self.slabs) - 1
+        start = self.slabs[index][1]
+        self.slabs[index][1] += need
+        return index, start
+
+    @property
+    def reserved(self) -> int:
+        return sum(size for size, _ in self.slabs)
+
+
+def slab_bytes(requests) -> int:
+    """Host bytes that pinned allocations of ``requests`` bytes, made in this order, reserve."""
+    plan = SlabPlan()
+    for nbytes in requests:
+        plan.place(nbytes)
+    return plan.reserved
+
+
+def pins_host_memory(pin: bool) -> bool:
+    """Whether host memory is pinned when a policy asks for it: only where CUDA exists."""
+    return pin and torch.cuda.is_available()
+
+
+class HostMemory:
+    """Host allocations of one lifetime (the engine's weights, or one block's cache).
+
+    Pinned memory (where CUDA exists) lets copies to the GPU run asynchronously. It is carved out of
+    large slabs (see :class:`SlabPlan`) because the CUDA host allocator rounds every request up to a
+    power of two, which would waste up to half of each odd-sized tensor: 18 GB of KV cache became 32 GB.
+    """
+
     def __init__(self, pin: bool):
-        self.pin = pin and torch.cuda.is_available()
-        self._slabs: list[list] = []  # [slab tensor, bytes used]
+        self.pin = pins_host_memory(pin)
+        self._plan = SlabPlan()
+        self._slabs: list[torch.Tensor] = []
         self.nbytes = 0
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
@@ -87,15 +129,10 @@ class HostMemory:
         self.nbytes += nbytes
         if not self.pin:
             return torch.empty(shape, dtype=dtype)
-        need = -(-nbytes // self.ALIGN) * self.ALIGN
-        slab = next((s for s in self._slabs if s[0].numel() - s[1] >= need), None)
-        if slab is None:
-            size = max(self.SLAB, 1 << (need - 1).bit_length())
-            slab = [torch.empty(size, dtype=torch.uint8, pin_memory=True), 0]
-            self._slabs.append(slab)
-        start = slab[1]
-        slab[1] += need
-        return slab[0][start:start + nbytes].view(dtype).view(shape)
+        index, start = self._plan.place(nbytes)
+        if index == len(self._slabs):
+            self._slabs.append(torch.empty(self._plan.slabs[index][0], dtype=torch.uint8, pin_memory=True))
+        return self._slabs[index][start:start + nbytes].view(dtype).view(shape)
 
     def close(self) -> None:
         self._slabs.clear()

@@ -13,6 +13,7 @@ def make_hardware(**changes) -> HardwareProfile:
         cpu_to_disk_bandwidth=5.0, matmul_flops=((1.0, 1000.0),), prefill_attention_flops=500.0,
         decode_attention_flops=20.0, gpu_memory_bandwidth=40.0, cpu_attention_flops=4.0,
         gpu_dequant_throughput=200.0, cpu_dequant_throughput=2.0, usable_fraction=(1.0, 1.0, 1.0),
+        pinned_host_memory=False,
     )
     values.update(changes)
     return HardwareProfile(**values)

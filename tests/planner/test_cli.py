@@ -103,4 +103,5 @@ def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
     assert [m for m, _ in profile.matmul_flops] == [1, 16, 64]
     assert profile.host_seconds_per_layer > 0 and "host_overhead" in profile.measurements
     assert profile.measurements["cpu_attention"]["rows"] == [2, 4]
+    assert not profile.pinned_host_memory  # no CUDA: the runtime does not pin
     assert "wrote" in out

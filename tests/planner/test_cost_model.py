@@ -16,6 +16,7 @@ from flexoff.runtime.policy import CompressionConfig, Policy, TierFractions
 
 GPU, CPU, DISK = TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(0, 0, 1)
 FOUR_BIT = CompressionConfig(4, 64)
+GiB = 1 << 30
 
 
 @pytest.fixture
@@ -99,6 +100,22 @@ def test_cpu_attention_pays_a_fixed_cost_per_call(tiny_opt, make_hardware):
                      cache=TierFractions(0.5, 0.5, 0))
     p = CostModel(tiny_opt, Workload(4, 3), per_call).predict(half)
     assert p.decode.compute["cpu_attention"] == pytest.approx(0.5 * (6 * 88 / 4 + 3 * 0.25))
+
+
+def test_pinned_host_memory_reserves_whole_slabs(tiny_opt, make_hardware):
+    # The runtime pins host memory in slabs of 1 GiB: the tiny model's 944 bytes of weights take
+    # one, and its 448 bytes of cache (2 layers x 2 sequences x 7 slots x 16 B) another.
+    plain = make_hardware(cpu_memory=1 << 40)
+    pinned = make_hardware(cpu_memory=1 << 40, pinned_host_memory=True)
+    policy = offloaded()
+    before = CostModel(tiny_opt, Workload(4, 3), plain).predict(policy)
+    after = CostModel(tiny_opt, Workload(4, 3), pinned).predict(policy)
+    assert after.peak_memory["cpu"] - before.peak_memory["cpu"] == pytest.approx((GiB - 944) + (GiB - 448))
+    # Only what is on the CPU takes slabs; nothing else changes.
+    assert after.peak_memory["gpu"] == before.peak_memory["gpu"]
+    on_gpu = offloaded(weights=GPU, cache=GPU)
+    assert (CostModel(tiny_opt, Workload(4, 3), pinned).predict(on_gpu).peak_memory
+            == CostModel(tiny_opt, Workload(4, 3), plain).predict(on_gpu).peak_memory)
 
 
 def test_host_time_per_layer_bounds_small_batches(tiny_opt, make_hardware):

@@ -35,7 +35,9 @@ def test_optional_measurements_round_trip(tmp_path, make_hardware):
                              host_seconds_per_step=1e-3)
     measured.save(tmp_path / "p.json")
     assert HardwareProfile.load(tmp_path / "p.json") == measured
-
+    assert not measured.pinned_host_memory  # the round test machine's choice survives the trip
+    # A profile that does not say is of a CUDA machine, whose runtime pins host memory.
+    assert resolve_hardware("t4").pinned_host_memory
     # Profiles without them price disk reads cold, KV rows like weights, and no contention.
     plain = make_hardware()
     assert plain.kv_dequant_throughput == plain.kv_quant_throughput == plain.gpu_dequant_throughput
@@ -72,6 +74,7 @@ def _t4_dict():
     (lambda d: d["compute"].update(gpu_kv_dequant_elements_per_s=0), "compute.gpu_kv_dequant_elements_per_s"),
     (lambda d: d["compute"].update(host_seconds_per_layer=-1e-3), "compute.host_seconds_per_layer"),
     (lambda d: d["compute"].update(cpu_attention_seconds_per_call="0.3ms"), "compute.cpu_attention_seconds_per_call"),
+    (lambda d: d.update(pinned_host_memory="yes"), "pinned_host_memory"),
     (lambda d: d["bandwidth_bytes_per_s"].update(disk_to_cpu_cached="x"), "bandwidth_bytes_per_s.disk_to_cpu_cached"),
 ])
 def test_malformed_profile_is_refused_naming_the_field(mutate, field):
