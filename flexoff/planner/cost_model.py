@@ -4,7 +4,8 @@ It follows FlexGen's Appendix A.3 (``shared`` notation: l layers, s prompt, n ge
 size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to:
 - compression: stored bytes shrink to bits/8 plus per-group metadata, dequantization costs time;
 - CPU attention: decode attention over the non-GPU cache runs on the CPU, so only the query and the
-  attention output cross PCIe instead of the cache;
+  attention output cross PCIe instead of the cache; each call pays a fixed cost besides its FLOPs
+  (the profile's ``cpu_attention_seconds_per_call``);
 - grouped-query attention and SwiGLU, through the element counts in ``sizes``;
 - host-memory contention: CPU attention slows down while the copy engine streams weights out of
   the same memory (the profile's ``cpu_attention_share_under_copy``);
@@ -15,7 +16,8 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
   never relies on memory that other processes may take;
 - the host: the runtime spends a fixed time issuing each layer of each GPU batch (launches and
   bookkeeping, measured by the profiler). The device works while the host issues the next layer,
-  so this is one more stream in the max; it bounds small batches.
+  so this is one more stream in the max; it bounds small batches. With CPU attention it adds to
+  the attention instead: the host finishes each batch's layer only once its attention is back.
 
 Every time and memory term is affine in the placement fractions. The formulas take the fractions as
 floats or as numpy arrays, so the search reads the LP's coefficients off the same code that
