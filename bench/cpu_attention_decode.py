@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexoff.runtime.kv as kv_module  # noqa: E402
 from flexoff import LLM, Policy, SamplingParams  # noqa: E402
 from flexoff.models.config import resolve_model_config  # noqa: E402
+from flexoff.runtime.batch import GpuBatch  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
 from flexoff.runtime.policy import TierFractions  # noqa: E402
@@ -93,11 +94,9 @@ class EventLog:
     def __enter__(self):
         engine = self.llm.engine
         store, worker = engine.weights, engine.worker
-        batch_type = type(engine).__module__.replace("engine", "batch")
-        batch_cls = sys.modules[batch_type].GpuBatch
         self._wrap(store, "prefetch", lambda stage: f"prefetch {stage}")
-        self._wrap(batch_cls, "run_stage", lambda b, stage, w: f"run {id(b) % 997} {stage}")
-        self._wrap(batch_cls, "resolve", lambda b: f"resolve {id(b) % 997} {b.pending[0]}" if b.pending else None)
+        self._wrap(GpuBatch, "run_stage", lambda b, stage, w: f"run {id(b) % 997} {stage}")
+        self._wrap(GpuBatch, "resolve", lambda b: f"resolve {id(b) % 997} {b.pending[0]}" if b.pending else None)
         self._wrap(worker, "_run", lambda fn, ready: "job")
         inner_load = store._load
 
@@ -160,8 +159,8 @@ def model_terms(model: CostModel, policy: Policy) -> dict:
     """The model's decode seconds per layer and the terms behind it."""
     frame, placement = PolicyFrame.of(policy), Placement.of(policy)
     io, compute = model.phase_terms(frame, placement)["decode"]
-    alone = model.phase_terms(PolicyFrame.of(replace(policy, weights=TierFractions(1, 0, 0))),
-                              Placement.of(replace(policy, weights=TierFractions(1, 0, 0))))["decode"][1]
+    resident = replace(policy, weights=TierFractions(1, 0, 0))
+    alone = model.phase_terms(PolicyFrame.of(resident), Placement.of(resident))["decode"][1]
     return {"decode_layer": model.phase_seconds(io, compute, policy.overlap),
             "cpu_attention_alone": alone["cpu_attention"], "cpu_attention": compute["cpu_attention"],
             "weight_copy": io["cpu_to_gpu"], "gpu_matmul": compute["gpu_matmul"], "host": io["host"]}

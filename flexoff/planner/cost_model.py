@@ -225,19 +225,23 @@ class CostModel:
         allocations, with everything of the kind on the CPU). 1 where host memory is not pinned."""
         if not self.hardware.pinned_host_memory:
             return 1.0, 1.0
-        key = (frame.gpu_batch_size, frame.compress_weight, frame.compress_cache)
-        if key not in self._slab_factors:
-            on_cpu = Policy(frame.gpu_batch_size, 1, TierFractions(0, 1, 0), TierFractions(0, 1, 0),
-                            TierFractions(1, 0, 0), compress_weight=frame.compress_weight,
-                            compress_cache=frame.compress_cache)
-            w = self.workload
-            factors = []
-            for requests in (weight_host_requests(self.config, on_cpu, torch.float16),
-                             block_host_requests(self.config, on_cpu, w.prompt_len, w.prompt_len + w.gen_len,
-                                                 FP16_BYTES)):
-                factors.append(slab_bytes(requests) / sum(requests))
-            self._slab_factors[key] = tuple(factors)
-        return self._slab_factors[key]
+        on_cpu = Policy(frame.gpu_batch_size, 1, TierFractions(0, 1, 0), TierFractions(0, 1, 0),
+                        TierFractions(1, 0, 0), compress_weight=frame.compress_weight,
+                        compress_cache=frame.compress_cache)
+        w = self.workload
+
+        def factor(key, requests) -> float:
+            # The weights' factor depends on their compression alone, the cache's on the batch too.
+            if key not in self._slab_factors:
+                listed = requests()
+                self._slab_factors[key] = slab_bytes(listed) / sum(listed)
+            return self._slab_factors[key]
+
+        return (factor(("weights", frame.compress_weight),
+                       lambda: weight_host_requests(self.config, on_cpu, torch.float16)),
+                factor(("cache", frame.gpu_batch_size, frame.compress_cache),
+                       lambda: block_host_requests(self.config, on_cpu, w.prompt_len, w.prompt_len + w.gen_len,
+                                                   FP16_BYTES)))
 
     # ---- time
 

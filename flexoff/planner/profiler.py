@@ -273,10 +273,9 @@ def copies_streaming(compute: torch.device, nbytes: int):
     stop, done = threading.Event(), [0]
 
     def copy_loop():
-        # Several copies per wake-up: the thread then sleeps in synchronize() without the GIL,
-        # as the runtime's copies do, instead of competing with the measured work for it.
-        # The wait blocks instead of spinning: a spinning thread takes a core from the measured
-        # work, which the runtime's copies (waited on by the GPU, not the host) never do.
+        # Several copies per wake-up, then a wait that sleeps without the GIL and without spinning:
+        # a spinning thread takes a core from the measured work, which the runtime's copies
+        # (waited on by the GPU, not the host) never do.
         finished = torch.cuda.Event(blocking=True)
         with torch.cuda.stream(stream):
             while not stop.is_set():

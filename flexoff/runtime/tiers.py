@@ -192,7 +192,7 @@ class HostWorker:
     def __init__(self, device: torch.device, streams: Streams, pin: bool):
         self.device = device
         self.streams = streams
-        self.pin = pin and torch.cuda.is_available()
+        self.pin = pins_host_memory(pin)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host")
         self._jobs: deque[Future] = deque()
         self._chunks: list[torch.Tensor] = []
