@@ -6,7 +6,7 @@ import torch
 
 from .placement import split_rows
 from .policy import TierFractions
-from .tiers import DiskTier, HostMemory
+from .tiers import DiskTier, HostMemory, read_pinned
 
 
 class BatchActivations:
@@ -14,6 +14,12 @@ class BatchActivations:
 
     Rows on the GPU stay in place; the others are copied out after a stage and back before the
     next, which lowers the GPU's peak during long prefills at the price of the copies.
+
+    Both copies of host rows are enqueued on the current stream without waiting: the host would
+    otherwise stall until the GPU drained its queue, and no other batch's work could be enqueued
+    meanwhile. They stay ordered by that stream, and the read back is a kernel, so it does not wait
+    behind the weight loads that the copy engine serves first (see ``read_pinned``). Disk rows must
+    reach the host before the file write, so their copy out waits.
     """
 
     def __init__(self, rows: int, max_numel_per_row: int, fractions: TierFractions, device: torch.device,
@@ -44,7 +50,7 @@ class BatchActivations:
                 continue
             rows = hidden[piece.start:piece.stop]
             host = self.host[piece.tier][:rows.numel()].view(rows.shape)
-            host.copy_(rows)
+            host.copy_(rows, non_blocking=piece.tier == "cpu")
             if piece.tier == "disk":
                 self.region.write(host)
 
@@ -61,5 +67,7 @@ class BatchActivations:
             host = self.host[piece.tier][:shape[0] * self._shape[1] * self._shape[2]].view(shape)
             if piece.tier == "disk":
                 self.region.read_into(host)
-            parts.append(host.to(self.device, non_blocking=True))
+            rows = torch.empty(shape, device=self.device, dtype=host.dtype)
+            read_pinned(rows, host)
+            parts.append(rows)
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -61,6 +61,7 @@ class GpuBatch:
         self.hidden: torch.Tensor | None = None
         self.active = True
         self.pending: tuple[str, Callable[[], torch.Tensor]] | None = None  # (stage, finish) of a half-run layer
+        self._store_on_resolve = False
 
     def slot_start(self, token: int) -> int:
         """First cache slot written at ``token`` (0 is the prefill)."""
@@ -102,4 +103,21 @@ class GpuBatch:
         stage, finish = self.pending
         self.pending = None
         self.hidden = finish()
+        if self._store_on_resolve:
+            self._store_on_resolve = False
+            self.store_activation()
         return stage
+
+    def store_activation(self) -> None:
+        """Send the hidden state to its tiers. A pending layer's is sent once it resolves: waiting
+        for its CPU attention here would keep the next batch's GPU work from being enqueued while
+        that attention runs."""
+        if self.pending is not None:
+            self._store_on_resolve = True
+            return
+        self.activations.put(self.hidden)
+        self.hidden = None
+
+    def load_activation(self) -> None:
+        """Bring the hidden state back to the compute device; the caller has resolved the batch."""
+        self.hidden = self.activations.get()

@@ -150,11 +150,10 @@ class Engine:
             if step.kind == LOAD_CACHE:
                 batch.kv.prefetch(step.stage - 1, batch.slot_start(step.token))
             elif step.kind == LOAD_ACTIVATION and batch.activations.offloaded:
-                batch.hidden = batch.activations.get()
+                resolve(batch)  # sends a deferred store first
+                batch.load_activation()
             elif step.kind == STORE_ACTIVATION and batch.activations.offloaded:
-                resolve(batch)
-                batch.activations.put(batch.hidden)
-                batch.hidden = None
+                batch.store_activation()
             elif step.kind == COMPUTE:
                 resolve(batch)
                 prefetch_deferred()

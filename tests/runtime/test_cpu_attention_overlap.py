@@ -132,9 +132,11 @@ def test_batches_stopping_early_leave_the_others_right(tiny_model_dir, plain, tm
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(r.logprobs[:n]), rtol=1e-4, atol=1e-4)
 
 
-def test_cpu_attention_overlaps_the_next_batches_compute(tiny_model_dir, plain, tmp_path, monkeypatch):
+@pytest.mark.parametrize("activations", [TierFractions(1, 0, 0), TierFractions(0, 1, 0)], ids=["gpu", "cpu"])
+def test_cpu_attention_overlaps_the_next_batches_compute(tiny_model_dir, plain, tmp_path, monkeypatch, activations):
     """Each batch's CPU attention waits until the main thread has gone on to compute another
-    batch: that can only happen if the main thread does not wait for it right away."""
+    batch: that can only happen if the main thread does not wait for it right away, not even to
+    store the batch's activations on the CPU."""
     path, _ = tiny_model_dir("llama-gqa")
     progress = threading.Condition()
     computes = [0]
@@ -165,8 +167,8 @@ def test_cpu_attention_overlaps_the_next_batches_compute(tiny_model_dir, plain, 
     monkeypatch.setattr(batch_module.GpuBatch, "run_stage", counting_run_stage)
     monkeypatch.setattr(HostWorker, "submit", remembering_submit)
     monkeypatch.setattr(kv_module, "cpu_attention", gated_attention)
-    outs = run(path, cpu_attention_policy(cache=TierFractions(0, 1, 0), gpu_batch_size=3, num_gpu_batches=3),
-               tmp_path)
+    outs = run(path, cpu_attention_policy(cache=TierFractions(0, 1, 0), activations=activations, gpu_batch_size=3,
+                                          num_gpu_batches=3), tmp_path)
     # Three batches, two layers, five decode steps.
     assert len(waits) == 3 * 2 * (PARAMS.max_new_tokens - 1)
     assert all(waits), f"{waits.count(False)} of {len(waits)} CPU attention calls blocked the main thread"
