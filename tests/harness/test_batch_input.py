@@ -15,7 +15,7 @@ def test_reads_every_field(tmp_path):
         {"id": 7, "prompt": [2, 5, 9], "max_new_tokens": 3, "stop": "\n", "meta": {"k": [1]}},
     ])
     lines, digest = read_batch_input(path)
-    assert [(l.line, l.id, l.prompt) for l in lines] == [(1, "a", "hello"), (3, 7, [2, 5, 9])]
+    assert [(x.line, x.id, x.prompt) for x in lines] == [(1, "a", "hello"), (3, 7, [2, 5, 9])]
     assert lines[1].max_new_tokens == 3 and lines[1].stop == ("\n",) and lines[1].meta == {"k": [1]}
     assert lines[0].max_new_tokens is None and lines[0].stop == ()
     assert len(digest) == 64
