@@ -9,8 +9,9 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
 - grouped-query attention and SwiGLU, through the element counts in ``sizes``;
 - host-memory contention: CPU attention slows down while the copy engine streams weights out of
   the same memory (the profile's ``cpu_attention_share_under_copy``);
-- pinned host memory comes in slabs: what the CPU holds is priced at the slabs the runtime's own
-  allocations take (``host_slab_factors``), 5-7% over the bytes for OPT-30B and OPT-66B;
+- pinned host memory: the cache comes in slabs, and is priced at the slabs the runtime's own
+  allocations take (``host_slab_factors``), 2-4% over the bytes for OPT; the weights are pinned
+  exactly, at whole pages;
 - the page cache: disk data that fits in the host memory left free is read back at the cached
   rate, when the profile has one. The search plans with the cold rate, so that a policy it picks
   never relies on memory that other processes may take;
@@ -40,7 +41,7 @@ from ..models.config import ModelConfig
 from ..runtime.kv import CPU_ATTENTION_ROWS
 from ..runtime.memory import block_host_requests, weight_buffer_bytes, weight_host_requests
 from ..runtime.policy import TIERS, CompressionConfig, Policy, TierFractions
-from ..runtime.tiers import HostWorker, slab_bytes
+from ..runtime.tiers import HostWorker, registered_bytes, slab_bytes
 from ..runtime.weight_store import dequantize_scratch_numel
 from .hardware import HardwareProfile
 from .sizes import (
@@ -220,9 +221,10 @@ class CostModel:
         return (1 - wg) * streamed + wg * split + scratch
 
     def host_slab_factors(self, frame: PolicyFrame) -> tuple[float, float]:
-        """Host bytes reserved per byte stored, for the weights and for the cache: pinned memory
-        comes in slabs whose unused ends are taken all the same (the runtime's own packing of its
-        allocations, with everything of the kind on the CPU). 1 where host memory is not pinned."""
+        """Host bytes reserved per byte stored, for the weights and for the cache, as the runtime
+        pins its own allocations with everything of the kind on the CPU: the weights in whole pages
+        (a factor of 1 but for the smallest models), the cache in slabs whose unused ends are taken
+        all the same. 1 where host memory is not pinned."""
         if not self.hardware.pinned_host_memory:
             return 1.0, 1.0
         on_cpu = Policy(frame.gpu_batch_size, 1, TierFractions(0, 1, 0), TierFractions(0, 1, 0),
@@ -230,18 +232,18 @@ class CostModel:
                         compress_cache=frame.compress_cache)
         w = self.workload
 
-        def factor(key, requests) -> float:
+        def factor(key, requests, reserved) -> float:
             # The weights' factor depends on their compression alone, the cache's on the batch too.
             if key not in self._slab_factors:
                 listed = requests()
-                self._slab_factors[key] = slab_bytes(listed) / sum(listed)
+                self._slab_factors[key] = reserved(listed) / sum(listed)
             return self._slab_factors[key]
 
         return (factor(("weights", frame.compress_weight),
-                       lambda: weight_host_requests(self.config, on_cpu, torch.float16)),
+                       lambda: weight_host_requests(self.config, on_cpu, torch.float16), registered_bytes),
                 factor(("cache", frame.gpu_batch_size, frame.compress_cache),
                        lambda: block_host_requests(self.config, on_cpu, w.prompt_len, w.prompt_len + w.gen_len,
-                                                   FP16_BYTES)))
+                                                   FP16_BYTES), slab_bytes))
 
     # ---- time
 

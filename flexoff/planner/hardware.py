@@ -88,7 +88,7 @@ class HardwareProfile:
     host_seconds_per_layer: float = 0.0
     host_seconds_per_step: float = 0.0
     usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)
-    # The runtime pins host memory where CUDA exists, in slabs whose unused ends count too.
+    # The runtime pins host memory where CUDA exists; the cache in slabs whose unused ends count too.
     pinned_host_memory: bool = True
     device: str = ""
     source: str = ""

@@ -20,7 +20,7 @@ from .kv import KVWorkspace
 from .kv_storage import SLOT_MAJOR, kv_format
 from .placement import place_stage, split_rows
 from .policy import TIERS, Policy
-from .tiers import HostWorker, Streams, device_allocator, slab_bytes
+from .tiers import HostWorker, Streams, device_allocator, registered_bytes, slab_bytes
 from .weight_store import compressible, dequantize_scratch_numel, stage_kind
 
 
@@ -58,11 +58,11 @@ def usable_offload_dir(path: str) -> Path:
 def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, pinned: bool = False) -> dict[str, int]:
     """Bytes of weights per tier (compressed where the policy says), plus the GPU buffers that
     streamed stages are assembled and compressed matrices dequantized in. ``pinned``: host memory is
-    pinned, so the CPU figure is the slabs it takes (see :class:`~.tiers.SlabPlan`), disk stages'
-    host staging included."""
+    pinned, so the CPU figure is the whole pages each allocation is registered in (see
+    :class:`~.tiers.HostMemory`), disk stages' host staging included."""
     sizes, buffers, requests = _weight_placement_bytes(cfg, policy, dtype)
     sizes["gpu"] += buffers
-    sizes["cpu"] = slab_bytes(requests) if pinned else sum(requests)
+    sizes["cpu"] = registered_bytes(requests) if pinned else sum(requests)
     return sizes
 
 

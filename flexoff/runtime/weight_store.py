@@ -132,7 +132,7 @@ class TieredWeights:
         self.dtype = dtype
         self.streams = streams
         self.compression: CompressionConfig | None = policy.compress_weight
-        self.host = HostMemory(policy.pin_cpu_memory)
+        self.host = HostMemory(policy.pin_cpu_memory, exact=True)
         self._disk = disk
         self.placements = {stage: place_stage(stage_specs(cfg, stage), policy.weights) for stage in stage_names(cfg)}
         self.bytes = {tier: 0 for tier in TIERS}

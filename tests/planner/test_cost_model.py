@@ -102,16 +102,18 @@ def test_cpu_attention_pays_a_fixed_cost_per_call(tiny_opt, make_hardware):
     assert p.decode.compute["cpu_attention"] == pytest.approx(0.5 * (6 * 88 / 4 + 3 * 0.25))
 
 
-def test_pinned_host_memory_reserves_whole_slabs(tiny_opt, make_hardware):
-    # The runtime pins host memory in slabs of 1 GiB: the tiny model's 944 bytes of weights take
-    # one, and its 448 bytes of cache (2 layers x 2 sequences x 7 slots x 16 B) another.
+def test_pinned_host_memory_reserves_pages_and_slabs(tiny_opt, make_hardware):
+    # The runtime pins each weight tensor in pages of its own: the tiny model's 944 bytes of
+    # weights are 37 tensors (2 embeddings, 16 per layer, the final norm's 2 and the head), so 37
+    # pages. The cache comes in slabs of 1 GiB: its 448 bytes (2 layers x 2 sequences x 7 slots
+    # x 16 B) take one.
     plain = make_hardware(cpu_memory=1 << 40)
     pinned = make_hardware(cpu_memory=1 << 40, pinned_host_memory=True)
     policy = offloaded()
     before = CostModel(tiny_opt, Workload(4, 3), plain).predict(policy)
     after = CostModel(tiny_opt, Workload(4, 3), pinned).predict(policy)
-    assert after.peak_memory["cpu"] - before.peak_memory["cpu"] == pytest.approx((GiB - 944) + (GiB - 448))
-    # Only what is on the CPU takes slabs; nothing else changes.
+    assert after.peak_memory["cpu"] - before.peak_memory["cpu"] == pytest.approx((37 * 4096 - 944) + (GiB - 448))
+    # Only what is on the CPU takes pages and slabs; nothing else changes.
     assert after.peak_memory["gpu"] == before.peak_memory["gpu"]
     on_gpu = offloaded(weights=GPU, cache=GPU)
     assert (CostModel(tiny_opt, Workload(4, 3), pinned).predict(on_gpu).peak_memory

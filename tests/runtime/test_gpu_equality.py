@@ -45,10 +45,12 @@ def test_cuda_fp32_matches_transformers(tiny_model_dir, kind):
     assert_last_logits_match(LLM(str(path), device="cuda", dtype="float32"), hf, 1e-3)
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["slab", "registered"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_read_pinned_copies_every_bit_pattern(dtype):
+def test_read_pinned_copies_every_bit_pattern(dtype, exact):
     """The kernel read of pinned host memory (CPU attention's output) gives the same bytes as a copy,
-    for sources carved at an offset out of a pinned slab, as the host memory allocator hands them out."""
+    for sources as the host memory allocator hands them out: carved at an offset out of a pinned
+    slab, or registered on their own."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flexoff.runtime.tiers import HostMemory, read_pinned
@@ -57,10 +59,34 @@ def test_read_pinned_copies_every_bit_pattern(dtype):
     info = torch.iinfo(integer)
     bits = torch.randint(info.min, info.max, (3, 5, 7), dtype=integer)
     bits.view(-1)[:4] = torch.tensor([0, 1, -1, info.min], dtype=integer)  # +0, a subnormal, a NaN, -0
-    host = HostMemory(pin=True)
+    host = HostMemory(pin=True, exact=exact)
     host.empty((13,), torch.uint8)  # the source starts past the slab's first bytes
     source = host.empty(bits.shape, dtype)
     source.view(integer).copy_(bits)
     target = torch.full(bits.shape, 7, dtype=dtype, device="cuda")
+    assert source.is_pinned()
     read_pinned(target, source)
     assert torch.equal(target.cpu().view(integer), bits)
+    host.close()
+
+
+def test_registered_host_memory_copies_asynchronously_and_is_unpinned_on_close():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flexoff.runtime.tiers import HostMemory
+
+    host = HostMemory(pin=True, exact=True)
+    small, large = host.empty((3,), torch.float16), host.empty((5000, 7), torch.float32)
+    assert small.data_ptr() % 4096 == 0 and large.data_ptr() % 4096 == 0 and large.data_ptr() != small.data_ptr()
+    large.copy_(torch.randn(5000, 7))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        on_gpu = large.to("cuda", non_blocking=True)
+        back = torch.empty_like(large)
+        back.copy_(on_gpu * 2)  # through pageable memory: synchronous
+    assert torch.equal(back, large * 2)
+    host.close()
+    assert not large.is_pinned()  # still valid memory, no longer registered
+    # Unregistered, the same pages can be registered again.
+    assert int(torch.cuda.cudart().cudaHostRegister(large.data_ptr(), 4096, 0)) == 0
+    assert int(torch.cuda.cudart().cudaHostUnregister(large.data_ptr())) == 0

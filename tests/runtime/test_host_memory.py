@@ -1,14 +1,15 @@
-"""Pinned host memory comes in slabs, and the memory estimates reserve what the slabs take: they
-replay the runtime's own host allocations, in its order, through the same packing."""
+"""Pinned host memory: the weights are registered exactly, in whole pages; a block's cache comes
+in slabs. The memory estimates reserve what the runtime does: they replay its own host
+allocations, in its order, through the same accounting."""
 
 import pytest
 import torch
 
 from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.runtime import tiers
-from flexoff.runtime.memory import block_host_requests, weight_bytes, weight_host_requests
+from flexoff.runtime.memory import block_bytes, block_host_requests, weight_bytes, weight_host_requests
 from flexoff.runtime.policy import CompressionConfig
-from flexoff.runtime.tiers import SlabPlan, slab_bytes
+from flexoff.runtime.tiers import HostWorker, SlabPlan, registered_bytes, slab_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -25,18 +26,35 @@ def test_slab_plan_fits_first_at_aligned_offsets():
     assert plan.reserved == slab_bytes([600 * MiB, 600 * MiB, 300 * MiB, 100, 100, 2 * GiB + 1]) == 6 * GiB
 
 
-def test_pinned_weights_reserve_their_slabs():
+def test_pinned_weights_take_whole_pages_not_slabs():
+    from flexoff.models import REGISTRY
+
+    cfg = REGISTRY["opt-66b"]
+    # A third of each layer on the CPU is one 679 MB matrix: a 1 GiB slab apiece would waste 36%.
+    third = Policy(1, 1, TierFractions(2 / 3, 1 / 3, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0))
+    requests = weight_host_requests(cfg, third, torch.float16)
+    plain = weight_bytes(cfg, third, torch.float16)["cpu"]
+    pinned = weight_bytes(cfg, third, torch.float16, pinned=True)["cpu"]
+    assert plain == sum(requests)
+    assert slab_bytes(requests) > 1.5 * plain
+    assert pinned == registered_bytes(requests) == sum(-(-n // 4096) * 4096 for n in requests)
+    assert plain <= pinned < 1.001 * plain
+
+
+def test_registered_bytes_are_whole_pages():
+    assert registered_bytes([1, 4096, 4097, 0]) == 4096 + 4096 + 8192 + 4096
+
+
+def test_block_cache_reserves_its_slabs():
     from flexoff.models import REGISTRY
 
     cfg = REGISTRY["opt-30b"]
-    on_cpu = Policy(1, 1, TierFractions(0, 1, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0))
-    requests = weight_host_requests(cfg, on_cpu, torch.float16)
-    plain = weight_bytes(cfg, on_cpu, torch.float16)["cpu"]
-    pinned = weight_bytes(cfg, on_cpu, torch.float16, pinned=True)["cpu"]
-    assert plain == sum(requests) == 2 * sum(spec.numel for spec in _all_specs(cfg))
-    # 411 MB and 103 MB matrices leave the ends of 1 GiB slabs unused: 6% more than the weights.
-    assert pinned == slab_bytes(requests)
-    assert 1.04 * plain < pinned < 1.08 * plain
+    policy = Policy(8, 4, TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(1, 0, 0))
+    requests = block_host_requests(cfg, policy, 512, 544, 2)
+    sizes = block_bytes(cfg, policy, 512, 32, 2, pinned=True)
+    # 62 MB tensors, 17 to a slab: 2% more than the cache, plus the host worker's two chunks.
+    assert sizes["cpu"] == slab_bytes(requests) + 2 * HostWorker.CHUNK
+    assert 1.01 * sum(requests) < slab_bytes(requests) < 1.04 * sum(requests)
 
 
 def _all_specs(cfg):
