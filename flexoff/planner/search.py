@@ -5,6 +5,11 @@ term of the cost model is affine in the nine placement fractions, so the best pl
 minimize the block latency subject to each tier's peak memory, as in FlexGen's Eq. (1).
 Pairs are visited best bound first and skipped once their bound cannot beat the best found, so
 only a few LPs are solved.
+
+The runtime splits the cache and the activations by whole sequences of a GPU batch, so an LP's
+answer is realised by fixing those two triples at whole rows next to it and solving again for the
+weights (``FrameProblem.solve_in_rows``): the policy returned is the one the runtime will run, and
+its predicted memory is the memory it will take.
 """
 
 from __future__ import annotations
@@ -71,11 +76,27 @@ _POINTS = _basis_points()
 _VERTICES = slice(10, None)
 
 
+def row_splits(triple, rows: int) -> list[tuple[float, float, float]]:
+    """Tier triples that whole rows of a GPU batch realise next to ``triple``: the gpu and the disk
+    row counts each rounded down and up, the cpu taking the rest."""
+    gpu, disk = rows * triple[0], rows * triple[2]
+    splits = set()
+    for g in {math.floor(gpu + 1e-6), math.ceil(gpu - 1e-6)}:
+        for d in {math.floor(disk + 1e-6), math.ceil(disk - 1e-6)}:
+            if g + d <= rows:
+                splits.add((g / rows, (rows - g - d) / rows, d / rows))
+    return sorted(splits)
+
+
+ROW_SPLIT = (3, 6)  # the first fraction of the cache's and of the activations' triples
+
+
 class FrameProblem:
     """One frame's affine terms, read off the cost model, and the LP over its placement."""
 
     def __init__(self, model: CostModel, frame: PolicyFrame):
         self.model, self.frame = model, frame
+        self.lps_solved = 0
         terms = model.phase_terms(frame, _POINTS)
         # phase -> list of affine terms whose max (or sum, without overlap) is the phase's seconds
         self.time_terms = {}
@@ -141,11 +162,13 @@ class FrameProblem:
 
     # ---- the LP
 
-    def _problem(self, margin: float):
-        """The constraints: memory per tier and phase, fractions summing to 1, and each phase's
-        seconds per layer above each of its terms. Returns (problem, fractions, phase seconds)."""
+    def _problem(self, margin: float, fixed: dict[int, float]):
+        """The constraints: memory per tier and phase, fractions summing to 1 (those in ``fixed``,
+        by index, at their value), and each phase's seconds per layer above each of its terms.
+        Returns (problem, fractions, phase seconds)."""
+        self.lps_solved += 1
         prob = pulp.LpProblem("placement", pulp.LpMinimize)
-        x = [_variable(prob, name, 0, 1) for name in FRACTION_NAMES]
+        x = [_variable(prob, name, fixed.get(i, 0), fixed.get(i, 1)) for i, name in enumerate(FRACTION_NAMES)]
         t = {phase: _variable(prob, f"t_{phase}", 0, None) for phase in PHASES}
         for phase in PHASES:
             for values in self.time_terms[phase]:
@@ -161,22 +184,22 @@ class FrameProblem:
         layers, n = self.model.num_layers, self.model.workload.gen_len
         return layers * t["prefill"] + layers * (n - 1) * t["decode"]
 
-    def solve(self, margin: float = LP_MEMORY_MARGIN):
+    def solve(self, margin: float = LP_MEMORY_MARGIN, fixed: dict[int, float] | None = None):
         """Best placement as (fractions, block latency), or None if no placement fits."""
-        prob, x, t = self._problem(margin)
+        prob, x, t = self._problem(margin, fixed or {})
         prob += self._latency(t)
         if not _solved(prob):
             return None
         return _fractions(x), float(pulp.value(prob.objective))
 
-    def solve_tidy(self, latency: float, margin: float = LP_MEMORY_MARGIN):
+    def solve_tidy(self, latency: float, margin: float = LP_MEMORY_MARGIN, fixed: dict[int, float] | None = None):
         """Among placements within ``latency``, the one that moves the least data.
 
         The latency LP is degenerate when one stream bounds a phase: the others may grow for free
         until they tie, e.g. putting cache on disk although RAM is free. Minimizing the unoverlapped
         sum of all terms as a second objective removes that traffic.
         """
-        prob, x, t = self._problem(margin)
+        prob, x, t = self._problem(margin, fixed or {})
         prob += self._latency(t) <= latency * (1 + 1e-7)
         layers, n = self.model.num_layers, self.model.workload.gen_len
         weights = {"prefill": layers, "decode": layers * max(n - 1, 0)}
@@ -185,6 +208,23 @@ class FrameProblem:
         if not _solved(prob):
             return None
         return _fractions(x), float(pulp.value(self._latency(t)))
+
+    def solve_in_rows(self, fractions, latency: float):
+        """The best placement whose cache and activations split whole rows of a GPU batch, given
+        the LP's best ``fractions`` and ``latency``: (fixed fractions, block latency), or None.
+        Each of the two triples is tried at the row counts around the LP's."""
+        options = [row_splits(fractions[first:first + 3], self.frame.gpu_batch_size) for first in ROW_SPLIT]
+        best = None
+        for cache in options[0]:
+            for activations in options[1]:
+                fixed = dict(enumerate(cache, ROW_SPLIT[0])) | dict(enumerate(activations, ROW_SPLIT[1]))
+                if all(abs(fractions[i] - v) < 1e-9 for i, v in fixed.items()):
+                    solution = (fractions, latency)  # the LP's answer is whole rows already
+                else:
+                    solution = self.solve(fixed=fixed)
+                if solution is not None and (best is None or solution[1] < best[1]):
+                    best = (fixed, solution[1])
+        return best
 
 
 def _variable(prob: pulp.LpProblem, name: str, low, high) -> pulp.LpVariable:
@@ -261,8 +301,8 @@ class _Searcher:
     def __init__(self, config: ModelConfig, workload: Workload, hardware: HardwareProfile, frames):
         self.started = time.perf_counter()
         self.model = CostModel(config, workload, hardware)
-        self.lps_solved = 0
-        self.solutions: dict[PolicyFrame, tuple | None] = {}
+        self.solutions: dict[PolicyFrame, tuple | None] = {}  # the LP's answer
+        self.realised: dict[PolicyFrame, tuple | None] = {}  # in whole rows (see solve_in_rows)
         self.candidates: list[_Candidate] = []
         self.smallest_rejected, smallest_need = None, math.inf
         for frame in self._useful(frames):
@@ -274,6 +314,10 @@ class _Searcher:
                 continue
             bound = problem.latency_lower_bound()
             self.candidates.append(_Candidate(problem, bound, self.throughput(frame, bound)))
+
+    @property
+    def lps_solved(self) -> int:
+        return sum(cand.problem.lps_solved for cand in self.candidates)
 
     def _useful(self, frames):
         """Drop frames whose block has a whole GPU batch of padding: a smaller block does better."""
@@ -287,29 +331,44 @@ class _Searcher:
         return self.model.useful_share(frame.block_size) * frame.block_size * w.gen_len / latency
 
     def solve(self, candidate: _Candidate):
+        """The LP's (fractions, latency): a bound on the whole-row answer, which is no faster."""
         frame = candidate.problem.frame
         if frame not in self.solutions:
-            self.lps_solved += 1
             self.solutions[frame] = candidate.problem.solve()
         return self.solutions[frame]
 
+    def realise(self, candidate: _Candidate):
+        """(fixed fractions, latency) in whole rows, or None."""
+        frame = candidate.problem.frame
+        if frame not in self.realised:
+            solution = self.solve(candidate)
+            self.realised[frame] = None if solution is None else candidate.problem.solve_in_rows(*solution)
+        return self.realised[frame]
+
     def best_throughput(self, max_latency: float | None):
         best, best_throughput, best_latency = None, 0.0, math.inf
+
+        def improves(throughput: float, latency: float) -> bool:
+            clearly_better = throughput > best_throughput * (1 + TIE_TOLERANCE)
+            return clearly_better or (throughput >= best_throughput * (1 - TIE_TOLERANCE) and latency < best_latency)
+
         for cand in sorted(self.candidates, key=lambda c: -c.throughput_bound):
             if cand.throughput_bound < best_throughput * (1 - TIE_TOLERANCE):
                 break
             if max_latency is not None and cand.latency_bound > max_latency:
                 continue
+            frame = cand.problem.frame
             solution = self.solve(cand)
-            if solution is None:
+            if solution is None or not improves(self.throughput(frame, solution[1]), solution[1]):
                 continue
-            latency = solution[1]
+            realised = self.realise(cand)
+            if realised is None:
+                continue
+            latency = realised[1]
             if max_latency is not None and latency > max_latency:
                 continue
-            throughput = self.throughput(cand.problem.frame, latency)
-            clearly_better = throughput > best_throughput * (1 + TIE_TOLERANCE)
-            as_good_and_faster = throughput >= best_throughput * (1 - TIE_TOLERANCE) and latency < best_latency
-            if clearly_better or as_good_and_faster:
+            throughput = self.throughput(frame, latency)
+            if improves(throughput, latency):
                 best, best_throughput, best_latency = cand, throughput, latency
         return best
 
@@ -319,8 +378,11 @@ class _Searcher:
             if cand.latency_bound >= best_latency:
                 break
             solution = self.solve(cand)
-            if solution is not None and solution[1] < best_latency:
-                best, best_latency = cand, solution[1]
+            if solution is None or solution[1] >= best_latency:
+                continue
+            realised = self.realise(cand)
+            if realised is not None and realised[1] < best_latency:
+                best, best_latency = cand, realised[1]
         return best
 
     def frontier(self):
@@ -329,9 +391,9 @@ class _Searcher:
         for cand in sorted(self.candidates, key=lambda c: -c.throughput_bound):
             if any(lat <= cand.latency_bound and tp >= cand.throughput_bound for lat, tp, _ in found):
                 continue
-            solution = self.solve(cand)
-            if solution is not None:
-                found.append((solution[1], self.throughput(cand.problem.frame, solution[1]), cand))
+            realised = self.realise(cand)
+            if realised is not None:
+                found.append((realised[1], self.throughput(cand.problem.frame, realised[1]), cand))
         found.sort(key=lambda item: (item[0], -item[1]))
         frontier, best_throughput = [], 0.0
         for _latency, throughput, cand in found:
@@ -346,11 +408,11 @@ class _Searcher:
                             time.perf_counter() - self.started)
 
     def finish(self, cand: _Candidate) -> tuple[Policy, Prediction]:
-        """Tidy and round the LP's fractions into a Policy, checking that the result still fits."""
+        """Tidy and round the whole-row placement into a Policy, checking that the result still fits."""
         problem = cand.problem
-        latency = self.solutions[problem.frame][1]
+        fixed, latency = self.realise(cand)
         for decimals, margin in ((4, LP_MEMORY_MARGIN), (6, LP_MEMORY_MARGIN), (6, 1e-2)):
-            solution = problem.solve_tidy(latency, margin) or problem.solve(margin)
+            solution = problem.solve_tidy(latency, margin, fixed) or problem.solve(margin, fixed)
             if solution is None:
                 continue
             policy = problem.frame.with_placement(round_fractions(solution[0], decimals))

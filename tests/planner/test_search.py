@@ -12,7 +12,7 @@ from flexoff.models.config import REGISTRY
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
 from flexoff.planner.hardware import packaged_profile
 from flexoff.planner.search import (
-    FrameProblem, candidate_frames, pareto_frontier, round_fractions, search_policy,
+    FrameProblem, candidate_frames, pareto_frontier, round_fractions, row_splits, search_policy,
 )
 from flexoff.runtime.policy import TIERS, CompressionConfig
 
@@ -76,11 +76,37 @@ def test_searched_policy_fits_and_is_the_best_solved_frame():
     result = search_policy(REGISTRY["opt-30b"], WORKLOAD, hardware, compress="off", **SMALL_GRID)
     assert result.prediction.fits
     model = CostModel(REGISTRY["opt-30b"], WORKLOAD, hardware)
+    best_lp = 0.0
     for frame in candidate_frames("off", "auto", **SMALL_GRID):
-        solution = FrameProblem(model, frame).solve()
-        if solution is not None:
-            throughput = frame.block_size * WORKLOAD.gen_len / solution[1]
-            assert throughput <= result.throughput * (1 + 1e-3)
+        problem = FrameProblem(model, frame)
+        solution = problem.solve()
+        if solution is None:
+            continue
+        best_lp = max(best_lp, frame.block_size * WORKLOAD.gen_len / solution[1])
+        in_rows = problem.solve_in_rows(*solution)
+        if in_rows is not None:
+            assert frame.block_size * WORKLOAD.gen_len / in_rows[1] <= result.throughput * (1 + 1e-3)
+    # Whole rows cost little against the LP's fractions of a sequence, and never gain.
+    assert 0.97 * best_lp <= result.throughput <= best_lp * (1 + 1e-6)
+
+
+def test_row_splits_round_the_gpu_and_disk_rows_both_ways():
+    # 1.27 rows on the GPU, 0.07 on disk
+    assert row_splits((0.159, 0.832, 0.009), 8) == [(0.125, 0.75, 0.125), (0.125, 0.875, 0.0), (0.25, 0.625, 0.125),
+                                                    (0.25, 0.75, 0.0)]
+    assert row_splits((0.25, 0.75, 0.0), 8) == [(0.25, 0.75, 0.0)]  # whole rows already
+    assert row_splits((0.5, 0.0, 0.5), 1) == [(0.0, 0.0, 1.0), (0.0, 1.0, 0.0), (1.0, 0.0, 0.0)]
+
+
+@pytest.mark.parametrize("model_name, profile", [("opt-66b", "h100"), ("opt-30b", "t4"), ("opt-175b", "h100")])
+def test_searched_cache_and_activations_split_whole_sequences(model_name, profile):
+    """The runtime splits a GPU batch's cache and activations by sequences, so the policy must too:
+    otherwise its predicted memory is not what the run takes."""
+    result = search_policy(REGISTRY[model_name], WORKLOAD, packaged_profile(profile))
+    policy = result.policy
+    for triple in (policy.cache, policy.activations):
+        rows = [policy.gpu_batch_size * share for share in triple.as_tuple()]
+        assert rows == pytest.approx([round(r) for r in rows], abs=policy.gpu_batch_size * 1e-4)
 
 
 _FIELDS = ["gpu_memory", "cpu_memory", "disk_memory", "cpu_to_gpu_bandwidth", "gpu_to_cpu_bandwidth",
