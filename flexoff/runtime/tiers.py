@@ -130,7 +130,8 @@ class HostMemory:
     - ``exact`` allocations are plain host memory, registered with CUDA at its own size, a
       page-aligned buffer per request. For the weights, allocated once for the engine's life: slabs
       would leave 6% of OPT-30B's unused, 19% of OPT-175B's, and up to half when a stage's host
-      part is one odd-sized matrix.
+      part is one odd-sized matrix. torch's ``is_pinned()`` does not report such memory, so
+      ``read_pinned`` copies from it instead of reading it by kernel.
     - Otherwise requests are carved out of slabs of that allocator (see :class:`SlabPlan`). For a
       block's cache: the allocator keeps freed slabs for the next block, which then pins nothing
       anew, and uniform cache tensors leave only a few percent of each slab unused.

@@ -45,12 +45,10 @@ def test_cuda_fp32_matches_transformers(tiny_model_dir, kind):
     assert_last_logits_match(LLM(str(path), device="cuda", dtype="float32"), hf, 1e-3)
 
 
-@pytest.mark.parametrize("exact", [False, True], ids=["slab", "registered"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_read_pinned_copies_every_bit_pattern(dtype, exact):
+def test_read_pinned_copies_every_bit_pattern(dtype):
     """The kernel read of pinned host memory (CPU attention's output) gives the same bytes as a copy,
-    for sources as the host memory allocator hands them out: carved at an offset out of a pinned
-    slab, or registered on their own."""
+    for sources carved at an offset out of a pinned slab, as the host memory allocator hands them out."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flexoff.runtime.tiers import HostMemory, read_pinned
@@ -59,7 +57,7 @@ def test_read_pinned_copies_every_bit_pattern(dtype, exact):
     info = torch.iinfo(integer)
     bits = torch.randint(info.min, info.max, (3, 5, 7), dtype=integer)
     bits.view(-1)[:4] = torch.tensor([0, 1, -1, info.min], dtype=integer)  # +0, a subnormal, a NaN, -0
-    host = HostMemory(pin=True, exact=exact)
+    host = HostMemory(pin=True)
     host.empty((13,), torch.uint8)  # the source starts past the slab's first bytes
     source = host.empty(bits.shape, dtype)
     source.view(integer).copy_(bits)
@@ -70,7 +68,9 @@ def test_read_pinned_copies_every_bit_pattern(dtype, exact):
     host.close()
 
 
-def test_registered_host_memory_copies_asynchronously_and_is_unpinned_on_close():
+def test_registered_host_memory_copies_and_is_unregistered_on_close():
+    """torch's is_pinned() does not report registered memory (it is not the CUDA host allocator's),
+    so this checks what the weights need: copies to the GPU from it, and unregistering on close."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flexoff.runtime.tiers import HostMemory
@@ -86,7 +86,7 @@ def test_registered_host_memory_copies_asynchronously_and_is_unpinned_on_close()
         back.copy_(on_gpu * 2)  # through pageable memory: synchronous
     assert torch.equal(back, large * 2)
     host.close()
-    assert not large.is_pinned()  # still valid memory, no longer registered
+    assert torch.equal(large * 2, back)  # still valid memory after close
     # Unregistered, the same pages can be registered again.
     assert int(torch.cuda.cudart().cudaHostRegister(large.data_ptr(), 4096, 0)) == 0
     assert int(torch.cuda.cudart().cudaHostUnregister(large.data_ptr())) == 0
