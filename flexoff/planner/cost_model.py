@@ -266,6 +266,14 @@ class CostModel:
         # Per layer: every GPU batch's layer, and its share of the step's embedding, head and sampling.
         host = nb * (hw.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers) + 0.0 * w_off
 
+        def activation_copies(tokens: int):
+            """Seconds per layer of moving offloaded hidden states out and back. The runtime does it on
+            the compute stream, between one batch's layer and the next (disk rows through the host,
+            waiting), so it adds to the compute instead of overlapping it."""
+            size = act * tokens * bls
+            return (h_off * size * (1 / hw.gpu_to_cpu_bandwidth + 1 / hw.cpu_to_gpu_bandwidth)
+                    + p.hd * size * (1 / hw.cpu_to_disk_bandwidth + 1 / disk_read))
+
         prefill_io = {
             "cpu_to_gpu": (w_off * W + h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
             "gpu_to_cpu": c_off * kv * s * bls / hw.gtoc_cache_bandwidth
@@ -284,6 +292,7 @@ class CostModel:
             "dequantize": (nb * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
             + (bls * s * self.kv_numel / hw.kv_quant_throughput if cc else 0.0),
             "cpu_attention": 0.0 * c_off,
+            "activation_copies": activation_copies(s),
         }
 
         gpu_att = p.cg + (0.0 if cpu_att else c_off)  # share of decode attention on the GPU
@@ -316,6 +325,7 @@ class CostModel:
             # batch's layer only once that batch's attention is back, and the worker thread waits for
             # the interpreter while the host issues work.
             "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + host),
+            "activation_copies": activation_copies(1),
         }
         if cpu_att:
             # While the weights stream, CPU attention runs at a share f of its speed: it finishes

@@ -212,18 +212,20 @@ class FrameProblem:
     def solve_in_rows(self, fractions, latency: float):
         """The best placement whose cache and activations split whole rows of a GPU batch, given
         the LP's best ``fractions`` and ``latency``: (fixed fractions, block latency), or None.
-        Each of the two triples is tried at the row counts around the LP's."""
+        Each of the two triples is tried at the row counts around the LP's; of equally fast ones,
+        the nearest to the LP's answer is kept."""
         options = [row_splits(fractions[first:first + 3], self.frame.gpu_batch_size) for first in ROW_SPLIT]
-        best = None
+        best, best_key = None, None
         for cache in options[0]:
             for activations in options[1]:
                 fixed = dict(enumerate(cache, ROW_SPLIT[0])) | dict(enumerate(activations, ROW_SPLIT[1]))
-                if all(abs(fractions[i] - v) < 1e-9 for i, v in fixed.items()):
-                    solution = (fractions, latency)  # the LP's answer is whole rows already
-                else:
-                    solution = self.solve(fixed=fixed)
-                if solution is not None and (best is None or solution[1] < best[1]):
-                    best = (fixed, solution[1])
+                distance = sum(abs(fractions[i] - v) for i, v in fixed.items())
+                solution = (fractions, latency) if distance < 1e-9 else self.solve(fixed=fixed)
+                if solution is None:
+                    continue
+                key = (round(solution[1] / latency, 9), distance)
+                if best_key is None or key < best_key:
+                    best, best_key = (fixed, solution[1]), key
         return best
 
 

@@ -203,6 +203,21 @@ def test_everything_on_gpu_memory_by_hand(model):
     assert p.peak_memory == {"gpu": pytest.approx(2192), "cpu": 0, "disk": 0}
 
 
+def test_offloaded_activations_add_their_copies_to_the_compute(model):
+    # Hidden states leave the GPU after each layer and come back before the next, on the compute
+    # stream: half the rows through the CPU only, half on through the disk too.
+    half_on_disk = offloaded(activations=TierFractions(0, 0.5, 0.5))
+    p = model.predict(half_on_disk)
+    # prefill: 8 B x 4 tokens x 2 sequences = 64 B out at 50 B/s and back at 100 B/s, and the disk
+    # half (32 B) written at 5 B/s and read at 10 B/s
+    assert p.prefill.compute["activation_copies"] == pytest.approx(64 * (1 / 50 + 1 / 100) + 32 * (1 / 5 + 1 / 10))
+    # decode: one token, 16 B
+    assert p.decode.compute["activation_copies"] == pytest.approx(16 * (1 / 50 + 1 / 100) + 8 * (1 / 5 + 1 / 10))
+    plain = model.predict(offloaded())
+    assert plain.prefill.compute["activation_copies"] == plain.decode.compute["activation_copies"] == 0
+    assert p.prefill.compute_seconds == pytest.approx(plain.prefill.compute_seconds + 11.52)
+
+
 def test_offloaded_memory_counts_double_buffers(model):
     p = model.predict(offloaded(activations=CPU))
     # weight buffers as the runtime counts them (a ring of two layers, the embedding's and the head's:
