@@ -77,10 +77,10 @@ def _size_flag(args, tier: str):
 
 
 def run_search(args) -> int:
+    sizes = [_size_flag(args, tier) for tier in ("gpu", "cpu", "disk")]  # the flags' own errors first
     config = resolve_model_config(args.model)
     workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
-    hardware = resolve_hardware(args.hardware)
-    hardware = hardware.with_memory(_size_flag(args, "gpu"), _size_flag(args, "cpu"), _size_flag(args, "disk"))
+    hardware = resolve_hardware(args.hardware).with_memory(*sizes)
     options = dict(compress=args.compress, cpu_attention=args.cpu_attention)
     started = time.perf_counter()
     result = search_policy(config, workload, hardware, max_latency=args.max_latency, **options)

@@ -61,6 +61,12 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+def test_a_bad_size_is_reported_before_a_missing_profile(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no saved profile
+    code, _, err = run(["search", "--model", "opt-30b", "--gpu-mem", "16XB"], capsys)
+    assert code == 2 and "--gpu-mem: cannot parse size '16XB'" in err
+
+
 def test_handlers_raise_flexoff_errors_for_the_main_cli(tmp_path):
     parser = cli.build_parser()
     foreign = tmp_path / "foreign.json"
