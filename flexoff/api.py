@@ -103,6 +103,9 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.seed = seed
+        if policy == "auto":
+            raise FlexoffError("policy 'auto' is for the command line, which knows the job; in Python, pass "
+                               "flexoff.planner.search_policy(config, Workload(...), hardware).policy")
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else DEFAULT_POLICY
         tokenizer_dir = Path(tokenizer) if tokenizer else path if path.is_dir() else None
         self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir and Tokenizer.available(tokenizer_dir) else None

@@ -37,7 +37,11 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "policy", "Where weights, KV cache and activations live, and how blocks are batched. Flags given "
                   "here override the --policy file; without either, everything stays on the GPU.")
-    group.add_argument("--policy", help="policy JSON file (see `flexoff search --output`)")
+    group.add_argument("--policy", help="policy JSON file (see `flexoff search --output`), or auto: search the best "
+                                        "policy for this job first (see --hardware)")
+    group.add_argument("--hardware", metavar="NAME|FILE",
+                       help="hardware profile --policy auto plans for: t4, h100, h200 or a `flexoff profile` JSON "
+                            "(default: the one `flexoff profile` saved for this machine)")
     group.add_argument("--percent", type=float, nargs=6, metavar=("W_GPU", "W_CPU", "C_GPU", "C_CPU", "A_GPU", "A_CPU"),
                        help="percent of weights, KV cache and activations on gpu and cpu; the rest goes to disk")
     group.add_argument("--gpu-batch-size", type=int, help="sequences per GPU batch")
@@ -73,14 +77,18 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
-def policy_from_args(args):
-    """The policy the flags describe: a file, then batch-size flags on top; None for the default."""
+def policy_from_args(args, workload=None):
+    """The policy the flags describe: a file (or a search, for auto), then batch-size flags on top;
+    None for the default. ``workload``: a callable giving the job's planner Workload."""
     from dataclasses import replace
 
     from .api import DEFAULT_POLICY
     from .runtime.policy import CompressionConfig, Policy, placement_from_percent
 
-    policy = Policy.load(args.policy) if args.policy else None
+    if args.policy == "auto":
+        policy = searched_policy(args, workload)
+    else:
+        policy = Policy.load(args.policy) if args.policy else None
     overrides = {name: getattr(args, name) for name in ("gpu_batch_size", "num_gpu_batches", "cpu_attention",
                                                         "overlap", "pin_cpu_memory")
                  if getattr(args, name, None) is not None}
@@ -95,6 +103,30 @@ def policy_from_args(args):
     return policy
 
 
+def searched_policy(args, workload):
+    """The planner's best policy for this job on the --hardware profile, within --gpu-mem/--cpu-mem."""
+    from .api import resolve_device, resolve_dtype
+    from .models import resolve_model_config
+    from .planner.hardware import resolve_hardware
+    from .planner.report import policy_summary
+    from .planner.search import search_policy
+    from .units import parse_size
+
+    if workload is None:
+        raise FlexoffError(f"--policy auto works with `flexoff run` and `flexoff batch`, not `flexoff {args.command}`: "
+                           "save a policy with `flexoff search --output FILE` and pass --policy FILE")
+    if resolve_dtype(args.dtype, resolve_device(args.device)).itemsize != 2:
+        raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16")
+    config = resolve_model_config(args.model or DEFAULT_MODEL)
+    caps = [parse_size(value) if value else None for value in (args.gpu_mem, args.cpu_mem)]
+    hardware = resolve_hardware(args.hardware).with_memory(*caps)
+    job = workload()
+    result = search_policy(config, job, hardware)
+    print(f"searched   {policy_summary(result.policy)} for prompt {job.prompt_len}, generate {job.gen_len} on "
+          f"{hardware.name}: {result.throughput:.4g} token/s predicted", file=sys.stderr)
+    return result.policy
+
+
 def sampling_from_args(args, max_new_tokens: int, stop=()):
     from .runtime.sampling import SamplingParams
 
@@ -104,11 +136,13 @@ def sampling_from_args(args, max_new_tokens: int, stop=()):
     )
 
 
-def make_llm(args):
+def make_llm(args, workload=None):
+    """The LLM the flags describe; ``workload`` (a callable giving the planner's Workload) serves
+    --policy auto."""
     from .api import LLM
 
     model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
-    return LLM(model, dummy=dummy, policy=policy_from_args(args), dtype=args.dtype, device=args.device,
+    return LLM(model, dummy=dummy, policy=policy_from_args(args, workload), dtype=args.dtype, device=args.device,
                seed=args.seed, tokenizer=args.tokenizer, offload_dir=getattr(args, "offload_dir", None),
                gpu_mem=getattr(args, "gpu_mem", None), cpu_mem=getattr(args, "cpu_mem", None))
 
@@ -139,12 +173,20 @@ def format_summary(llm, metrics) -> str:
 
 
 def cmd_run(args) -> int:
-    from .prompts import read_prompts, synthetic_prompts
+    from .planner.cost_model import Workload
+    from .prompts import prompt_lengths, read_prompts, synthetic_prompts
 
-    llm = make_llm(args)
+    lines = read_prompts(args.prompts) if args.prompts else None
+
+    def workload() -> Workload:
+        if lines is None:
+            return Workload(args.prompt_len, args.gen_len, args.num_prompts)
+        lengths = prompt_lengths([line.prompt for line in lines], args.model or DEFAULT_MODEL, args.tokenizer)
+        return Workload(max(lengths), max(line.max_new_tokens or args.gen_len for line in lines), len(lines))
+
+    llm = make_llm(args, workload)
     try:
-        if args.prompts:
-            lines = read_prompts(args.prompts)
+        if lines is not None:
             prompts = [line.prompt for line in lines]
             params = [sampling_from_args(args, line.max_new_tokens or args.gen_len, line.stop) for line in lines]
             ids = [line.id for line in lines]

@@ -65,3 +65,25 @@ def synthetic_prompts(cfg: ModelConfig, count: int, length: int, seed: int = 0) 
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(4, cfg.vocab_size, (count, length), generator=generator)
     return ids.tolist()
+
+
+def prompt_lengths(prompts, model: str, tokenizer: str | None) -> list[int]:
+    """Each prompt's length in tokens, text prompts tokenized as the model will tokenize them."""
+    from .errors import TokenizerError
+    from .tokenizer import Tokenizer
+
+    directory = Path(tokenizer) if tokenizer else Path(model) if Path(model).is_dir() else None
+    encoder = None
+    lengths = []
+    for prompt in prompts:
+        if not isinstance(prompt, str):
+            lengths.append(len(prompt))
+            continue
+        if encoder is None:
+            if directory is None or not Tokenizer.available(directory):
+                raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; "
+                                     "give token ids, or a checkpoint directory with tokenizer files")
+            encoder = Tokenizer(directory)
+        lengths.append(len(encoder.encode(prompt)))
+    return lengths
+

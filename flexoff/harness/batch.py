@@ -195,7 +195,17 @@ def run_batch(args, make_llm, format_summary, out=None) -> int:
             print(f"all {len(lines)} prompts are already in {args.output}; nothing to do", file=out)
             return 0
         started = time.perf_counter()
-        llm = make_llm(args)
+        pending = [line for line in lines if id_key(line.id) not in store.done]
+
+        def workload():  # for --policy auto: the prompts still to run
+            from ..planner.cost_model import Workload
+            from ..prompts import prompt_lengths
+
+            lengths = prompt_lengths([line.prompt for line in pending], args.model, args.tokenizer)
+            budget = max(line.max_new_tokens or defaults.max_new_tokens for line in pending)
+            return Workload(max(lengths), budget, len(pending))
+
+        llm = make_llm(args, workload)
         try:
             items = generation_items(llm, lines, defaults, args.seed, str(args.input))
             try:
