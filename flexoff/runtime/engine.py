@@ -43,7 +43,8 @@ class Engine:
         self.worker: HostWorker | None = HostWorker(device, self.streams, policy.pin_cpu_memory)
         self.disk: DiskTier | None = None
         self.weights: TieredWeights | None = None
-        self._weight_bytes = weight_bytes(cfg, policy, dtype, pins_host_memory(policy.pin_cpu_memory))
+        self.pins_host = pins_host_memory(policy.pin_cpu_memory)
+        self._weight_bytes = weight_bytes(cfg, policy, dtype, self.pins_host)
         check_fits(self._weight_bytes, self.capacity, "placing the weights")
         if policy.uses_disk:
             if offload_dir is None:
@@ -83,8 +84,7 @@ class Engine:
         policy = self.policy
         size = policy.gpu_batch_size
         prompt_len = max(len(s.prompt_ids) for s in seqs)
-        needed = block_bytes(self.cfg, policy, prompt_len, extra_slots, self.dtype.itemsize,
-                             pins_host_memory(policy.pin_cpu_memory))
+        needed = block_bytes(self.cfg, policy, prompt_len, extra_slots, self.dtype.itemsize, self.pins_host)
         check_fits({t: needed[t] + self._weight_bytes[t] for t in TIERS}, self.capacity,
                    f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens")
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,

@@ -20,7 +20,8 @@ import torch
 from ..errors import PolicyError
 from ..units import format_size
 
-_ALIGN = 4096  # file offsets are page-aligned so large reads map onto whole pages
+_PAGE = 4096
+_ALIGN = _PAGE  # file offsets are page-aligned so large reads map onto whole pages
 _CHUNK = 64 << 20  # bytes per read/write call: large enough for full disk bandwidth
 
 
@@ -103,9 +104,6 @@ def slab_bytes(requests) -> int:
     return plan.reserved
 
 
-_PAGE = 4096
-
-
 def registered_bytes(requests) -> int:
     """Host bytes that exactly pinned allocations of ``requests`` bytes take: whole pages each."""
     return sum(_pages(nbytes) for nbytes in requests)
@@ -142,8 +140,7 @@ class HostMemory:
         self.exact = exact and self.pin
         self._plan = SlabPlan()
         self._slabs: list[torch.Tensor] = []
-        self._buffers: list[torch.Tensor] = []  # registered memory, alive until unregistered
-        self._registered: list[int] = []
+        self._registered: list[torch.Tensor] = []  # held here until unregistered
         self._unregister = weakref.finalize(self, _unregister, self._registered)
         self.nbytes = 0
 
@@ -171,23 +168,21 @@ class HostMemory:
         if error:
             raise PolicyError(f"cannot pin {format_size(size)} of host memory (CUDA error {error}); run without "
                               "pinning (--no-pin, or pin_cpu_memory false in the policy)")
-        self._buffers.append(buffer)
-        self._registered.append(buffer.data_ptr())
+        self._registered.append(buffer)
         return buffer
 
     def close(self) -> None:
         self._unregister()
-        self._buffers.clear()
         self._slabs.clear()
 
 
-def _unregister(pointers: list[int]) -> None:
+def _unregister(buffers: list[torch.Tensor]) -> None:
     """Unpin registered host memory, once no copy can still be reading it."""
-    if pointers:
+    if buffers:
         torch.cuda.synchronize()
-        for pointer in pointers:
-            torch.cuda.cudart().cudaHostUnregister(pointer)
-        pointers.clear()
+        for buffer in buffers:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        buffers.clear()
 
 
 class Streams:
