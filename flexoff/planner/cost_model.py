@@ -10,7 +10,7 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
 - host-memory contention: CPU attention slows down while the copy engine streams weights out of
   the same memory (the profile's ``cpu_attention_share_under_copy``);
 - pinned host memory: the cache comes in slabs, and is priced at the slabs the runtime's own
-  allocations take (``host_slab_factors``), 2-4% over the bytes for OPT; the weights are pinned
+  allocations take (``pinned_host_factors``), 2-4% over the bytes for OPT; the weights are pinned
   exactly, at whole pages;
 - the page cache: disk data that fits in the host memory left free is read back at the cached
   rate, when the profile has one. The search plans with the cold rate, so that a policy it picks
@@ -189,7 +189,7 @@ class CostModel:
         self.kv_width = c.num_kv_heads * c.head_dim
         self.mlp_buffers = 2 if c.family == "opt" else 3  # fc1 out; or gate, up and their product
         self._buffer_bytes: dict = {}
-        self._slab_factors: dict = {}
+        self._pinned_factors: dict = {}
 
     # ---- sizes under a frame
 
@@ -220,7 +220,7 @@ class CostModel:
         streamed, scratch, split = self._buffer_bytes[key]
         return (1 - wg) * streamed + wg * split + scratch
 
-    def host_slab_factors(self, frame: PolicyFrame) -> tuple[float, float]:
+    def pinned_host_factors(self, frame: PolicyFrame) -> tuple[float, float]:
         """Host bytes reserved per byte stored, for the weights and for the cache, as the runtime
         pins its own allocations with everything of the kind on the CPU: the weights in whole pages
         (a factor of 1 but for the smallest models), the cache in slabs whose unused ends are taken
@@ -234,10 +234,10 @@ class CostModel:
 
         def factor(key, requests, reserved) -> float:
             # The weights' factor depends on their compression alone, the cache's on the batch too.
-            if key not in self._slab_factors:
+            if key not in self._pinned_factors:
                 listed = requests()
-                self._slab_factors[key] = reserved(listed) / sum(listed)
-            return self._slab_factors[key]
+                self._pinned_factors[key] = reserved(listed) / sum(listed)
+            return self._pinned_factors[key]
 
         return (factor(("weights", frame.compress_weight),
                        lambda: weight_host_requests(self.config, on_cpu, torch.float16), registered_bytes),
@@ -389,8 +389,8 @@ class CostModel:
                       + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att)
                       + intermediates(gbs, s_max))
         # The CPU stages what moves between disk and GPU.
-        weight_slabs, cache_slabs = self.host_slab_factors(frame)
-        cpu_home = p.wc * weights_total * weight_slabs + p.cc * kv_total * cache_slabs
+        weight_factor, cache_factor = self.pinned_host_factors(frame)
+        cpu_home = p.wc * weights_total * weight_factor + p.cc * kv_total * cache_factor
         cpu_prefill = (cpu_home + p.hc * act * s * bls + 2 * p.wd * W
                        + 2 * p.hd * act * s * gbs + 2 * p.cd * kv * s * gbs)
         cpu_workspace = 0.0 * c_off
