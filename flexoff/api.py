@@ -107,8 +107,7 @@ class LLM:
             raise FlexoffError("policy 'auto' is for the command line, which knows the job; in Python, pass "
                                "flexoff.planner.search_policy(config, Workload(...), hardware).policy")
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else DEFAULT_POLICY
-        tokenizer_dir = Path(tokenizer) if tokenizer else path if path.is_dir() else None
-        self.tokenizer = Tokenizer(tokenizer_dir) if tokenizer_dir and Tokenizer.available(tokenizer_dir) else None
+        self.tokenizer = Tokenizer.for_model(model, tokenizer)
         source = DummyWeights(seed) if dummy else CheckpointWeights(path)
         source.check({stage: stage_specs(self.config, stage) for stage in stage_names(self.config)})
         offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")

@@ -174,15 +174,15 @@ def format_summary(llm, metrics) -> str:
 
 def cmd_run(args) -> int:
     from .planner.cost_model import Workload
-    from .prompts import prompt_lengths, read_prompts, synthetic_prompts
+    from .prompts import prompt_workload, read_prompts, synthetic_prompts
 
     lines = read_prompts(args.prompts) if args.prompts else None
 
     def workload() -> Workload:
         if lines is None:
             return Workload(args.prompt_len, args.gen_len, args.num_prompts)
-        lengths = prompt_lengths([line.prompt for line in lines], args.model or DEFAULT_MODEL, args.tokenizer)
-        return Workload(max(lengths), max(line.max_new_tokens or args.gen_len for line in lines), len(lines))
+        return prompt_workload([line.prompt for line in lines], [line.max_new_tokens or args.gen_len for line in lines],
+                               args.model or DEFAULT_MODEL, args.tokenizer)
 
     llm = make_llm(args, workload)
     try:

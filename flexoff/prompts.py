@@ -67,12 +67,13 @@ def synthetic_prompts(cfg: ModelConfig, count: int, length: int, seed: int = 0) 
     return ids.tolist()
 
 
-def prompt_lengths(prompts, model: str, tokenizer: str | None) -> list[int]:
-    """Each prompt's length in tokens, text prompts tokenized as the model will tokenize them."""
+def prompt_workload(prompts, budgets, model: str, tokenizer: str | None):
+    """The planner's workload for a job: its longest prompt in tokens (text tokenized as the model
+    will tokenize it), its largest generation budget, and its number of prompts."""
     from .errors import TokenizerError
+    from .planner.cost_model import Workload
     from .tokenizer import Tokenizer
 
-    directory = Path(tokenizer) if tokenizer else Path(model) if Path(model).is_dir() else None
     encoder = None
     lengths = []
     for prompt in prompts:
@@ -80,10 +81,9 @@ def prompt_lengths(prompts, model: str, tokenizer: str | None) -> list[int]:
             lengths.append(len(prompt))
             continue
         if encoder is None:
-            if directory is None or not Tokenizer.available(directory):
+            encoder = Tokenizer.for_model(model, tokenizer)
+            if encoder is None:
                 raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; "
                                      "give token ids, or a checkpoint directory with tokenizer files")
-            encoder = Tokenizer(directory)
         lengths.append(len(encoder.encode(prompt)))
-    return lengths
-
+    return Workload(max(lengths), max(budgets), len(lengths))

@@ -39,6 +39,12 @@ class Tokenizer:
         except Exception as exc:
             raise TokenizerError(f"cannot load {file}: {exc}") from None
 
+    @classmethod
+    def for_model(cls, model: str | Path, tokenizer: str | Path | None = None) -> "Tokenizer | None":
+        """The tokenizer in ``tokenizer``, else in the checkpoint directory ``model``; None if neither has one."""
+        directory = Path(tokenizer) if tokenizer else Path(model) if Path(model).is_dir() else None
+        return cls(directory) if directory is not None and cls.available(directory) else None
+
     @staticmethod
     def available(path: str | Path) -> bool:
         path = Path(path)

@@ -59,9 +59,9 @@ def test_policy_auto_searches_for_the_job_and_runs_what_it_found(tiny_model_dir,
               "--gpu-mem", "50KB", "--gen-len", "4", "--quiet", "--ignore-eos"]
     assert main(["run", *common, "--policy", "auto", "--output", str(tmp_path / "auto.jsonl")]) == 0
     err = capsys.readouterr().err
-    from flexoff.prompts import prompt_lengths
+    from flexoff.tokenizer import Tokenizer
 
-    longest = max(prompt_lengths(PROMPTS, str(path), None))
+    longest = max(len(Tokenizer(path).encode(p)) for p in PROMPTS)
     assert longest > max(len(p.split()) for p in PROMPTS) - 1  # tokens, not words or characters
     assert f"for prompt {longest}, generate 4 on " in err
     searched = tmp_path / "searched.json"
@@ -83,9 +83,9 @@ def test_policy_auto_in_a_batch_job_plans_for_the_prompts_left(tiny_model_dir, t
     argv = ["batch", "--model", str(path), "--input", str(lines), "--output", str(out), "--policy", "auto",
             "--hardware", "t4", "--dtype", "bfloat16", "--no-progress"]
     assert main(argv) == 0
-    from flexoff.prompts import prompt_lengths
+    from flexoff.tokenizer import Tokenizer
 
-    longest = max(prompt_lengths(PROMPTS[:3], str(path), None))
+    longest = max(len(Tokenizer(path).encode(p)) for p in PROMPTS[:3])
     assert f"for prompt {longest}, generate 4 on " in capsys.readouterr().err
     assert len(out.read_text().splitlines()) == 4  # a header and three results
 

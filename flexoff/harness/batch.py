@@ -198,12 +198,11 @@ def run_batch(args, make_llm, format_summary, out=None) -> int:
         pending = [line for line in lines if id_key(line.id) not in store.done]
 
         def workload():  # for --policy auto: the prompts still to run
-            from ..planner.cost_model import Workload
-            from ..prompts import prompt_lengths
+            from ..prompts import prompt_workload
 
-            lengths = prompt_lengths([line.prompt for line in pending], args.model, args.tokenizer)
-            budget = max(line.max_new_tokens or defaults.max_new_tokens for line in pending)
-            return Workload(max(lengths), budget, len(pending))
+            return prompt_workload([line.prompt for line in pending],
+                                   [line.max_new_tokens or defaults.max_new_tokens for line in pending],
+                                   args.model, args.tokenizer)
 
         llm = make_llm(args, workload)
         try:
