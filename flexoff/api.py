@@ -42,7 +42,9 @@ class RequestOutput:
     text: str | None
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each generated token under the model
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "error"
+    # Why the sequence produced no tokens (e.g. its logits turned non-finite); None when it ran.
+    error: str | None = None
 
 
 @dataclass
