@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import dataclass
 import os
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from .errors import FlexoffError, PromptError, SamplingError, TokenizerError, UnknownModelError
-from .models import ModelConfig, resolve_model_config, stage_names, stage_specs
+from .errors import FlexoffError, PromptError, SamplingError, TokenizerError
+from .models import ModelConfig, resolve_model, stage_names, stage_specs
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
 from .runtime.engine import Engine
@@ -95,13 +94,9 @@ class LLM:
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
                  tokenizer: str | None = None, offload_dir: str | None = None,
                  gpu_mem: str | int | None = None, cpu_mem: str | int | None = None):
-        self.config: ModelConfig = resolve_model_config(model)
-        path = Path(model)
-        if not dummy and not path.is_dir():
-            raise UnknownModelError(
-                f"{model!r} names a model size but no checkpoint directory; pass dummy=True (--dummy) "
-                "for seeded random weights, or give a local checkpoint directory"
-            )
+        # A local directory, a registry name (dummy only) or a Hugging Face Hub id (fetched as needed).
+        self.config: ModelConfig
+        self.config, checkpoint = resolve_model(model, dummy)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.seed = seed
@@ -109,8 +104,8 @@ class LLM:
             raise FlexoffError("policy 'auto' is for the command line, which knows the job; in Python, pass "
                                "flexoff.planner.search_policy(config, Workload(...), hardware).policy")
         self.policy = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else DEFAULT_POLICY
-        self.tokenizer = Tokenizer.for_model(model, tokenizer)
-        source = DummyWeights(seed) if dummy else CheckpointWeights(path)
+        self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
+        source = DummyWeights(seed) if dummy else CheckpointWeights(checkpoint)
         source.check({stage: stage_specs(self.config, stage) for stage in stage_names(self.config)})
         offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
         capacity = machine_capacity(self.device, parse_size(gpu_mem) if gpu_mem else None,

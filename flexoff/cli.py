@@ -23,8 +23,10 @@ DEFAULT_MODEL = "opt-125m"
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
     group.add_argument("--model",
-                       help="registry name (e.g. opt-30b, llama-3-8b; needs --dummy) or a local Hugging Face "
-                            f"checkpoint directory (`flexoff run` alone runs {DEFAULT_MODEL} with dummy weights)")
+                       help="registry name (e.g. opt-30b, llama-3-8b; needs --dummy), a local Hugging Face "
+                            "checkpoint directory, or a Hugging Face Hub id (e.g. facebook/opt-1.3b: taken from the "
+                            "Hub cache or downloaded; with --dummy only its config.json) "
+                            f"(`flexoff run` alone runs {DEFAULT_MODEL} with dummy weights)")
     group.add_argument("--dummy", action="store_true",
                        help="seeded random weights instead of a checkpoint (no download; for benchmarks)")
     group.add_argument("--dtype", default="auto",

@@ -9,6 +9,11 @@ class UnknownModelError(FlexoffError):
     """A model name that is neither in the registry nor a checkpoint directory."""
 
 
+class HubError(UnknownModelError):
+    """A Hugging Face Hub id that cannot be used: unknown, gated, unreachable, not cached offline, or
+    without weights flexoff reads."""
+
+
 class CheckpointError(FlexoffError):
     """A checkpoint file that is missing, unreadable, corrupt or of the wrong shape."""
 

@@ -69,7 +69,8 @@ def synthetic_prompts(cfg: ModelConfig, count: int, length: int, seed: int = 0) 
 
 def prompt_workload(prompts, budgets, model: str, tokenizer: str | None):
     """The planner's workload for a job: its longest prompt in tokens (text tokenized as the model
-    will tokenize it), its largest generation budget, and its number of prompts."""
+    will tokenize it; a Hub id's tokenizer files are fetched, not its weights), its largest generation
+    budget, and its number of prompts."""
     from .errors import TokenizerError
     from .planner.cost_model import Workload
     from .tokenizer import Tokenizer
@@ -83,7 +84,7 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None):
         if encoder is None:
             encoder = Tokenizer.for_model(model, tokenizer)
             if encoder is None:
-                raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; "
-                                     "give token ids, or a checkpoint directory with tokenizer files")
+                raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; give token "
+                                     "ids, --tokenizer DIR, or a checkpoint (directory or Hub id) with tokenizer files")
         lengths.append(len(encoder.encode(prompt)))
     return Workload(max(lengths), max(budgets), len(lengths))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import TokenizerError
+from .models.config import model_directory
 
 
 class Tokenizer:
@@ -40,9 +41,10 @@ class Tokenizer:
             raise TokenizerError(f"cannot load {file}: {exc}") from None
 
     @classmethod
-    def for_model(cls, model: str | Path, tokenizer: str | Path | None = None) -> "Tokenizer | None":
-        """The tokenizer in ``tokenizer``, else in the checkpoint directory ``model``; None if neither has one."""
-        directory = Path(tokenizer) if tokenizer else Path(model) if Path(model).is_dir() else None
+    def for_model(cls, model: str | Path | None, tokenizer: str | Path | None = None) -> "Tokenizer | None":
+        """The tokenizer in ``tokenizer``, else in the checkpoint of ``model`` (a directory, or a Hub id
+        whose tokenizer files are fetched); None if neither has one (a registry name has none)."""
+        directory = Path(tokenizer) if tokenizer else model_directory(model, "tokenizer") if model is not None else None
         return cls(directory) if directory is not None and cls.available(directory) else None
 
     @staticmethod

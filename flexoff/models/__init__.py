@@ -10,7 +10,8 @@ from types import ModuleType
 
 from . import llama, opt
 from .common import WeightSpec
-from .config import REGISTRY, ModelConfig, config_from_dir, known_model_names, resolve_model_config
+from .config import (REGISTRY, ModelConfig, config_from_dir, known_model_names, model_directory, resolve_model,
+                     resolve_model_config)
 
 _ARCHITECTURES: dict[str, ModuleType] = {"opt": opt, "llama": llama}
 
@@ -35,5 +36,5 @@ def stage_specs(cfg: ModelConfig, stage: str) -> list[WeightSpec]:
 
 __all__ = [
     "REGISTRY", "ModelConfig", "WeightSpec", "architecture", "config_from_dir", "known_model_names",
-    "resolve_model_config", "stage_names", "stage_specs",
+    "model_directory", "resolve_model", "resolve_model_config", "stage_names", "stage_specs",
 ]

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import UnknownModelError, UnsupportedModelError
+from ..hub import hub_checkpoint, is_hub_id
 
 FAMILIES = ("opt", "llama")
 
@@ -140,15 +141,46 @@ def known_model_names() -> list[str]:
 
 
 def resolve_model_config(name_or_dir: str) -> ModelConfig:
-    """A registry name (case-insensitive, ``facebook/`` prefixes allowed) or a checkpoint directory."""
-    path = Path(name_or_dir)
+    """The configuration alone (of a Hub id, only its config.json is fetched)."""
+    return resolve_model(name_or_dir, dummy=True)[0]
+
+
+def resolve_model(model: str | Path, dummy: bool = False) -> tuple[ModelConfig, Path | None]:
+    """A model argument as (config, checkpoint directory): a local directory, a registry name
+    (case-insensitive; no directory, so it needs ``dummy``), or a Hugging Face Hub id ``org/name``,
+    taken from the local Hub cache or downloaded (only its config.json when ``dummy``)."""
+    name = str(model)
+    directory = model_directory(name, "config" if dummy else "weights")
+    if directory is None:
+        if not dummy:
+            example = f"facebook/{name.lower()}" if name.lower().startswith("opt-") else "facebook/opt-125m"
+            raise UnknownModelError(
+                f"{name!r} is a registry size with no checkpoint: use dummy weights (--dummy, or dummy=True in "
+                f"Python), a local checkpoint directory, or a Hugging Face Hub id such as {example}"
+            )
+        return REGISTRY[name.lower()], None
+    config = config_from_dir(directory)
+    if directory != Path(name):  # a Hub snapshot: named as the user named it, not by its commit hash
+        config = config.replace(name=name)
+    return config, directory
+
+
+def model_directory(model: str | Path, need: str = "weights") -> Path | None:
+    """The local directory holding ``model``'s files, None for a registry name. Local directories
+    and registry names win over Hub ids; ``need`` ("config", "tokenizer" or "weights") is what a
+    Hub snapshot must hold (see flexoff.hub)."""
+    name = str(model)
+    if not name.strip():
+        raise UnknownModelError("the model name is empty")
+    path = Path(name)
     if path.is_dir():
-        return config_from_dir(path)
-    key = name_or_dir.lower().rsplit("/", 1)[-1]
-    if key in REGISTRY:
-        return REGISTRY[key]
+        return path
+    if name.lower() in REGISTRY:
+        return None
+    if is_hub_id(name):
+        return hub_checkpoint(name, need)
     raise UnknownModelError(
-        f"unknown model {name_or_dir!r}: not a checkpoint directory, and not one of: "
+        f"unknown model {name!r}: not a checkpoint directory, a Hugging Face Hub id (org/name), or one of: "
         + ", ".join(known_model_names())
     )
 

@@ -21,7 +21,9 @@ def register(subparsers) -> None:
         description="Search GPU batch size x number of GPU batches, solving an LP over the nine placement "
                     "fractions for each, and print the policy with the highest predicted throughput.",
     )
-    search.add_argument("--model", required=True, help="registry name (e.g. opt-30b) or checkpoint directory")
+    search.add_argument("--model", required=True,
+                        help="registry name (e.g. opt-30b), checkpoint directory, or Hugging Face Hub id "
+                             "(e.g. facebook/opt-30b; only its config.json is fetched)")
     search.add_argument("--prompt-len", type=int, default=512,
                         help="prompt length in tokens, after padding (default 512)")
     search.add_argument("--gen-len", type=int, default=32, help="tokens generated per prompt (default 32)")
