@@ -41,7 +41,15 @@ class Tokenizer:
 
     @classmethod
     def for_model(cls, model: str | Path, tokenizer: str | Path | None = None) -> "Tokenizer | None":
-        """The tokenizer in ``tokenizer``, else in the checkpoint directory ``model``; None if neither has one."""
+        """The tokenizer in ``tokenizer``, else in the checkpoint directory ``model``; None if neither has one.
+
+        A checkpoint's config.json is checked first: transformers reads it too while loading a
+        tokenizer, and would report a malformed value in it as a broken tokenizer.
+        """
+        if Path(model).is_dir():
+            from .models.config import config_from_dir
+
+            config_from_dir(model)
         directory = Path(tokenizer) if tokenizer else Path(model) if Path(model).is_dir() else None
         return cls(directory) if directory is not None and cls.available(directory) else None
 
