@@ -59,7 +59,9 @@ _MODEL_RULES = {
     "bos_token_id": _optional_token, "pad_token_id": _optional_token, "eos_token_ids": _tokens,
     "rope_scaling": lambda value: None if isinstance(value, RopeScaling) else "a RopeScaling",
 }
-_ROPE_RULES = {"factor": _positive_number, "low_freq_factor": _positive_number, "high_freq_factor": _positive_number,
+ROPE_KINDS = ("default", "linear", "llama3")
+_ROPE_RULES = {"kind": lambda value: None if value in ROPE_KINDS else "one of " + ", ".join(ROPE_KINDS),
+               "factor": _positive_number, "low_freq_factor": _positive_number, "high_freq_factor": _positive_number,
                "original_max_positions": _size()}
 
 
@@ -104,7 +106,7 @@ def validate_model(values: dict, where: str, names: dict | None = None) -> None:
         value = values.get(key)
         bad = [t for t in (value if isinstance(value, tuple) else (value,)) if t is not None and t >= vocab]
         if bad:
-            fail(f"{name(key)} must be below vocab_size ({vocab}), got {bad[0]}")
+            fail(f"{name(key)} must be below {name('vocab_size')} ({vocab}), got {bad[0]}")
 
 
 def validate_rope(values: dict, where: str, names: dict | None = None) -> None:
@@ -113,9 +115,9 @@ def validate_rope(values: dict, where: str, names: dict | None = None) -> None:
     validate_fields(values, _ROPE_RULES, where, names)
     if values["kind"] == "llama3" and not values["high_freq_factor"] > values["low_freq_factor"]:
         # The llama3 frequency ramp divides by their difference.
-        raise ConfigError(f"{where}: {names.get('high_freq_factor') or 'high_freq_factor'} "
-                          f"({values['high_freq_factor']}) must exceed {names.get('low_freq_factor') or 'low_freq_factor'} "
-                          f"({values['low_freq_factor']})")
+        high, low = (names.get(key) or key for key in ("high_freq_factor", "low_freq_factor"))
+        raise ConfigError(f"{where}: {high} ({values['high_freq_factor']}) must exceed "
+                          f"{low} ({values['low_freq_factor']})")
 
 
 @dataclass(frozen=True)
@@ -402,7 +404,7 @@ def _rope_from_json(where: str, raw: dict) -> tuple[object, RopeScaling, dict]:
                   "high_freq_factor": params["high_freq_factor"],
                   "original_max_positions": params["original_max_position_embeddings"]}
     else:
-        raise UnsupportedModelError(f"{where}: RoPE scaling {kind!r} is not supported (default, linear, llama3)")
+        raise UnsupportedModelError(f"{where}: RoPE scaling {kind!r} is not supported ({', '.join(ROPE_KINDS)})")
     validate_rope({**dataclasses.asdict(RopeScaling()), **values}, where, names)
     floats = {key: float(value) if key not in ("kind", "original_max_positions") else value
               for key, value in values.items()}

@@ -241,7 +241,8 @@ class Engine:
                 self._non_finite_cause = f"weight {where} holds NaN or infinite values"
             else:
                 hint = "; try dtype bfloat16 or float32" if self.dtype == torch.float16 else ""
-                self._non_finite_cause = f"no weight holds a NaN or an infinity: the activations must have overflowed{hint}"
+                self._non_finite_cause = ("no weight holds a NaN or an infinity: the activations must have "
+                                          f"overflowed{hint}")
         return self._non_finite_cause
 
     def peak_memory(self) -> dict[str, int]:

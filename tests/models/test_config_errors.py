@@ -10,6 +10,7 @@ import pytest
 from flexoff.cli import main
 from flexoff.errors import ConfigError
 from flexoff.models import ModelConfig
+from flexoff.models.config import RopeScaling
 from tests.conftest import PROMPTS
 
 DROP = object()  # a change that removes the key
@@ -38,7 +39,8 @@ CASES = {
     "negative rope base, older layout": ("llama-gqa", {"rope_parameters": DROP, "rope_theta": -1}, "rope_theta"),
     "rope scaling as text": ("llama-gqa", {"rope_scaling": "linear"}, "rope_scaling"),
     "rope factor as text": ("llama-gqa", {"rope_parameters": DROP, "rope_theta": 1e4,
-                                          "rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope_scaling.factor"),
+                                          "rope_scaling": {"rope_type": "linear", "factor": "2"}},
+                            "rope_scaling.factor"),
     "llama3 flat ramp": ("llama3-rope", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                                                              "low_freq_factor": 4.0, "high_freq_factor": 4.0,
                                                              "original_max_position_embeddings": 16}},
@@ -104,6 +106,8 @@ def test_config_errors_name_the_field_in_python_too():
     with pytest.raises(ConfigError, match="norm_eps must be a positive finite number"):
         ModelConfig(name="m", family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
                     intermediate_size=8, max_positions=8, norm_eps=-1e-5)
+    with pytest.raises(ConfigError, match="kind must be one of default, linear, llama3, got 'yarn'"):
+        RopeScaling(kind="yarn")
 
 
 def test_a_negative_pad_id_means_no_padding_token(corrupted):
