@@ -18,6 +18,7 @@ import psutil
 
 PREFIX = "flexoff-"
 OWNER_FILE = ".owner.json"
+_PARTIAL = OWNER_FILE + ".partial"
 _START_TOLERANCE = 1.0  # seconds: start times are read from the kernel's clock ticks, not exactly
 
 
@@ -26,8 +27,9 @@ def make_private_folder(base: Path) -> Path:
     remove_dead_folders(base)
     directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base))
     # The mark appears whole, by a rename, or not at all; a folder without one is never removed, so
-    # another process cleaning up cannot take a folder between its creation and its mark.
-    partial = directory / (OWNER_FILE + ".partial")
+    # another process cleaning up cannot take a folder between its creation and its mark. A mark
+    # killed before its rename still names its owner, and counts as one.
+    partial = directory / _PARTIAL
     try:
         partial.write_text(json.dumps(owner_of(os.getpid())))
         os.replace(partial, directory / OWNER_FILE)
@@ -70,11 +72,20 @@ def remove_dead_folders(base: Path) -> list[Path]:
     for entry in entries:
         if not entry.name.startswith(PREFIX) or entry.is_symlink() or not entry.is_dir():
             continue
-        try:
-            owner = json.loads((entry / OWNER_FILE).read_text())
-        except (OSError, ValueError):
-            continue
-        if isinstance(owner, dict) and owner_is_dead(owner):
+        owner = _read_owner(entry)
+        if owner is not None and owner_is_dead(owner):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def _read_owner(folder: Path) -> dict | None:
+    """The owner a folder's mark names; None when it has no whole mark (one may be being written)."""
+    for name in (OWNER_FILE, _PARTIAL):
+        try:
+            owner = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict):
+            return owner
+    return None

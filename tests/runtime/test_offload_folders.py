@@ -12,6 +12,7 @@ import psutil
 from flexoff.runtime.offload_dir import OWNER_FILE, PREFIX, owner_of
 from flexoff.runtime.tiers import DiskTier
 
+DEAD_PID = 2 ** 22 + 7  # above Linux's largest pid_max: no process ever has it
 # Makes a disk tier holding data, prints its folder, then waits to be killed.
 CHILD = """
 import sys, time, torch
@@ -49,16 +50,22 @@ def test_a_killed_process_folder_is_removed_by_the_next_start(tmp_path):
         killed.send_signal(signal.SIGKILL)
         killed.wait(timeout=30)
         me = owner_of(os.getpid())
-        elsewhere = marked_folder(base, PREFIX + "other-host", {**me, "host": "another-host", "pid": 2 ** 22 + 7})
+        elsewhere = marked_folder(base, PREFIX + "other-host", {**me, "host": "another-host", "pid": DEAD_PID})
         reused = marked_folder(base, PREFIX + "reused-pid", {**me, "started": me["started"] - 1000})
         unmarked = marked_folder(base, PREFIX + "unmarked", None)
-        not_ours = marked_folder(base, "something-else", {**me, "pid": 2 ** 22 + 7})
+        not_ours = marked_folder(base, "something-else", {**me, "pid": DEAD_PID})
+        # Killed between writing its mark and renaming it into place:
+        unrenamed = marked_folder(base, PREFIX + "unrenamed", None)
+        (unrenamed / (OWNER_FILE + ".partial")).write_text(json.dumps({**me, "pid": DEAD_PID}))
+        half_written = marked_folder(base, PREFIX + "half-written", None)
+        (half_written / (OWNER_FILE + ".partial")).write_text(json.dumps({**me, "pid": DEAD_PID})[:20])
         tier = DiskTier(base)
         try:
             kept = sorted(p.name for p in base.iterdir())
             assert os.path.basename(killed_dir) not in kept
             assert not reused.exists()  # the id now belongs to another process (this one)
-            for folder in (live_dir, elsewhere, unmarked, not_ours, tier.directory):
+            assert not unrenamed.exists()
+            for folder in (live_dir, elsewhere, unmarked, half_written, not_ours, tier.directory):
                 assert os.path.isdir(folder), (folder, kept)
             assert os.path.getsize(os.path.join(live_dir, "weights")) == 1 << 20
         finally:
