@@ -26,9 +26,9 @@ def make_private_folder(base: Path) -> Path:
     """A new mode-0700 folder in ``base``, marked as this process's, after removing dead owners'."""
     remove_dead_folders(base)
     directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base))
-    # The mark appears whole, by a rename, or not at all; a folder without one is never removed, so
-    # another process cleaning up cannot take a folder between its creation and its mark. A mark
-    # killed before its rename still names its owner, and counts as one.
+    # A folder is removed only when a whole mark names a dead owner, so another process cleaning up
+    # cannot take this one between its creation and its mark. The mark is written aside and renamed
+    # into place; one whose writer was killed before the rename still names it, and counts.
     partial = directory / _PARTIAL
     try:
         partial.write_text(json.dumps(owner_of(os.getpid())))
