@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import dataclass
+import math
 import os
 
 import torch
 from tqdm import tqdm
 
-from .errors import FlexoffError, PromptError, SamplingError, TokenizerError
+from .errors import FlexoffError, NonFiniteError, PromptError, SamplingError, TokenizerError
 from .models import ModelConfig, resolve_model, stage_names, stage_specs
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
@@ -182,6 +183,10 @@ class LLM:
         return any(stop in text for stop in seq.params.stop)
 
     def _finish(self, seq: Sequence, prompt) -> RequestOutput:
+        prompt_text = prompt if isinstance(prompt, str) else None
+        if seq.finish_reason == "error":
+            return RequestOutput(index=seq.index, prompt=prompt_text, prompt_token_ids=seq.prompt_ids, text=None,
+                                 token_ids=[], logprobs=[], finish_reason="error", error=seq.error)
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(seq.token_ids)
@@ -189,7 +194,7 @@ class LLM:
             if cuts:
                 text = text[:min(cuts)]
         return RequestOutput(
-            index=seq.index, prompt=prompt if isinstance(prompt, str) else None,
+            index=seq.index, prompt=prompt_text,
             prompt_token_ids=seq.prompt_ids, text=text, token_ids=list(seq.token_ids),
             logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "length",
         )
@@ -233,7 +238,14 @@ class LLM:
         out = torch.empty(len(ids), self.config.vocab_size)
         for block in form_blocks([len(p) for p in ids], [1] * len(ids), self.policy.block_size):
             out[block] = self.engine.last_logits([ids[i] for i in block])
+        self._check_finite(torch.isfinite(out).all(dim=-1).tolist(), "logits")
         return out
+
+    def _check_finite(self, finite: list[bool], what: str) -> None:
+        """Refuse NaN or infinite results, naming the first prompt and the weight at fault."""
+        bad = next((i for i, ok in enumerate(finite) if not ok), None)
+        if bad is not None:
+            raise NonFiniteError(f"prompt {bad}: the model's {what} are not finite: {self.engine.non_finite_cause()}")
 
     def score(self, prompts: SequenceOf, continuations: SequenceOf) -> list[ScoreOutput]:
         """Per-token log-probabilities of each continuation given its prompt, in one prefill pass."""
@@ -257,4 +269,5 @@ class LLM:
             logprobs = self.engine.score_block([prompt_ids[i] for i in block], [cont_ids[i] for i in block])
             for i, values in zip(block, logprobs):
                 results[i] = ScoreOutput(cont_ids[i], values)
+        self._check_finite([all(math.isfinite(v) for v in r.logprobs) for r in results], "log-probabilities")
         return results

@@ -40,3 +40,7 @@ class ConfigError(FlexoffError):
 
 class TokenizerError(FlexoffError):
     """No usable tokenizer for text input or output."""
+
+
+class NonFiniteError(FlexoffError):
+    """A model that computes NaN or infinity: non-finite weights, or an overflow in its dtype."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import TokenizerError
-from .models.config import model_directory
+from .models.config import config_from_dir, model_directory
 
 
 class Tokenizer:
@@ -43,8 +43,17 @@ class Tokenizer:
     @classmethod
     def for_model(cls, model: str | Path | None, tokenizer: str | Path | None = None) -> "Tokenizer | None":
         """The tokenizer in ``tokenizer``, else in the checkpoint of ``model`` (a directory, or a Hub id
-        whose tokenizer files are fetched); None if neither has one (a registry name has none)."""
-        directory = Path(tokenizer) if tokenizer else model_directory(model, "tokenizer") if model is not None else None
+        whose tokenizer files are fetched); None if neither has one (a registry name has none).
+
+        A checkpoint's config.json is checked first: transformers reads it too while loading a
+        tokenizer, and would report a malformed value in it as a broken tokenizer.
+        """
+        if tokenizer:
+            directory = Path(tokenizer)
+        else:
+            directory = model_directory(model, "tokenizer") if model is not None else None
+            if directory is not None:
+                config_from_dir(directory)
         return cls(directory) if directory is not None and cls.available(directory) else None
 
     @staticmethod

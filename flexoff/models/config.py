@@ -4,13 +4,121 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import UnknownModelError, UnsupportedModelError
+from ..errors import ConfigError, UnknownModelError, UnsupportedModelError
 from ..hub import hub_checkpoint, is_hub_id
 
 FAMILIES = ("opt", "llama")
+
+
+# Checks of one field's value: each returns what the value must be, or None when it is fine.
+_MAX_SIZE = 2**31 - 1  # no real dimension comes near; a larger one is a typo that would overflow shapes
+_MAX_LAYERS = 10_000  # real models have a few hundred; each layer becomes a stage before any check of size
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _size(limit: int = _MAX_SIZE, minimum: int = 1):
+    def check(value):
+        if not _is_int(value) or value < minimum:
+            return "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        return f"at most {limit}" if value > limit else None
+    return check
+
+
+def _positive_number(value):
+    # NaN, infinities and non-positive values (an epsilon of 0, a RoPE base of -1) make the model compute NaN.
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    return None if ok else "a positive finite number"
+
+
+def _boolean(value):
+    return None if isinstance(value, bool) else "true or false"
+
+
+def _optional_token(value):
+    return None if value is None or (_is_int(value) and value >= 0) else "a non-negative integer token id or null"
+
+
+def _tokens(value):
+    ok = isinstance(value, tuple) and all(_is_int(t) and t >= 0 for t in value)
+    return None if ok else "a non-negative integer token id or a list of them"
+
+
+_MODEL_RULES = {
+    "vocab_size": _size(), "hidden_size": _size(), "num_layers": _size(_MAX_LAYERS), "num_heads": _size(),
+    "intermediate_size": _size(), "max_positions": _size(),
+    "num_kv_heads": _size(minimum=0), "head_dim": _size(minimum=0), "word_embed_proj_dim": _size(minimum=0),
+    "norm_eps": _positive_number, "rope_theta": _positive_number,
+    "tie_word_embeddings": _boolean, "do_layer_norm_before": _boolean, "remove_final_layer_norm": _boolean,
+    "enable_bias": _boolean, "attention_bias": _boolean,
+    "bos_token_id": _optional_token, "pad_token_id": _optional_token, "eos_token_ids": _tokens,
+    "rope_scaling": lambda value: None if isinstance(value, RopeScaling) else "a RopeScaling",
+}
+ROPE_KINDS = ("default", "linear", "llama3")
+_ROPE_RULES = {"kind": lambda value: None if value in ROPE_KINDS else "one of " + ", ".join(ROPE_KINDS),
+               "factor": _positive_number, "low_freq_factor": _positive_number, "high_freq_factor": _positive_number,
+               "original_max_positions": _size()}
+
+
+def validate_fields(values: dict, rules: dict, where: str, names: dict | None = None) -> None:
+    """Refuse the first value in ``values`` that breaks its rule, naming it as the user wrote it
+    (``names`` maps a field to that, e.g. num_heads to num_attention_heads in config.json)."""
+    names = names or {}
+    for key, rule in rules.items():
+        if key in values:
+            wanted = rule(values[key])
+            if wanted is not None:
+                raise ConfigError(f"{where}: {names.get(key) or key} must be {wanted}, got {values[key]!r}")
+
+
+def validate_model(values: dict, where: str, names: dict | None = None) -> None:
+    """Every ModelConfig field flexoff uses, by type and range, then how the sizes fit together.
+
+    ``values`` holds ModelConfig fields (0 for the sizes that default to another); ``where`` names
+    the source (a config.json, or the config's name), ``names`` the fields as that source spells them.
+    """
+    names = names or {}
+    validate_fields(values, _MODEL_RULES, where, names)
+
+    def name(key: str) -> str:
+        return names.get(key) or key
+
+    def fail(message: str):
+        raise ConfigError(f"{where}: {message}")
+
+    heads, kv_heads = values["num_heads"], values.get("num_kv_heads") or values["num_heads"]
+    if heads % kv_heads:
+        fail(f"{name('num_heads')} ({heads}) must be a multiple of {name('num_kv_heads')} ({kv_heads})")
+    head_dim, head_dim_name = values.get("head_dim") or 0, name("head_dim")
+    if not head_dim:
+        if values["hidden_size"] % heads:
+            fail(f"{name('hidden_size')} ({values['hidden_size']}) must be a multiple of {name('num_heads')} ({heads})")
+        head_dim, head_dim_name = values["hidden_size"] // heads, f"{name('hidden_size')} / {name('num_heads')}"
+    if values.get("family") == "llama" and head_dim % 2:
+        fail(f"{head_dim_name} must be even for rotary embeddings, got {head_dim}")
+    vocab = values["vocab_size"]
+    for key in ("bos_token_id", "pad_token_id", "eos_token_ids"):
+        value = values.get(key)
+        bad = [t for t in (value if isinstance(value, tuple) else (value,)) if t is not None and t >= vocab]
+        if bad:
+            fail(f"{name(key)} must be below {name('vocab_size')} ({vocab}), got {bad[0]}")
+
+
+def validate_rope(values: dict, where: str, names: dict | None = None) -> None:
+    """RopeScaling fields (as a dict) by type and range, as :func:`validate_model` checks the model's."""
+    names = names or {}
+    validate_fields(values, _ROPE_RULES, where, names)
+    if values["kind"] == "llama3" and not values["high_freq_factor"] > values["low_freq_factor"]:
+        # The llama3 frequency ramp divides by their difference.
+        high, low = (names.get(key) or key for key in ("high_freq_factor", "low_freq_factor"))
+        raise ConfigError(f"{where}: {high} ({values['high_freq_factor']}) must exceed "
+                          f"{low} ({values['low_freq_factor']})")
 
 
 @dataclass(frozen=True)
@@ -22,6 +130,9 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+
+    def __post_init__(self):
+        validate_rope(dataclasses.asdict(self), "RoPE scaling")
 
 
 @dataclass(frozen=True)
@@ -60,16 +171,13 @@ class ModelConfig:
     def __post_init__(self):
         if self.family not in FAMILIES:
             raise UnsupportedModelError(f"unknown model family {self.family!r}; known: {', '.join(FAMILIES)}")
+        validate_model({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, f"model {self.name!r}")
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
         if self.word_embed_proj_dim == 0:
             object.__setattr__(self, "word_embed_proj_dim", self.hidden_size)
-        if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(
-                f"{self.name}: {self.num_heads} attention heads are not a multiple of {self.num_kv_heads} KV heads"
-            )
 
     # Sizes the planner and the runtime share, in elements (not bytes).
     @property
@@ -186,10 +294,32 @@ def model_directory(model: str | Path, need: str = "weights") -> Path | None:
 
 
 _LLAMA_TYPES = ("llama", "mistral", "qwen2")
+_REQUIRED = object()
+
+# ModelConfig field -> (its key in config.json, its default when the key is absent or null).
+_COMMON_KEYS = {
+    "vocab_size": ("vocab_size", _REQUIRED), "hidden_size": ("hidden_size", _REQUIRED),
+    "num_layers": ("num_hidden_layers", _REQUIRED), "num_heads": ("num_attention_heads", _REQUIRED),
+    "max_positions": ("max_position_embeddings", _REQUIRED),
+    "bos_token_id": ("bos_token_id", None), "eos_token_ids": ("eos_token_id", None),
+    "pad_token_id": ("pad_token_id", None),
+}
+_OPT_KEYS = {
+    **_COMMON_KEYS, "intermediate_size": ("ffn_dim", _REQUIRED), "word_embed_proj_dim": ("word_embed_proj_dim", 0),
+    "do_layer_norm_before": ("do_layer_norm_before", True),
+    "remove_final_layer_norm": ("_remove_final_layer_norm", False), "enable_bias": ("enable_bias", True),
+    "tie_word_embeddings": ("tie_word_embeddings", True),
+}
+_LLAMA_KEYS = {
+    **_COMMON_KEYS, "intermediate_size": ("intermediate_size", _REQUIRED),
+    "num_kv_heads": ("num_key_value_heads", 0), "head_dim": ("head_dim", 0), "norm_eps": ("rms_norm_eps", 1e-6),
+    "tie_word_embeddings": ("tie_word_embeddings", False),
+}
 
 
 def config_from_dir(path: str | Path) -> ModelConfig:
-    """Read a Hugging Face ``config.json`` into a ModelConfig, refusing what we cannot run."""
+    """Read a Hugging Face ``config.json`` into a ModelConfig, refusing what we cannot run and
+    naming the file and the field of any value out of type or range."""
     path = Path(path)
     config_file = path / "config.json"
     try:
@@ -208,91 +338,106 @@ def config_from_dir(path: str | Path) -> ModelConfig:
             "compresses them itself (--compress-weight)"
         )
     model_type = raw.get("model_type")
+    where = str(config_file)
     try:
         if model_type == "opt":
-            return _opt_from_json(path.name, raw)
-        if model_type in _LLAMA_TYPES:
-            return _llama_from_json(path.name, raw)
+            values, names = _opt_from_json(where, raw)
+        elif model_type in _LLAMA_TYPES:
+            values, names = _llama_from_json(where, raw)
+        else:
+            raise UnsupportedModelError(
+                f"{path}: model_type {model_type!r} is not supported; supported: opt, " + ", ".join(_LLAMA_TYPES))
     except KeyError as exc:
         raise UnsupportedModelError(f"{config_file} lacks the field {exc.args[0]!r}") from None
-    raise UnsupportedModelError(
-        f"{path}: model_type {model_type!r} is not supported; supported: opt, " + ", ".join(_LLAMA_TYPES)
-    )
+    validate_model(values, where, names)
+    for key in ("norm_eps", "rope_theta"):
+        if key in values:
+            values[key] = float(values[key])
+    return ModelConfig(name=path.name, **values)
 
 
-def _eos_tuple(value) -> tuple[int, ...]:
+def _read_keys(raw: dict, keys: dict) -> tuple[dict, dict]:
+    """(ModelConfig values as config.json gives them, the config.json name of each)."""
+    values, names = {}, {}
+    for name, (key, default) in keys.items():
+        if key not in raw and default is _REQUIRED:
+            raise KeyError(key)
+        value = raw.get(key)
+        values[name] = default if value is None and default is not _REQUIRED else value
+        names[name] = key
+    values["eos_token_ids"] = _eos_tuple(values["eos_token_ids"])
+    if _is_int(values["pad_token_id"]) and values["pad_token_id"] < 0:
+        values["pad_token_id"] = None  # some exports write -1 for "no padding token"
+    return values, names
+
+
+def _eos_tuple(value):
+    """config.json's eos_token_id (one id, a list, or null) as a tuple; any other value is passed on
+    for validation to refuse."""
     if value is None:
         return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
+    if isinstance(value, list):
+        return tuple(value)
+    return (value,) if _is_int(value) else value
 
 
-def _opt_from_json(name: str, raw: dict) -> ModelConfig:
+def _opt_from_json(where: str, raw: dict) -> tuple[dict, dict]:
     activation = raw.get("activation_function", "relu")
     if activation != "relu":
-        raise UnsupportedModelError(f"{name}: OPT activation {activation!r} is not supported (only relu)")
-    return ModelConfig(
-        name=name, family="opt", vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-        num_layers=raw["num_hidden_layers"], num_heads=raw["num_attention_heads"],
-        intermediate_size=raw["ffn_dim"], max_positions=raw["max_position_embeddings"],
-        word_embed_proj_dim=raw.get("word_embed_proj_dim") or raw["hidden_size"],
-        do_layer_norm_before=raw.get("do_layer_norm_before", True),
-        remove_final_layer_norm=raw.get("_remove_final_layer_norm", False),
-        enable_bias=raw.get("enable_bias", True),
-        tie_word_embeddings=raw.get("tie_word_embeddings", True),
-        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_tuple(raw.get("eos_token_id")),
-        pad_token_id=raw.get("pad_token_id"),
-    )
+        raise UnsupportedModelError(f"{where}: OPT activation {activation!r} is not supported (only relu)")
+    values, names = _read_keys(raw, _OPT_KEYS)
+    return {"family": "opt", **values}, names
 
 
-def _rope_parameters(raw: dict) -> dict:
-    """RoPE settings from either layout: newer exports nest theta and scaling in rope_parameters."""
-    params = dict(raw.get("rope_scaling") or {})
-    params.update(raw.get("rope_parameters") or {})
-    params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
-    return params
-
-
-def _rope_from_json(name: str, raw: dict) -> RopeScaling:
-    scaling = _rope_parameters(raw)
-    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        return RopeScaling()
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return RopeScaling()
-    if kind == "linear":
-        return RopeScaling(kind="linear", factor=float(scaling["factor"]))
-    if kind == "llama3":
-        return RopeScaling(
-            kind="llama3", factor=float(scaling["factor"]),
-            low_freq_factor=float(scaling["low_freq_factor"]),
-            high_freq_factor=float(scaling["high_freq_factor"]),
-            original_max_positions=int(scaling["original_max_position_embeddings"]),
-        )
-    raise UnsupportedModelError(f"{name}: RoPE scaling {kind!r} is not supported (default, linear, llama3)")
-
-
-def _llama_from_json(name: str, raw: dict) -> ModelConfig:
+def _llama_from_json(where: str, raw: dict) -> tuple[dict, dict]:
     activation = raw.get("hidden_act", "silu")
     if activation != "silu":
-        raise UnsupportedModelError(f"{name}: activation {activation!r} is not supported (only silu)")
-    if raw.get("mlp_bias"):
-        raise UnsupportedModelError(f"{name}: MLP biases are not supported")
-    max_positions = raw["max_position_embeddings"]
+        raise UnsupportedModelError(f"{where}: activation {activation!r} is not supported (only silu)")
+    model_type = raw["model_type"]
+    switches = {"mlp_bias": raw.get("mlp_bias", False),
+                "use_sliding_window": raw.get("use_sliding_window", model_type == "mistral"),
+                "attention_bias": raw.get("attention_bias", model_type == "qwen2")}  # Qwen2 biases q, k and v
+    switches = {key: value for key, value in switches.items() if value is not None}
+    validate_fields(switches, dict.fromkeys(switches, _boolean), where)
+    if switches.get("mlp_bias"):
+        raise UnsupportedModelError(f"{where}: MLP biases are not supported")
+    values, names = _read_keys(raw, _LLAMA_KEYS)
+    values["attention_bias"] = switches.get("attention_bias", False)
     window = raw.get("sliding_window")
-    uses_window = raw.get("use_sliding_window", raw["model_type"] == "mistral")
-    if uses_window and window:
+    if switches.get("use_sliding_window") and window is not None:
+        validate_fields({"max_positions": values["max_positions"], "sliding_window": window},
+                        {"max_positions": _size(), "sliding_window": _size()}, where, names)
         # Within the window, sliding-window attention equals full attention.
-        max_positions = min(max_positions, int(window))
-    qwen = raw["model_type"] == "qwen2"
-    return ModelConfig(
-        name=name, family="llama", vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
-        num_layers=raw["num_hidden_layers"], num_heads=raw["num_attention_heads"],
-        num_kv_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
-        head_dim=raw.get("head_dim") or 0,
-        intermediate_size=raw["intermediate_size"], max_positions=max_positions,
-        norm_eps=raw.get("rms_norm_eps", 1e-6), tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        bos_token_id=raw.get("bos_token_id"), eos_token_ids=_eos_tuple(raw.get("eos_token_id")),
-        pad_token_id=raw.get("pad_token_id"), rope_theta=float(_rope_parameters(raw)["rope_theta"]),
-        rope_scaling=_rope_from_json(name, raw),
-        attention_bias=raw.get("attention_bias", qwen),
-    )
+        values["max_positions"] = min(values["max_positions"], window)
+    values["rope_theta"], values["rope_scaling"], rope_names = _rope_from_json(where, raw)
+    return {"family": "llama", **values}, {**names, **rope_names}
+
+
+def _rope_from_json(where: str, raw: dict) -> tuple[object, RopeScaling, dict]:
+    """(theta, scaling, names) from either layout: newer exports nest theta and scaling in rope_parameters."""
+    params, names = {}, {}
+    for section in ("rope_scaling", "rope_parameters"):
+        part = raw.get(section)
+        if part is not None and not isinstance(part, dict):
+            raise ConfigError(f"{where}: {section} must be an object or null, got {part!r}")
+        params.update(part or {})
+        names.update({key: f"{section}.{key}" for key in part or {}})
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    names = {"rope_theta": names.get("rope_theta", "rope_theta"), "factor": names.get("factor"),
+             "low_freq_factor": names.get("low_freq_factor"), "high_freq_factor": names.get("high_freq_factor"),
+             "original_max_positions": names.get("original_max_position_embeddings")}
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, RopeScaling(), names
+    if kind == "linear":
+        values = {"kind": kind, "factor": params["factor"]}
+    elif kind == "llama3":
+        values = {"kind": kind, "factor": params["factor"], "low_freq_factor": params["low_freq_factor"],
+                  "high_freq_factor": params["high_freq_factor"],
+                  "original_max_positions": params["original_max_position_embeddings"]}
+    else:
+        raise UnsupportedModelError(f"{where}: RoPE scaling {kind!r} is not supported ({', '.join(ROPE_KINDS)})")
+    validate_rope({**dataclasses.asdict(RopeScaling()), **values}, where, names)
+    floats = {key: float(value) if key not in ("kind", "original_max_positions") else value
+              for key, value in values.items()}
+    return theta, RopeScaling(**floats), {"rope_theta": names["rope_theta"]}

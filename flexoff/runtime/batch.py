@@ -25,10 +25,16 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None  # why it failed (finish_reason "error"); its tokens are then dropped
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def fail(self, error: str) -> None:
+        self.finish_reason, self.error = "error", error
+        self.token_ids.clear()
+        self.logprobs.clear()
 
 
 class GpuBatch:
@@ -49,7 +55,7 @@ class GpuBatch:
         self.dtype = dtype
         self.prompt_len = max(len(s.prompt_ids) for s in seqs)
         self.slots = self.prompt_len + extra_slots
-        pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        pad = self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         rows = [[pad] * (self.prompt_len - len(s.prompt_ids)) + s.prompt_ids for s in seqs]
         self.prompt_ids = torch.tensor(rows, device=device)  # (batch, prompt_len)
         self.lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=device)
@@ -73,7 +79,8 @@ class GpuBatch:
             self.input_ids = self.prompt_ids
             self.positions = (torch.cumsum(self.valid[:, :self.prompt_len].long(), dim=1) - 1).clamp(min=0)
         else:
-            last = [s.token_ids[-1] for s in self.seqs]
+            # A failed sequence has no tokens; its row, isolated from the others, is fed padding.
+            last = [s.token_ids[-1] if s.token_ids else self.pad for s in self.seqs]
             self.input_ids = torch.tensor(last, device=self.device)[:, None]
             self.positions = (self.lengths + token - 1)[:, None]
         self.start = self.slot_start(token)

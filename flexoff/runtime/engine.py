@@ -44,6 +44,7 @@ class Engine:
         self.disk: DiskTier | None = None
         self.weights: TieredWeights | None = None
         self.pins_host = pins_host_memory(policy.pin_cpu_memory)
+        self._non_finite_cause: str | None = None
         self._weight_bytes = weight_bytes(cfg, policy, dtype, self.pins_host)
         check_fits(self._weight_bytes, self.capacity, "placing the weights")
         if policy.uses_disk:
@@ -186,13 +187,19 @@ class Engine:
         metrics = Metrics(num_sequences=len(seqs))
         eos = set(self.cfg.eos_token_ids)
         clock = {"start": time.perf_counter(), "prefill_end": None, "heads": 0}
+        failed: list[Sequence] = []
 
         def sample(batch: GpuBatch, weights: dict) -> None:
             logits = arch.head(self.cfg, weights, batch.hidden[:, -1:])[:, 0]
-            tokens, logprobs = choose_tokens([s.sampler for s in batch.seqs], logits)
+            tokens, logprobs, finite = choose_tokens([s.sampler for s in batch.seqs], logits)
             produced = 0
-            for seq, token, logprob in zip(batch.seqs, tokens, logprobs):
+            for seq, token, logprob, ok in zip(batch.seqs, tokens, logprobs, finite):
                 if seq.finished:
+                    continue
+                if not ok:  # its rows are its own: the batch's other sequences go on unaffected
+                    produced -= len(seq.token_ids)  # its tokens are dropped: take them back from the count
+                    seq.fail(f"the logits turned non-finite at generated token {len(seq.token_ids) + 1}")
+                    failed.append(seq)
                     continue
                 seq.token_ids.append(token)
                 seq.logprobs.append(logprob)
@@ -221,7 +228,22 @@ class Engine:
         metrics.padded_prompt_tokens = sum(b.prompt_len * len(b.seqs) for b in batches)
         metrics.generated_tokens = sum(len(s.token_ids) for s in seqs)
         metrics.peak_memory = self.peak_memory()
+        for seq in failed:  # outside the timed span: the scan reads every weight
+            seq.error = f"{seq.error}: {self.non_finite_cause()}"
         return metrics
+
+    def non_finite_cause(self) -> str:
+        """Why logits turned non-finite, as far as one scan of the placed weights can tell (made
+        once, when first asked: the normal path never pays for it)."""
+        if self._non_finite_cause is None:
+            where = self.weights.first_non_finite()
+            if where is not None:
+                self._non_finite_cause = f"weight {where} holds NaN or infinite values"
+            else:
+                hint = "; try dtype bfloat16 or float32" if self.dtype == torch.float16 else ""
+                self._non_finite_cause = ("no weight holds a NaN or an infinity: the activations must have "
+                                          f"overflowed{hint}")
+        return self._non_finite_cause
 
     def peak_memory(self) -> dict[str, int]:
         """Peak bytes per tier: the GPU allocator's peak, the host bytes flexoff holds for weights

@@ -72,18 +72,27 @@ class SequenceSampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def choose_tokens(samplers: list[SequenceSampler], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Pick the next token of each row and its log-probability under the model.
+def choose_tokens(samplers: list[SequenceSampler], logits: torch.Tensor) -> tuple[list[int], list[float], list[bool]]:
+    """Pick the next token of each row and its log-probability under the model, and say which rows
+    could be sampled at all.
 
     logits: (batch, vocab). The logprob is of the raw distribution (before temperature, top-k
-    and top-p), which is what scoring and evaluation need.
+    and top-p), which is what scoring and evaluation need. A row holding a NaN or a +inf (or only
+    -inf) has no distribution: it is reported as not finite, and its token (0) means nothing.
     """
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1)
+    # Any NaN or +inf in a row makes its normaliser, so its largest logprob, non-finite: one
+    # reduction over the rows already on hand.
+    finite = torch.isfinite(logprobs.amax(dim=-1))
     if all(s.params.greedy for s in samplers):
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = torch.where(finite, torch.argmax(logits, dim=-1), 0)
     else:
+        ok = finite.tolist()
         cpu_logits = logits.cpu()
-        tokens = torch.tensor([s.choose(cpu_logits[i]) for i, s in enumerate(samplers)], device=logits.device)
+        tokens = torch.tensor([s.choose(cpu_logits[i]) if ok[i] else 0 for i, s in enumerate(samplers)],
+                              device=logits.device)
     chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), chosen.tolist()
+    # One copy to the host for all three (token ids are exact in float64).
+    tokens, chosen, ok = torch.stack([tokens.double(), chosen.double(), finite.double()]).tolist()
+    return [int(t) for t in tokens], chosen, [bool(f) for f in ok]

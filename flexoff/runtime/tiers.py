@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -19,6 +18,7 @@ import torch
 
 from ..errors import PolicyError
 from ..units import format_size
+from .offload_dir import make_private_folder
 
 _PAGE = 4096
 _ALIGN = _PAGE  # file offsets are page-aligned so large reads map onto whole pages
@@ -329,17 +329,18 @@ def _place(target: torch.Tensor, landing: torch.Tensor, copied) -> None:
 class DiskTier:
     """Tensors in files inside a private offload directory, read and written by a thread pool.
 
-    The directory is created with mode 0700 and removed, with everything in it, by ``close()``.
+    The directory is created with mode 0700 and removed, with everything in it, by ``close()``;
+    one left by a process killed outright is removed when the next DiskTier starts in ``base``
+    (see offload_dir.py).
     """
 
     def __init__(self, base: str | Path, threads: int = 4):
         base = Path(base)
         try:
             base.mkdir(parents=True, exist_ok=True)
-            self.directory = Path(tempfile.mkdtemp(prefix="flexoff-", dir=base))
+            self.directory = make_private_folder(base)
         except OSError as exc:
             raise PolicyError(f"cannot create an offload directory in {base}: {exc.strerror or exc}") from None
-        os.chmod(self.directory, 0o700)
         # Removes the folder even if the owner is never closed (an exception path, interpreter exit).
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="flexoff-disk")

@@ -313,6 +313,23 @@ class TieredWeights:
             worst = max(worst, *(abs(got[t] - getattr(requested, t)) for t in TIERS))
         return worst
 
+    def first_non_finite(self) -> str | None:
+        """'name of stage' for the first weight holding a NaN or an infinity as placed (after any
+        conversion to the compute dtype, which may overflow); None if none does. Reads every piece
+        once, disk pieces included: for naming a fault, never on the normal path."""
+        for stage in stage_names(self.cfg):
+            pieces = self._stages[stage]
+            staging = None
+            if pieces.disk_bytes:
+                staging = pieces.region.read_into(torch.empty(pieces.disk_bytes, dtype=torch.uint8))
+            stored = list(pieces.resident.items()) + [
+                (name, storage.view(staging) if isinstance(storage, _OnDisk) else storage)
+                for name, parts in pieces.parts.items() for _, _, storage in parts]
+            for name, value in stored:
+                if any(part.is_floating_point() and not bool(torch.isfinite(part).all()) for part in _parts(value)):
+                    return f"{name} of {stage}"
+        return None
+
     def close(self) -> None:
         self._stages.clear()
         self._buffers.clear()

@@ -1,0 +1,91 @@
+"""Private folders in the offload directory, each marked with its owner, so that a later run removes
+the folders of owners that died without cleaning up (a SIGKILL or an OOM kill skips every finalizer).
+
+An owner is a host name, a process id and that process's start time: process ids are reused, so
+the id alone could make a dead owner look alive, or a live one dead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import psutil
+
+PREFIX = "flexoff-"
+OWNER_FILE = ".owner.json"
+_PARTIAL = OWNER_FILE + ".partial"
+_START_TOLERANCE = 1.0  # seconds: start times are read from the kernel's clock ticks, not exactly
+
+
+def make_private_folder(base: Path) -> Path:
+    """A new mode-0700 folder in ``base``, marked as this process's, after removing dead owners'."""
+    remove_dead_folders(base)
+    directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base))
+    # A folder is removed only when a whole mark names a dead owner, so another process cleaning up
+    # cannot take this one between its creation and its mark. The mark is written aside and renamed
+    # into place; one whose writer was killed before the rename still names it, and counts.
+    partial = directory / _PARTIAL
+    try:
+        partial.write_text(json.dumps(owner_of(os.getpid())))
+        os.replace(partial, directory / OWNER_FILE)
+    except OSError:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+    return directory
+
+
+def owner_of(pid: int) -> dict:
+    return {"host": socket.gethostname(), "pid": pid, "started": psutil.Process(pid).create_time()}
+
+
+def owner_is_dead(owner: dict) -> bool:
+    """Whether ``owner`` has certainly exited: it ran on this host, and no live process has its id
+    and start time. Anything unreadable or from another host counts as alive."""
+    pid, started = owner.get("pid"), owner.get("started")
+    if owner.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) \
+            or pid <= 0 or not isinstance(started, (int, float)) or isinstance(started, bool):
+        return False
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
+            return True
+        return abs(process.create_time() - started) > _START_TOLERANCE  # the id now names another process
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, OSError):
+        return False
+
+
+def remove_dead_folders(base: Path) -> list[Path]:
+    """Remove the folders in ``base`` that are named as ours and marked by an owner that is dead on
+    this host; leave everything else. Returns the folders removed."""
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        if not entry.name.startswith(PREFIX) or entry.is_symlink() or not entry.is_dir():
+            continue
+        owner = _read_owner(entry)
+        if owner is not None and owner_is_dead(owner):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _read_owner(folder: Path) -> dict | None:
+    """The owner a folder's mark names; None when it has no whole mark (one may be being written)."""
+    for name in (OWNER_FILE, _PARTIAL):
+        try:
+            owner = json.loads((folder / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(owner, dict):
+            return owner
+    return None
