@@ -85,7 +85,7 @@ def test_rerun_reuses_results_and_more_instances_add_to_them(tiny_opt, tmp_path,
     assert main(args[:-1] + ["9"]) == 0  # --max-instances 9: three more instances, same job
     more, _ = read_outputs(output_dir)
     assert more["instances"] == 9 and more["generation"]["num_sequences"] == 3
-    header, *records = (output_dir / "results.jsonl").read_text().splitlines()
+    records = (output_dir / "results.jsonl").read_text().splitlines()
     assert len(records) == 2 * 9  # one generation and one reference score per instance, no repeats
     capsys.readouterr()
     assert main(args + ["--num-in-context", "2"]) == 2  # other settings: another job
