@@ -38,10 +38,13 @@ class Block:
         return cls(size, round(seconds, 6), datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
-def generation_record(out, block: Block, *, index: int | None = None, id=None, extra: dict | None = None) -> dict:
-    """The record of one ``RequestOutput``; ``index`` defaults to the output's own."""
+def generation_record(out, block: Block, *, index: int | None = None, id=None, prompt: str | None = None,
+                      extra: dict | None = None) -> dict:
+    """The record of one ``RequestOutput``; ``index`` defaults to the output's own, ``prompt`` (the
+    text, where the output was generated from its token ids) to the output's."""
     return {
-        "index": out.index if index is None else index, "id": id, "kind": "generate", "prompt": out.prompt,
+        "index": out.index if index is None else index, "id": id, "kind": "generate",
+        "prompt": out.prompt if prompt is None else prompt,
         "prompt_tokens": len(out.prompt_token_ids), "text": out.text, "token_ids": list(out.token_ids),
         "logprobs": list(out.logprobs), "generated_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
         "error": out.error, "block_size": block.size, "block_seconds": block.seconds,

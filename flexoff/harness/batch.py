@@ -165,7 +165,8 @@ def generation_items(llm, lines: list[BatchLine], defaults: SamplingParams, seed
             raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
         params = replace(defaults, max_new_tokens=budget, stop=stop,
                          seed=request_seed(seed, line.id) if not defaults.greedy else None)
-        items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {}))
+        items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {},
+                                    text=line.prompt if isinstance(line.prompt, str) else None))
     return items
 
 

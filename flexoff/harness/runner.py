@@ -32,6 +32,7 @@ class GenerationItem:
     params: SamplingParams
     extra: dict = field(default_factory=dict)  # extra fields copied into the record
     index: int | None = None  # the record's index; by default the item's place in the list
+    text: str | None = None  # the prompt's text for the record, where ``prompt`` holds its token ids
 
 
 @dataclass
@@ -61,7 +62,8 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
         records = []
         for out in outputs:
             item = pending[out.index]
-            records.append(generation_record(out, block, index=item.index, id=item.id, extra=item.extra))
+            records.append(generation_record(out, block, index=item.index, id=item.id, prompt=item.text,
+                                             extra=item.extra))
         store.append(records)
         generated[0] += metrics.generated_tokens
         bar.update(len(outputs))
