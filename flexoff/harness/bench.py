@@ -18,7 +18,6 @@ already written and runs only the new instances.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
