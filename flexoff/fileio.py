@@ -87,6 +87,7 @@ def write_or_keep(path: str | Path, text: str, what: str) -> str | None:
     except OSError as exc:
         problem = f"cannot write {path} ({exc.strerror or exc})"
     for folder in (tempfile.gettempdir(), os.getcwd()):
+        kept = None
         try:
             fd, kept = tempfile.mkstemp(dir=folder, prefix=f"flexoff-{path.stem}-", suffix=path.suffix)
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
@@ -94,6 +95,8 @@ def write_or_keep(path: str | Path, text: str, what: str) -> str | None:
             return f"{problem}; {what} are kept in {kept}"
         except OSError as exc:
             last = exc.strerror or str(exc)
+            if kept is not None:  # half a copy is no copy
+                Path(kept).unlink(missing_ok=True)
     return f"{problem}, and {what} could not be kept elsewhere either ({last})"
 
 
