@@ -6,15 +6,14 @@ Every user error ends as one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import sys
 import threading
 
-from .errors import FlexoffError
+from .errors import FlexoffError, OutputError
 from .harness import cli as harness_cli
 from .planner import cli as planner_cli
-from .fileio import write_text_atomic
+from .fileio import check_destination, json_text, write_or_keep
 from .units import format_size
 
 DEFAULT_MODEL = "opt-125m"
@@ -177,7 +176,12 @@ def format_summary(llm, metrics) -> str:
 def cmd_run(args) -> int:
     from .planner.cost_model import Workload
     from .prompts import prompt_workload, read_prompts, synthetic_prompts
+    from .records import Block
 
+    # Destinations first: a path that cannot be written should fail now, not after generating.
+    for path, flag in ((args.output, "--output"), (args.metrics_json, "--metrics-json")):
+        if path:
+            check_destination(path, flag)
     lines = read_prompts(args.prompts) if args.prompts else None
 
     def workload() -> Workload:
@@ -187,6 +191,12 @@ def cmd_run(args) -> int:
                                args.model or DEFAULT_MODEL, args.tokenizer)
 
     llm = make_llm(args, workload)
+    blocks: dict[int, Block] = {}  # each output's block, for its record
+
+    def on_block(outputs, metrics) -> None:
+        block = Block.now(len(outputs), metrics.total_time)
+        blocks.update((out.index, block) for out in outputs)
+
     try:
         if lines is not None:
             prompts = [line.prompt for line in lines]
@@ -200,22 +210,36 @@ def cmd_run(args) -> int:
             # A short pass first, so one-time costs (kernel selection, allocator growth) stay out of the timing.
             llm.generate([p[:32] if isinstance(p, list) else p for p in prompts],
                          sampling_from_args(args, 1))
-        result = llm.generate(prompts, params, progress=not args.quiet)
+        result = llm.generate(prompts, params, progress=not args.quiet, on_block=on_block)
     finally:
         llm.close()
+    return _write_run_outputs(args, llm, result, ids, blocks)
+
+
+def _write_run_outputs(args, llm, result, ids, blocks) -> int:
+    """Write the results and metrics; a write that fails keeps its text elsewhere and ends the run
+    with one line naming where. Exit code 1 when some sequences failed, 0 otherwise."""
+    from .records import failure_line, generation_record, record_line
+
+    records = [generation_record(out, blocks[out.index], id=line_id) for out, line_id in zip(result, ids)]
+    problems = []
     if args.output:
-        rows = []
-        for out, line_id in zip(result, ids):
-            rows.append(json.dumps({
-                "index": out.index, "id": line_id, "prompt": out.prompt, "text": out.text,
-                "token_ids": out.token_ids, "logprobs": out.logprobs, "finish_reason": out.finish_reason,
-            }))
-        write_text_atomic(args.output, "\n".join(rows) + "\n")
+        problems.append(write_or_keep(args.output, "".join(record_line(r) + "\n" for r in records),
+                                      f"the {len(records)} results"))
     if args.metrics_json:
-        write_text_atomic(args.metrics_json, json.dumps(result.metrics.to_dict(), indent=2) + "\n")
+        problems.append(write_or_keep(args.metrics_json, json_text(result.metrics.to_dict(), indent=2) + "\n",
+                                      "the metrics"))
     print(format_summary(llm, result.metrics))
+    problems = [p for p in problems if p]
+    if problems:
+        raise OutputError("; ".join(problems))
     if args.output:
         print(f"wrote {len(result)} results to {args.output}")
+    failures = failure_line(records)
+    if failures:
+        where = f" (their records in {args.output} say why)" if args.output else ""
+        print(f"flexoff: {failures}{where}", file=sys.stderr)
+        return 1
     return 0
 
 

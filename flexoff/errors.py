@@ -26,6 +26,10 @@ class PromptError(FlexoffError):
     """Prompts that cannot be run: empty, too long, or malformed in a file."""
 
 
+class OutputError(FlexoffError):
+    """A results or metrics destination that cannot be written."""
+
+
 class SamplingError(FlexoffError):
     """Sampling parameters out of range."""
 

@@ -1,19 +1,24 @@
-"""Atomic file writes: a reader sees the old file or the whole new one, never half of it."""
+"""Writing files safely: atomic writes, strict JSON, destinations checked before any work, and a
+place to keep results when their destination fails at the end."""
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from .errors import OutputError
+
 
 def write_text_atomic(path: str | Path, text: str) -> None:
-    """Write through a temporary file in the same folder, then rename it into place."""
+    """Write UTF-8 through a temporary file in the same folder, then rename it into place, so a
+    reader sees the old file or the whole new one, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as handle:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
@@ -22,6 +27,77 @@ def write_text_atomic(path: str | Path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _finite(value):
+    """``value`` with every non-finite float replaced by None (JSON has no NaN or infinity)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def json_text(value, *, indent: int | None = None) -> str:
+    """Strict JSON (a non-finite number becomes null, never a bare NaN), with UTF-8 left as is."""
+    return json.dumps(_finite(value), ensure_ascii=False, allow_nan=False, indent=indent)
+
+
+def check_destination(path: str | Path, flag: str) -> Path:
+    """Refuse, before any work, a file destination that cannot be written: a directory, a path under
+    a file, a folder without write permission, or a read-only file. Missing folders are fine (they
+    are made when the file is written)."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{flag} {path} is a directory; give a file path")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise OutputError(f"{flag} {path} is read-only")
+    check_folder(path.parent, flag, path)
+    return path
+
+
+def check_folder(folder: str | Path, flag: str, target: str | Path | None = None) -> Path:
+    """Refuse a folder that is a file, lies under a file, or cannot be written into."""
+    folder = Path(folder)
+    target = folder if target is None else target
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(f"{flag} {target}: {existing} is a file, not a directory")
+    try:  # a real probe: permissions, read-only mounts and root all answer the same way
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".flexoff-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(f"{flag} {target}: cannot write in {existing} ({exc.strerror or exc})") from None
+    return folder
+
+
+def write_or_keep(path: str | Path, text: str, what: str) -> str | None:
+    """Write ``text`` to ``path`` atomically; if that fails, keep it in a new file elsewhere (the
+    temporary folder, else the current one). Returns None, or one line saying what failed and
+    where ``what`` (e.g. "the 16 results") now is."""
+    path = Path(path)
+    try:
+        write_text_atomic(path, text)
+        return None
+    except OSError as exc:
+        problem = f"cannot write {path} ({exc.strerror or exc})"
+    for folder in (tempfile.gettempdir(), os.getcwd()):
+        kept = None
+        try:
+            fd, kept = tempfile.mkstemp(dir=folder, prefix=f"flexoff-{path.stem}-", suffix=path.suffix)
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            return f"{problem}; {what} are kept in {kept}"
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+            if kept is not None:  # half a copy is no copy
+                Path(kept).unlink(missing_ok=True)
+    return f"{problem}, and {what} could not be kept elsewhere either ({last})"
 
 
 def jsonl_objects(path: str | Path, text: str, error: type[Exception]) -> Iterator[tuple[int, str, dict]]:

@@ -1,6 +1,7 @@
 """The command line: the default job, prompt files, outputs, and one-line errors with exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,7 +72,11 @@ def test_policy_auto_searches_for_the_job_and_runs_what_it_found(tiny_model_dir,
     assert policy["compress_weight"] is not None  # 50 KB is tight enough to change the policy
     assert f"searched   {policy['gpu_batch_size']}x{policy['num_gpu_batches']} " in err
     assert main(["run", *common, "--policy", str(searched), "--output", str(tmp_path / "file.jsonl")]) == 0
-    assert (tmp_path / "auto.jsonl").read_text() == (tmp_path / "file.jsonl").read_text()
+    def results(name):  # all but the timing, which differs from run to run
+        return [{k: v for k, v in json.loads(line).items() if k not in ("block_seconds", "finished_at")}
+                for line in (tmp_path / name).read_text().splitlines()]
+
+    assert results("auto.jsonl") == results("file.jsonl")
 
 
 def test_policy_auto_in_a_batch_job_plans_for_the_prompts_left(tiny_model_dir, tmp_path, capsys):
@@ -87,7 +92,7 @@ def test_policy_auto_in_a_batch_job_plans_for_the_prompts_left(tiny_model_dir, t
 
     longest = max(len(Tokenizer(path).encode(p)) for p in PROMPTS[:3])
     assert f"for prompt {longest}, generate 4 on " in capsys.readouterr().err
-    assert len(out.read_text().splitlines()) == 4  # a header and three results
+    assert len(out.read_text().splitlines()) == 3  # one record a line
 
 
 def test_the_python_api_points_policy_auto_to_the_planner():
@@ -137,3 +142,99 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("flexoff: error:"), err
     assert needle in lines[0]
     assert "Traceback" not in err
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("the model was loaded before the destinations were checked")
+
+
+@pytest.mark.parametrize("flag, make, needle", [
+    ("--output", lambda tmp: tmp.joinpath("dir").mkdir() or tmp / "dir", "is a directory"),
+    ("--output", lambda tmp: tmp.joinpath("file").write_text("x") and tmp / "file" / "out.jsonl",
+     "is a file, not a directory"),
+    ("--output", lambda tmp: tmp.joinpath("f").write_text("x") and tmp / "f" / "sub" / "out.jsonl",
+     "is a file, not a directory"),
+    ("--metrics-json", lambda tmp: tmp.joinpath("m").mkdir() or tmp / "m", "is a directory"),
+])
+def test_run_checks_its_destinations_before_loading_the_model(tmp_path, capsys, monkeypatch, flag, make, needle):
+    from flexoff import cli
+
+    monkeypatch.setattr(cli, "make_llm", _no_model)
+    target = make(tmp_path)
+    assert main(["run", "--quiet", flag, str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"flexoff: error: {flag} ") and needle in err and "\n" not in err
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
+def test_run_refuses_a_read_only_output_and_an_unwritable_folder(tmp_path, capsys, monkeypatch):
+    from flexoff import cli
+
+    monkeypatch.setattr(cli, "make_llm", _no_model)
+    read_only = tmp_path / "results.jsonl"
+    read_only.write_text("")
+    read_only.chmod(0o444)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        assert main(["run", "--quiet", "--output", str(read_only)]) == 2
+        assert "is read-only" in capsys.readouterr().err
+        assert main(["run", "--quiet", "--metrics-json", str(locked / "m.json")]) == 2
+        assert f"cannot write in {locked}" in capsys.readouterr().err
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_full_disk_at_the_end_keeps_the_results_and_says_where(tmp_path, capsys, monkeypatch):
+    """The write fails after generating: one line names the failure and the file that holds the results."""
+    import errno
+    import tempfile
+
+    from flexoff import fileio
+
+    original = fileio.write_text_atomic
+    full = tmp_path / "full"
+
+    def write(path, text):
+        if full in Path(path).parents:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(path, text)
+
+    monkeypatch.setattr(fileio, "write_text_atomic", write)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = full / "out.jsonl"
+    argv = ["run", "--quiet", "--num-prompts", "3", "--prompt-len", "8", "--gen-len", "2", "--output", str(out),
+            "--metrics-json", str(tmp_path / "metrics.json")]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "decode" in captured.out  # the run itself finished and reported
+    err = captured.err.strip()
+    assert "\n" not in err and f"cannot write {out} (No space left on device)" in err
+    kept = Path(err.rsplit(" kept in ", 1)[1])
+    assert kept.parent == tmp_path / "tmp" and not out.exists()
+    records = [json.loads(line) for line in kept.read_text().splitlines()]
+    assert [r["index"] for r in records] == [0, 1, 2] and all(len(r["token_ids"]) == 2 for r in records)
+    assert json.loads((tmp_path / "metrics.json").read_text())["num_sequences"] == 3
+
+
+def test_failed_sequences_get_error_records_and_exit_1(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    from tests.harness.conftest import failing
+
+    path, _ = tiny_model_dir("opt-pre")
+    capsys.readouterr()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+    failing(monkeypatch, PROMPTS[1], reason="logits turned non-finite (layer 0 weight)")
+    out = tmp_path / "out.jsonl"
+    assert main(["run", "--model", str(path), "--prompts", str(prompts), "--output", str(out), "--quiet",
+                 "--gen-len", "3"]) == 1
+    captured = capsys.readouterr()
+    assert "decode" in captured.out and f"wrote 3 results to {out}" in captured.out
+    assert captured.err.strip() == (f"flexoff: 1 of 3 sequences failed: logits turned non-finite (layer 0 weight) "
+                                    f"(their records in {out} say why)")
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["finish_reason"] == "error" for r in records] == [False, True, False]
+    assert records[1]["error"] == "logits turned non-finite (layer 0 weight)" and records[1]["token_ids"] == []
+    assert all(r["error"] is None and len(r["token_ids"]) >= 1 for r in (records[0], records[2]))

@@ -11,10 +11,12 @@ Input, one JSON object per line (blank lines are skipped)::
 - ``stop`` (optional): a string or a list of strings, added to the ``--stop`` strings.
 - ``meta`` (optional): any JSON value, copied to the line's result untouched.
 
-Output: the first line is a header naming the job (see :mod:`flexoff.harness.store`); then one
-line per prompt, in the order blocks finish: ``id``, ``text``, ``token_ids``, ``logprobs`` (one per
-generated token), ``finish_reason`` ("stop" or "length"), ``prompt_tokens``,
-``generated_tokens``, ``block_size``, ``block_seconds``, ``finished_at`` and ``meta`` if given.
+Output: one record per line (the fields of :mod:`flexoff.records`, plus ``meta`` if the line gave
+one), in the order blocks finish; ``index`` is the line's place among the input's prompts, so
+sorting by it gives input order. The job's identity is in ``OUTPUT.job.json`` beside it (see
+:mod:`flexoff.harness.store`), and one job at a time may write an output. A sequence that could
+not be generated gets a record with ``finish_reason`` "error" and its ``error``; it counts as done,
+and the command then exits with 1 after a one-line count on stderr.
 
 Resuming: rerun the same command. Ids already in the output are skipped; a torn last line from
 a crash is dropped. The job's fingerprint covers the model, the input file's bytes, the
@@ -33,6 +35,7 @@ from pathlib import Path
 
 from ..errors import PromptError, TokenizerError
 from ..fileio import jsonl_objects
+from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .runner import GenerationItem, request_seed, run_generation
 from .store import ResultStore, id_key, make_header
@@ -162,7 +165,8 @@ def generation_items(llm, lines: list[BatchLine], defaults: SamplingParams, seed
             raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
         params = replace(defaults, max_new_tokens=budget, stop=stop,
                          seed=request_seed(seed, line.id) if not defaults.greedy else None)
-        items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {}))
+        items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {},
+                                    text=line.prompt if isinstance(line.prompt, str) else None))
     return items
 
 
@@ -185,7 +189,8 @@ def run_batch(args, make_llm, format_summary, out=None) -> int:
         "input_sha256": digest, "sampling": sampling_identity(defaults, args.seed),
     }
     # Check the output before loading the model: a mismatch should fail in a second, not a minute.
-    store = ResultStore.open(args.output, make_header("batch", identity), fresh_hint="choose another --output")
+    store = ResultStore.open(args.output, make_header("batch", identity), fresh_hint="choose another --output",
+                             flag="--output")
     try:
         if store.dropped_bytes:
             print(f"dropped a torn last line ({store.dropped_bytes} bytes) left by an interrupted run",
@@ -193,7 +198,7 @@ def run_batch(args, make_llm, format_summary, out=None) -> int:
         already = sum(id_key(line.id) in store.done for line in lines)
         if already == len(lines):
             print(f"all {len(lines)} prompts are already in {args.output}; nothing to do", file=out)
-            return 0
+            return _failures(store, lines)
         started = time.perf_counter()
         pending = [line for line in lines if id_key(line.id) not in store.done]
 
@@ -220,6 +225,15 @@ def run_batch(args, make_llm, format_summary, out=None) -> int:
         note = f" ({already} from an earlier run)" if already else ""
         print(f"done       {len(lines)} prompts{note} · wall {time.perf_counter() - started:.1f} s · "
               f"results in {args.output}", file=out)
-        return 0
+        return _failures(store, lines)
     finally:
         store.close()
+
+
+def _failures(store: ResultStore, lines: list[BatchLine]) -> int:
+    """1 after a one-line count on stderr when some results are errors, else 0."""
+    count = failure_line(store.done[id_key(line.id)] for line in lines)
+    if count is None:
+        return 0
+    print(f"flexoff: {count} (their records in {store.path} say why)", file=sys.stderr)
+    return 1

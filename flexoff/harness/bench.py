@@ -3,8 +3,10 @@
 Files in the output directory:
 
 - ``results.jsonl``: raw generations (one record per sample, id ``[instance id, sample]``) and
-  reference scores (id ``[instance id, "ref"]``), appended as blocks finish. It is resumable
-  exactly like a ``flexoff batch`` output, and names its job (model, scenario, data, settings).
+  reference scores (``kind`` "score", id ``[instance id, "ref"]``), appended as blocks finish, in
+  the record layout of :mod:`flexoff.records`; ``index`` sorts them by instance. It is resumable
+  exactly like a ``flexoff batch`` output, and ``results.jsonl.job.json`` names its job (model,
+  scenario, data, settings).
 - ``instances.jsonl``: per instance: references, predictions, metric values, the reference's
   log-probability, in-context examples used, and whether the prompt was truncated.
 - ``summary.json``: mean of each metric, throughput, padding efficiency, wall time.
@@ -16,13 +18,13 @@ already written and runs only the new instances.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import time
 from pathlib import Path
 
-from ..errors import TokenizerError
-from ..fileio import write_text_atomic
+from ..errors import OutputError, TokenizerError
+from ..fileio import check_destination, check_folder, json_text, write_or_keep
+from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .batch import model_identity
 from .metrics import best_score
@@ -43,18 +45,19 @@ def bench_identity(scenario: Scenario, args, data_digest: str | None, dtype: str
 
 
 def _score_prompt(prepared, continuation: str, tokenizer, bos_token_id, max_positions: int):
-    """The prompt for scoring the reference, cut from the left if prompt plus reference overflow."""
+    """The prompt for scoring the reference and its length in tokens, cut from the left if prompt
+    plus reference overflow; None if no room is left."""
     cont_ids = tokenizer.encode(continuation)
     if bos_token_id is not None and cont_ids and cont_ids[0] == bos_token_id:
         cont_ids = cont_ids[1:]
     room = max_positions - len(cont_ids)
     if prepared.prompt_tokens <= room:
-        return prepared.prompt
+        return prepared.prompt, prepared.prompt_tokens
     if room < 2:
         return None
     ids = prepared.prompt if isinstance(prepared.prompt, list) else tokenizer.encode(prepared.prompt)
     head = ids[:1] if bos_token_id is not None and ids[0] == bos_token_id else []
-    return head + ids[len(ids) - (room - len(head)):]
+    return head + ids[len(ids) - (room - len(head)):], room
 
 
 def evaluate(scenario: Scenario, prepared: list, done: dict) -> list[dict]:
@@ -70,8 +73,10 @@ def evaluate(scenario: Scenario, prepared: list, done: dict) -> list[dict]:
         for metric in scenario.metrics:
             row[metric] = best_score(metric, inst.references, predictions)
         scored = done.get(id_key([inst.id, "ref"]))
-        row["ref_logprob"] = sum(scored["logprobs"]) if scored else None
-        row["ref_tokens"] = len(scored["logprobs"]) if scored else 0
+        # A log-probability that was not finite is stored as null: then the sum is unknown too.
+        known = scored is not None and None not in scored["logprobs"]
+        row["ref_logprob"] = sum(scored["logprobs"]) if known else None
+        row["ref_tokens"] = len(scored["logprobs"]) if known else 0
         rows.append(row)
     return rows
 
@@ -124,6 +129,7 @@ def run_bench(args, make_llm, out=None) -> int:
 
     started = time.perf_counter()
     scenario = get_scenario(args.scenario)
+    output_dir = _check_output_dir(Path(args.output_dir or Path("flexoff-bench") / scenario.name))
     if not args.model:
         raise FlexoffError("bench needs --model (a checkpoint directory with a tokenizer)")
     if args.max_instances is not None and args.max_instances < 1:
@@ -137,9 +143,9 @@ def run_bench(args, make_llm, out=None) -> int:
     subject = args.subject or (default_subject(args.data) if scenario.multiple_choice else "")
     digest = hashlib.sha256(Path(args.data).read_bytes()).hexdigest() if args.data else None
     dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
-    output_dir = Path(args.output_dir or Path("flexoff-bench") / scenario.name)
     header = make_header("bench", bench_identity(scenario, args, digest, dtype, subject, k))
-    store = ResultStore.open(output_dir / "results.jsonl", header, fresh_hint="choose another --output-dir")
+    store = ResultStore.open(output_dir / "results.jsonl", header, fresh_hint="choose another --output-dir",
+                             flag="--output-dir")
     try:
         if store.dropped_bytes:
             print(f"dropped a torn last line ({store.dropped_bytes} bytes) left by an interrupted run", file=sys.stderr)
@@ -151,17 +157,19 @@ def run_bench(args, make_llm, out=None) -> int:
             prepared = [fit_prompt(scenario, examples, inst, llm.tokenizer, cfg.max_positions, subject,
                                    cfg.bos_token_id) for inst in evaluated]
             gen_items, score_items = [], []
-            for item in prepared:
+            stride = scenario.num_outputs + 1  # an instance's samples, then its reference score
+            for position, item in enumerate(prepared):
                 for j in range(scenario.num_outputs):
                     sample_id = [item.instance.id, j]
                     seed = request_seed(args.seed, sample_id) if scenario.temperature > 0 else None
                     params = SamplingParams(max_new_tokens=scenario.max_new_tokens, temperature=scenario.temperature,
                                             stop=scenario.stop, seed=seed)
-                    gen_items.append(GenerationItem(sample_id, item.prompt, params))
+                    gen_items.append(GenerationItem(sample_id, item.prompt, params, index=position * stride + j))
                 continuation = reference_continuation(scenario, item.instance.references[0])
-                prompt = _score_prompt(item, continuation, llm.tokenizer, cfg.bos_token_id, cfg.max_positions)
-                if prompt is not None:
-                    score_items.append(ScoreItem([item.instance.id, "ref"], prompt, continuation))
+                fitted = _score_prompt(item, continuation, llm.tokenizer, cfg.bos_token_id, cfg.max_positions)
+                if fitted is not None:
+                    score_items.append(ScoreItem([item.instance.id, "ref"], fitted[0], continuation, fitted[1],
+                                                 index=position * stride + scenario.num_outputs))
             progress = not args.no_progress
             try:
                 metrics = run_generation(llm, store, gen_items, progress=progress, desc=scenario.name)
@@ -173,12 +181,30 @@ def run_bench(args, make_llm, out=None) -> int:
         finally:
             llm.close()
         rows = evaluate(scenario, prepared, store.done)
+        samples = [store.done[id_key(item.id)] for item in gen_items]
     finally:
         store.close()
     summary = summarize(scenario, rows, metrics, time.perf_counter() - started, cfg.name)
-    write_text_atomic(output_dir / "instances.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    write_text_atomic(output_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+    problems = [write_or_keep(output_dir / "instances.jsonl", "".join(json_text(r) + "\n" for r in rows),
+                              "the per-instance results"),
+                write_or_keep(output_dir / "summary.json", json_text(summary, indent=2) + "\n", "the summary")]
     print(format_table(summary), file=out)
+    problems = [p for p in problems if p]
+    if problems:
+        raise OutputError("; ".join(problems))
     print(f"wrote {output_dir / 'instances.jsonl'} and {output_dir / 'summary.json'}", file=out)
+    failures = failure_line(samples)
+    if failures:
+        print(f"flexoff: {failures} (their records in {output_dir / 'results.jsonl'} say why)", file=sys.stderr)
+        return 1
     return 0
 
+
+def _check_output_dir(output_dir: Path) -> Path:
+    """Refuse, before any work, an output directory that is a file or cannot hold the results."""
+    if output_dir.exists() and not output_dir.is_dir():
+        raise OutputError(f"--output-dir {output_dir} is a file, not a directory")
+    check_folder(output_dir, "--output-dir")
+    for name in ("results.jsonl", "instances.jsonl", "summary.json"):
+        check_destination(output_dir / name, "--output-dir")
+    return output_dir

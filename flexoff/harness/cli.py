@@ -14,19 +14,23 @@ BATCH_EPILOG = """\
 input: one JSON object per line
   {"id": "q1", "prompt": "text", "max_new_tokens": 16, "stop": ["\\n"], "meta": {...}}
   id and prompt are required (prompt may be a list of token ids); the rest are optional.
-output: a header line naming the job, then one result per prompt as blocks finish:
-  id, text, token_ids, logprobs, finish_reason, prompt_tokens, generated_tokens,
-  block_size, block_seconds, finished_at (and meta).
+output: one JSON record per line, as blocks finish (sort by index for input order):
+  index, id, kind, prompt, prompt_tokens, text, token_ids, logprobs, generated_tokens,
+  finish_reason, error, block_size, block_seconds, finished_at (and meta);
+  OUTPUT.job.json beside it names the job. One job at a time may write an output.
 resume: rerun the same command; finished ids are skipped. An output of another job
-  (other model, input or sampling flags) is refused: delete or move it to start fresh."""
+  (other model, input or sampling flags) is refused: delete or move it to start fresh.
+exit: 0 done; 1 done, but some sequences failed (their records carry the error);
+  2 an error in the input, the flags or the output; 130 interrupted."""
 
 BENCH_EPILOG = """\
 data (--data): one JSON object per line
   {"id": "q1", "input": "text", "references": ["answer", ...], "split": "test"}
   mmlu: {"input": "question", "choices": ["a", "b", "c", "d"], "answer": "B"}
   split "train" marks in-context examples; synthetic_reasoning needs no file.
-output (--output-dir): results.jsonl (resumable raw generations and reference scores),
-  instances.jsonl (per-instance metrics) and summary.json."""
+output (--output-dir): results.jsonl (resumable raw generations and reference scores, one
+  record a line as `flexoff batch` writes them), instances.jsonl (per-instance metrics) and
+  summary.json."""
 
 
 def _batch_handler(args) -> int:

@@ -10,11 +10,10 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
-
+from dataclasses import dataclass, field, replace
 from tqdm import tqdm
 
+from ..records import Block, generation_record, score_record
 from ..runtime.metrics import Metrics
 from ..runtime.sampling import SamplingParams
 from .store import ResultStore, id_key
@@ -32,6 +31,8 @@ class GenerationItem:
     prompt: str | list[int]
     params: SamplingParams
     extra: dict = field(default_factory=dict)  # extra fields copied into the record
+    index: int | None = None  # the record's index; by default the item's place in the list
+    text: str | None = None  # the prompt's text for the record, where ``prompt`` holds its token ids
 
 
 @dataclass
@@ -39,17 +40,16 @@ class ScoreItem:
     id: object
     prompt: str | list[int]
     continuation: str | list[int]
+    prompt_tokens: int  # the prompt's length in tokens, for the record
+    index: int
     extra: dict = field(default_factory=dict)
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, progress: bool = True,
                    desc: str = "prompts") -> Metrics | None:
     """Generate for every item not yet in ``store``; None when there was nothing left to do."""
-    pending = [item for item in items if id_key(item.id) not in store.done]
+    pending = [item if item.index is not None else replace(item, index=i)
+               for i, item in enumerate(items) if id_key(item.id) not in store.done]
     if not pending:
         return None
     bar = tqdm(total=len(items), initial=len(items) - len(pending), unit="prompt", desc=desc,
@@ -58,16 +58,12 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
     generated = [0]
 
     def on_block(outputs, metrics: Metrics) -> None:
-        finished_at = _now()
+        block = Block.now(len(outputs), metrics.total_time)
         records = []
         for out in outputs:
             item = pending[out.index]
-            records.append({
-                "id": item.id, "text": out.text, "token_ids": list(out.token_ids), "logprobs": list(out.logprobs),
-                "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
-                "generated_tokens": len(out.token_ids), "block_size": len(outputs),
-                "block_seconds": round(metrics.total_time, 6), "finished_at": finished_at, **item.extra,
-            })
+            records.append(generation_record(out, block, index=item.index, id=item.id, prompt=item.text,
+                                             extra=item.extra))
         store.append(records)
         generated[0] += metrics.generated_tokens
         bar.update(len(outputs))
@@ -92,11 +88,12 @@ def run_scoring(llm, store: ResultStore, items: list[ScoreItem], *, chunk_size: 
     try:
         for start in range(0, len(pending), chunk_size):
             chunk = pending[start:start + chunk_size]
+            started = time.perf_counter()
             outputs = llm.score([item.prompt for item in chunk], [item.continuation for item in chunk])
-            finished_at = _now()
+            block = Block.now(len(chunk), time.perf_counter() - started)
             store.append([
-                {"id": item.id, "kind": "score", "token_ids": list(out.token_ids), "logprobs": list(out.logprobs),
-                 "finished_at": finished_at, **item.extra}
+                score_record(out, block, index=item.index, id=item.id, prompt=item.prompt,
+                             prompt_tokens=item.prompt_tokens, continuation=item.continuation, extra=item.extra)
                 for item, out in zip(chunk, outputs)
             ])
             bar.update(len(chunk))

@@ -1,11 +1,16 @@
-"""An append-only JSONL results file that names its job and survives crashes.
+"""An append-only JSONL results file, held by one job at a time, that survives crashes.
 
-Layout: the first line is a header, ``{"flexoff_job": {"kind", "fingerprint", "identity", ...}}``;
-every later line is one JSON record with an ``"id"``. Records are appended a block at a time with
-one ``write`` followed by flush and fsync, so after a crash the file holds every finished block
-and at most one torn line at its end. Opening the file again:
+Layout: every line of ``results.jsonl`` is one record (see :mod:`flexoff.records`), so pandas
+and jq read it as is. The job it belongs to (kind, fingerprint, identity) is in
+``results.jsonl.job.json`` beside it, written atomically before the first record. Files of the
+older layout, whose first line is ``{"flexoff_job": {...}}``, are moved to this one when resumed.
 
-- checks the header's fingerprint against the job being run, and refuses a different job;
+Records are appended a block at a time with one ``write`` followed by flush and fsync, so after a
+crash the file holds every finished block and at most one torn line at its end. Opening the file:
+
+- takes an OS lock (``flock``) on ``.results.jsonl.lock``, so a second job on the same file is
+  refused; the OS drops the lock when its holder exits, even on ``kill -9``;
+- checks the job's fingerprint, and refuses a different job;
 - drops a torn last line (no newline, or not valid JSON) and truncates the file to the last
   whole record;
 - refuses damage anywhere else, naming the line, rather than guess.
@@ -13,17 +18,20 @@ and at most one torn line at its end. Opening the file again:
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..fileio import write_text_atomic
+from ..errors import OutputError
+from ..fileio import check_destination, json_text, write_text_atomic
+from ..records import record_line
 from .errors import JobMismatchError, ResultsFileError
 
-HEADER_KEY = "flexoff_job"
-FORMAT_VERSION = 1
+HEADER_KEY = "flexoff_job"  # the first line of the older layout
+FORMAT_VERSION = 2
 
 
 def id_key(value) -> str:
@@ -42,6 +50,15 @@ def make_header(kind: str, identity: dict) -> dict:
     }
 
 
+def job_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".job.json")
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
 def _describe_difference(old: dict, new: dict) -> str:
     old_identity, new_identity = old.get("identity") or {}, new["identity"]
     if old.get("kind") != new["kind"]:
@@ -53,107 +70,124 @@ def _describe_difference(old: dict, new: dict) -> str:
     return "its " + ", ".join(changed) + (" differs" if len(changed) == 1 else " differ")
 
 
+class _Lock:
+    """An exclusive ``flock`` on a lock file beside the results; the file goes when released."""
+
+    def __init__(self, path: Path, results: Path, fresh_hint: str):
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip()
+                os.close(fd)
+                who = f" (process {holder})" if holder.isdigit() else ""
+                raise ResultsFileError(f"{results} is being written by another flexoff job{who}; wait for it "
+                                       f"to finish, or {fresh_hint}") from None
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else its holder removed it just before we locked it: take the new one
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            # Removed while still held, so nobody can lock this file after us and miss a later holder.
+            self.path.unlink(missing_ok=True)
+            os.close(self.fd)
+            self.fd = None
+
+
 class ResultStore:
     """Open with :meth:`open`; ``done`` maps id keys to the records already written."""
 
-    def __init__(self, path: Path, header: dict, done: dict[str, dict], dropped_bytes: int, exists: bool):
+    def __init__(self, path: Path, header: dict, done: dict[str, dict], dropped_bytes: int, lock: _Lock):
         self.path = path
         self.header = header
         self.done = done
         self.dropped_bytes = dropped_bytes  # size of the torn tail removed on open, 0 if none
-        # A new file is created with its first block, so a run that fails before finishing one
+        self._lock = lock
+        # The job file is written with the first block, so a run that fails before finishing one
         # leaves nothing behind.
-        self._handle = open(path, "ab") if exists else None
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND) if done else None
 
     @classmethod
-    def open(cls, path: str | Path, header: dict, *, fresh_hint: str = "choose another output") -> "ResultStore":
-        path = Path(path)
-        if path.is_dir():
-            raise ResultsFileError(f"{path} is a directory, not a results file")
-        # A run killed while creating the file leaves its temporary copy (see write_text_atomic).
-        for stale in path.parent.glob(f".{path.name}.*.tmp"):
-            stale.unlink(missing_ok=True)
-        if not path.exists() or path.stat().st_size == 0:
-            return cls(path, header, {}, 0, exists=False)
-        done, keep_bytes, total_bytes = cls._read(path, header, fresh_hint)
-        if keep_bytes < total_bytes:
-            with open(path, "r+b") as handle:
-                handle.truncate(keep_bytes)
-                handle.flush()
-                os.fsync(handle.fileno())
-        return cls(path, header, done, total_bytes - keep_bytes, exists=True)
+    def open(cls, path: str | Path, header: dict, *, fresh_hint: str = "choose another output",
+             flag: str = "results file") -> "ResultStore":
+        """``flag`` names the destination in errors (e.g. "--output")."""
+        path = check_destination(path, flag)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = _Lock(_lock_path(path), path, fresh_hint)
+        try:
+            # A run killed while writing the job file or moving an old file leaves a temporary copy.
+            for stale in path.parent.glob(f".{path.name}.*.tmp"):
+                stale.unlink(missing_ok=True)
+            done, dropped = cls._resume(path, header, fresh_hint)
+            return cls(path, header, done, dropped, lock)
+        except BaseException:
+            lock.release()
+            raise
 
-    @staticmethod
-    def _read(path: Path, header: dict, fresh_hint: str) -> tuple[dict[str, dict], int, int]:
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise ResultsFileError(f"cannot read {path}: {exc.strerror or exc}") from None
-        lines = data.split(b"\n")
-        # split leaves a final "" when the file ends in a newline; anything else there is torn.
-        complete, tail = lines[:-1], lines[-1]
-        not_ours = (f"{path} is not a flexoff results file (its first line is not a job header); "
-                    f"{fresh_hint}, or move it away")
-        if not complete:
-            raise ResultsFileError(not_ours)
-        try:
-            first = json.loads(complete[0])
-        except ValueError:
-            raise ResultsFileError(not_ours) from None
-        if not isinstance(first, dict) or not isinstance(first.get(HEADER_KEY), dict):
-            raise ResultsFileError(not_ours)
-        old = first[HEADER_KEY]
-        if old.get("fingerprint") != header["fingerprint"] or old.get("kind") != header["kind"]:
+    @classmethod
+    def _resume(cls, path: Path, header: dict, fresh_hint: str) -> tuple[dict[str, dict], int]:
+        """The records already in ``path`` for this job, after repairing a torn end."""
+        data = _read_bytes(path) if path.exists() else b""
+        old_header, start = _old_header(data)
+        job = _read_job(path) if old_header is None else old_header
+        if not data[start:]:
+            return {}, 0  # no records yet: a job file alone is only a plan, and this run replaces it
+        if job is None:
+            raise ResultsFileError(f"{path} is not a flexoff results file (there is no {job_path(path).name} "
+                                   f"beside it); {fresh_hint}, or move it away")
+        if job.get("fingerprint") != header["fingerprint"] or job.get("kind") != header["kind"]:
             raise JobMismatchError(
-                f"{path} holds results of a different job ({_describe_difference(old, header)}); "
+                f"{path} holds results of a different job ({_describe_difference(job, header)}); "
                 f"to start fresh, delete or move {path}, or {fresh_hint}"
             )
-        done: dict[str, dict] = {}
-        first_line_of: dict[str, int] = {}
-        keep = len(complete[0]) + 1
-        for number, raw in enumerate(complete[1:], start=2):
-            try:
-                record = json.loads(raw)
-            except ValueError:
-                record = None
-            if not isinstance(record, dict) or "id" not in record:
-                if number == len(complete) and not tail:
-                    break  # a last line that did not finish cleanly: torn, dropped below
-                raise ResultsFileError(
-                    f"{path} line {number} is damaged (not a JSON record with an id); "
-                    f"repair or remove that line, then rerun"
-                )
-            key = id_key(record["id"])
-            if key in done:
-                raise ResultsFileError(
-                    f"{path} line {number} repeats id {record['id']!r} from line {first_line_of[key]}; "
-                    "remove one of them, then rerun"
-                )
-            done[key] = record
-            first_line_of[key] = number
-            keep += len(raw) + 1
-        return done, keep, len(data)
+        done, keep = _parse_records(path, data, start)
+        if old_header is not None:  # move to the current layout: job file first, then the bare records
+            write_text_atomic(job_path(path), json_text(old_header, indent=2) + "\n")
+            write_text_atomic(path, data[start:keep].decode("utf-8"))
+        elif keep < len(data):
+            with open(path, "r+b") as handle:
+                handle.truncate(keep)
+                handle.flush()
+                os.fsync(handle.fileno())
+        return done, len(data) - keep
 
     def append(self, records: list[dict]) -> None:
-        """Write whole records durably: one write, then flush and fsync."""
+        """Write whole records durably: one write, then fsync. If the write fails (a full disk), the
+        file is cut back to the records before it and the error says so in one line."""
         if not records:
             return
-        payload = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records)
-        if self._handle is None:
-            header = json.dumps({HEADER_KEY: self.header}) + "\n"
-            write_text_atomic(self.path, header + payload.decode())
-            self._handle = open(self.path, "ab")
-        else:
-            self._handle.write(payload)
-            self._handle.flush()
-            os.fsync(self._handle.fileno())
+        payload = "".join(record_line(r) + "\n" for r in records).encode("utf-8")
+        try:
+            if self._fd is None:
+                write_text_atomic(job_path(self.path), json_text(self.header, indent=2) + "\n")
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
+            size = os.fstat(self._fd).st_size
+            try:
+                _write_all(self._fd, payload)
+                os.fsync(self._fd)
+            except OSError:
+                os.ftruncate(self._fd, size)
+                raise
+        except OSError as exc:
+            raise OutputError(f"cannot write {self.path} ({exc.strerror or exc}); the {len(self.done)} results "
+                              "before this block are kept in it: rerun the same command to finish") from None
         for record in records:
             self.done[id_key(record["id"])] = record
 
     def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._lock.release()
 
     def __enter__(self) -> "ResultStore":
         return self
@@ -162,13 +196,88 @@ class ResultStore:
         self.close()
 
 
-def read_records(path: str | Path) -> tuple[dict, list[dict]]:
-    """The header and the records of a results file, for tools that read results back."""
-    lines = Path(path).read_text().splitlines()
+def _write_all(fd: int, payload: bytes) -> None:
+    view = memoryview(payload)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_bytes(path: Path) -> bytes:
     try:
-        header = json.loads(lines[0]).get(HEADER_KEY) if lines else None
-    except (ValueError, AttributeError):
-        header = None
+        return path.read_bytes()
+    except OSError as exc:
+        raise ResultsFileError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def _old_header(data: bytes) -> tuple[dict | None, int]:
+    """The job header of the older layout and the offset of the first record; (None, 0) if none."""
+    first, newline, _ = data.partition(b"\n")
+    if not newline:
+        return None, 0
+    try:
+        value = json.loads(first)
+    except ValueError:
+        return None, 0
+    if isinstance(value, dict) and isinstance(value.get(HEADER_KEY), dict):
+        return value[HEADER_KEY], len(first) + 1
+    return None, 0
+
+
+def _read_job(path: Path) -> dict | None:
+    job = job_path(path)
+    if not job.exists():
+        return None
+    try:
+        value = json.loads(job.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ResultsFileError(f"cannot read {job}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not isinstance(value, dict):
+        raise ResultsFileError(f"{job} is not a flexoff job file")
+    return value
+
+
+def _parse_records(path: Path, data: bytes, start: int) -> tuple[dict[str, dict], int]:
+    """The records from byte ``start`` on, and the offset just after the last whole one."""
+    lines = data[start:].split(b"\n")
+    # split leaves a final "" when the data ends in a newline; anything else there is torn.
+    complete, tail = lines[:-1], lines[-1]
+    first_number = 2 if start else 1
+    done: dict[str, dict] = {}
+    first_line_of: dict[str, int] = {}
+    keep = start
+    for number, raw in enumerate(complete, start=first_number):
+        try:
+            record = json.loads(raw)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or "id" not in record:
+            if number == first_number + len(complete) - 1 and not tail:
+                break  # a last line that did not finish cleanly: torn, dropped by the caller
+            raise ResultsFileError(
+                f"{path} line {number} is damaged (not a JSON record with an id); "
+                f"repair or remove that line, then rerun"
+            )
+        key = id_key(record["id"])
+        if key in done:
+            raise ResultsFileError(
+                f"{path} line {number} repeats id {record['id']!r} from line {first_line_of[key]}; "
+                "remove one of them, then rerun"
+            )
+        done[key] = record
+        first_line_of[key] = number
+        keep += len(raw) + 1
+    return done, keep
+
+
+def read_records(path: str | Path) -> tuple[dict, list[dict]]:
+    """The job and the records of a results file (either layout), for tools that read results back.
+
+    pandas and jq read the current layout directly: ``pandas.read_json(path, lines=True)``."""
+    path = Path(path)
+    data = _read_bytes(path)
+    header, start = _old_header(data)
+    header = header or _read_job(path)
     if header is None:
         raise ResultsFileError(f"{path} is not a flexoff results file")
-    return header, [json.loads(line) for line in lines[1:] if line.strip()]
+    # Whole lines only: a job still running (or killed) may have left a torn last one.
+    return header, [json.loads(line) for line in data[start:].split(b"\n")[:-1] if line.strip()]

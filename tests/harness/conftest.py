@@ -92,3 +92,25 @@ def run_cli(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedPr
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
     return path
+
+
+def failing(monkeypatch, bad_prompt: str | list[int], reason: str = "logits turned non-finite at decode step 1"):
+    """Make ``LLM.generate`` report the sequence of ``bad_prompt`` as failed, as the runtime does for
+    non-finite logits: no tokens, finish reason "error", and the reason."""
+    from dataclasses import replace
+
+    from flexoff.api import LLM, GenerationResult
+
+    original = LLM.generate
+
+    def broken(out):
+        if out.prompt != bad_prompt and out.prompt_token_ids != bad_prompt:
+            return out
+        return replace(out, text=None, token_ids=[], logprobs=[], finish_reason="error", error=reason)
+
+    def generate(self, prompts, params=None, *, progress=False, on_block=None):
+        hook = None if on_block is None else (lambda outs, metrics: on_block([broken(o) for o in outs], metrics))
+        result = original(self, prompts, params, progress=progress, on_block=hook)
+        return GenerationResult([broken(o) for o in result], result.metrics)
+
+    monkeypatch.setattr(LLM, "generate", generate)

@@ -13,7 +13,7 @@ from flexoff import SamplingParams
 from flexoff.harness.cli import main
 from flexoff.harness.store import read_records
 
-from .conftest import REPO, write_jsonl
+from .conftest import REPO, failing, write_jsonl
 
 WORDS = "the cat sat on the mat and the dog ran to the house".split()
 
@@ -83,13 +83,13 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_opt, tmp_path):
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and job.poll() is None:
-        if output.exists() and output.read_bytes().count(b"\n") >= 1 + 8:
+        if output.exists() and output.read_bytes().count(b"\n") >= 8:
             break
         time.sleep(0.005)
     job.send_signal(signal.SIGKILL)
     job.wait(timeout=30)
     assert job.returncode == -signal.SIGKILL, "the job finished before it could be killed"
-    written = output.read_bytes().count(b"\n") - 1
+    written = output.read_bytes().count(b"\n")  # one record a line, no header
     assert 8 <= written < 160
     with open(output, "ab") as handle:  # as if the kill had landed in the middle of a write
         handle.write(b'{"id": "p3", "text": "half a li')
@@ -171,3 +171,112 @@ def test_text_prompt_on_a_model_without_tokenizer(tmp_path, capsys):
     assert main(batch_args(model, source, tmp_path / "out.jsonl", "--dummy", "--max-new-tokens", "3")) == 0
     _, results = by_id(tmp_path / "out.jsonl")
     assert results[1]["text"] is None and len(results[1]["token_ids"]) <= 3
+
+
+def test_a_second_job_on_the_same_output_exits_2_and_a_third_resumes_the_first(tiny_opt, tmp_path, capsys,
+                                                                              monkeypatch):
+    from flexoff.api import LLM
+
+    source = write_jsonl(tmp_path / "in.jsonl", prompts(9))
+    flags = ("--max-new-tokens", "4")
+    reference = tmp_path / "reference.jsonl"
+    assert main(batch_args(tiny_opt[0], source, reference, *flags)) == 0
+    output = tmp_path / "out.jsonl"
+    second = {}
+    original = LLM.generate
+
+    def first_job(self, prompts, params=None, *, progress=False, on_block=None):
+        def after_a_block(outputs, metrics):
+            on_block(outputs, metrics)
+            capsys.readouterr()
+            second["code"] = main(batch_args(tiny_opt[0], source, output, *flags))  # while the first holds it
+            second["err"] = capsys.readouterr().err
+            raise KeyboardInterrupt  # then the first job stops, as if killed
+
+        return original(self, prompts, params, progress=progress, on_block=after_a_block)
+
+    monkeypatch.setattr(LLM, "generate", first_job)
+    assert main(batch_args(tiny_opt[0], source, output, *flags)) == 130
+    monkeypatch.undo()
+    assert second["code"] == 2
+    err = second["err"].strip()
+    assert err.count("\n") == 0 and str(output) in err and "being written by another flexoff job" in err
+    _, partial = by_id(output)
+    assert 0 < len(partial) < 9  # the first job's block, nothing from the second
+    before = output.read_bytes()
+    assert main(batch_args(tiny_opt[0], source, output, *flags)) == 0
+    assert output.read_bytes().startswith(before)
+    _, ref = by_id(reference)
+    _, got = by_id(output)
+    assert set(got) == set(ref)
+    for key in ref:
+        assert (got[key]["text"], got[key]["token_ids"]) == (ref[key]["text"], ref[key]["token_ids"])
+
+
+def test_a_failed_sequence_gets_an_error_record_counts_as_done_and_exits_1(tiny_opt, tmp_path, capsys,
+                                                                          monkeypatch):
+    rows = prompts(5)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    bad = tiny_opt[2](rows[3]["prompt"])["input_ids"]  # batch generates from token ids
+    failing(monkeypatch, bad)
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "3")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"flexoff: 1 of 5 sequences failed: logits turned non-finite at decode step 1 "
+                   f"(their records in {output} say why)")
+    data = output.read_bytes()
+    assert b"NaN" not in data
+    _, results = by_id(output)
+    assert results["p3"]["finish_reason"] == "error" and results["p3"]["token_ids"] == []
+    assert results["p3"]["error"] == "logits turned non-finite at decode step 1" and results["p3"]["text"] is None
+    assert all(results[f"p{i}"]["error"] is None and results[f"p{i}"]["token_ids"] for i in (0, 1, 2, 4))
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "3")) == 1  # a result: not redone
+    captured = capsys.readouterr()
+    assert "nothing to do" in captured.out and "1 of 5 sequences failed" in captured.err
+    assert output.read_bytes() == data
+
+
+def test_an_output_of_the_older_layout_resumes(tiny_opt, tmp_path, capsys):
+    from flexoff.harness.store import HEADER_KEY, job_path
+
+    source = write_jsonl(tmp_path / "in.jsonl", prompts(6))
+    reference = tmp_path / "reference.jsonl"
+    assert main(batch_args(tiny_opt[0], source, reference, "--max-new-tokens", "3")) == 0
+    job = json.loads(job_path(reference).read_text())
+    lines = reference.read_text().splitlines()
+    output = tmp_path / "old.jsonl"  # as the older version wrote it: the header, then records
+    output.write_text("\n".join([json.dumps({HEADER_KEY: dict(job, format=1)}), *lines[:2]]) + "\n")
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "3")) == 0
+    assert "(2 from an earlier run)" in capsys.readouterr().out
+    assert output.read_text().splitlines()[:2] == lines[:2] and job_path(output).exists()
+    _, ref = by_id(reference)
+    _, got = by_id(output)
+    assert {k: r["token_ids"] for k, r in got.items()} == {k: r["token_ids"] for k, r in ref.items()}
+
+
+def test_a_full_disk_mid_job_is_one_line_and_the_rerun_finishes(tiny_opt, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from flexoff.harness import store
+
+    source = write_jsonl(tmp_path / "in.jsonl", prompts(6))
+    output = tmp_path / "out.jsonl"
+    original, calls = store._write_all, []
+
+    def fills_up(fd, payload):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        original(fd, payload)
+
+    monkeypatch.setattr(store, "_write_all", fills_up)
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"cannot write {output} (No space left on device)" in err
+    assert "rerun the same command" in err
+    _, kept = by_id(output)
+    assert len(kept) == 2  # the first block of two
+    monkeypatch.undo()
+    assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "2")) == 0
+    assert "(2 from an earlier run)" in capsys.readouterr().out
+    assert len(by_id(output)[1]) == 6

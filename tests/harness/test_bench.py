@@ -85,7 +85,7 @@ def test_rerun_reuses_results_and_more_instances_add_to_them(tiny_opt, tmp_path,
     assert main(args[:-1] + ["9"]) == 0  # --max-instances 9: three more instances, same job
     more, _ = read_outputs(output_dir)
     assert more["instances"] == 9 and more["generation"]["num_sequences"] == 3
-    header, *records = (output_dir / "results.jsonl").read_text().splitlines()
+    records = (output_dir / "results.jsonl").read_text().splitlines()
     assert len(records) == 2 * 9  # one generation and one reference score per instance, no repeats
     capsys.readouterr()
     assert main(args + ["--num-in-context", "2"]) == 2  # other settings: another job
@@ -111,3 +111,36 @@ def test_summary_logprob_is_finite(tiny_opt, tmp_path, capsys):
     summary, rows = read_outputs(tmp_path / "w")
     assert summary["in_context_examples"] == {"min": 0, "max": 0}
     assert math.isfinite(summary["ref_logprob"]) and summary["ref_logprob_per_token"] < 0
+
+
+def test_output_dir_on_a_file_is_refused_before_any_work(tiny_opt, tmp_path, capsys, monkeypatch):
+    from flexoff import cli
+
+    monkeypatch.setattr(cli, "make_llm", lambda *a, **k: pytest.fail("the model was loaded"))
+    target = tmp_path / "results"
+    target.write_text("my notes\n")
+    # The data file does not exist either: the output directory is checked first.
+    argv = ["bench", "--scenario", "xsum", "--model", str(tiny_opt[0]), "--data", str(tmp_path / "missing.jsonl"),
+            "--output-dir"]
+    assert main(argv + [str(target)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"flexoff: error: --output-dir {target} is a file, not a directory"
+    assert target.read_text() == "my notes\n"
+    assert main(argv + [str(target / "sub")]) == 2
+    assert f"{target} is a file, not a directory" in capsys.readouterr().err
+
+
+def test_failed_samples_are_kept_as_errors_and_exit_1(tiny_opt, tmp_path, capsys, monkeypatch):
+    from .conftest import failing
+
+    scenario = get_scenario("mmlu")
+    instances = load_instances(scenario, DATA / CASES["mmlu"][0])
+    examples = choose_examples([i for i in instances if i.split == "train"], scenario.num_in_context, 0)
+    first = next(i for i in instances if i.split == "test")
+    failing(monkeypatch, build_prompt(scenario, examples, first, "abstract algebra"))
+    output_dir = tmp_path / "mmlu"
+    assert main(bench_args(tiny_opt[0], "mmlu", output_dir)) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flexoff: 1 of 4 sequences failed: logits turned non-finite") and "\n" not in err
+    summary, rows = read_outputs(output_dir)
+    assert summary["instances"] == 4 and rows[0]["predictions"] == [""]
