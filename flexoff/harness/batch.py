@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..errors import PromptError, TokenizerError
 from ..fileio import jsonl_objects
+from ..models import model_directory
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .runner import GenerationItem, request_seed, run_generation
@@ -119,13 +120,13 @@ def read_batch_input(path: str | Path) -> tuple[list[BatchLine], str]:
 
 
 def model_identity(model: str, dummy: bool, seed: int) -> dict:
-    """What makes two runs the same model: the checkpoint (its path and config) or the registry
-    name, plus the seed when weights are dummy."""
-    path = Path(model)
+    """What makes two runs the same model: the checkpoint (its folder, which for a Hub id names the
+    repo and its revision, and its config) or the registry name, plus the seed when weights are dummy."""
+    directory = model_directory(model, "config" if dummy else "weights")
     identity: dict = {}
-    if path.is_dir():
-        config = path / "config.json"
-        identity["path"] = str(path.resolve())
+    if directory is not None:
+        config = directory / "config.json"
+        identity["path"] = str(directory.resolve())
         identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
     else:
         identity["name"] = model.lower().rsplit("/", 1)[-1]

@@ -271,3 +271,19 @@ def test_a_registry_name_without_dummy_names_every_way_out(cache, capsys):
     for message in (err, str(raised.value)):
         assert "--dummy" in message and "dummy=True in Python" in message and "pass dummy=True" not in message
         assert "Hugging Face Hub id such as facebook/opt-1.3b" in message
+
+
+def test_a_batch_output_of_one_hub_repo_does_not_resume_for_another_of_the_same_name(tiny_model_dir, cache,
+                                                                                     monkeypatch, tmp_path, capsys):
+    path, _ = tiny_model_dir("opt-pre")
+    for repo in ("org-a/tiny", "org-b/tiny"):
+        lay_out(cache, repo, {p.name: p for p in path.iterdir()})
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "the cat sat"}\n')
+    out = str(tmp_path / "out.jsonl")
+    common = ["--input", str(prompts), "--output", out, "--max-new-tokens", "2", "--no-progress"]
+    assert main(["batch", "--model", "org-a/tiny", *common]) == 0
+    capsys.readouterr()
+    err = one_line_exit_2(["batch", "--model", "org-b/tiny", *common], capsys)
+    assert out in err
