@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
+import tempfile
 import threading
 
 from .errors import FlexoffError
@@ -107,7 +109,6 @@ def searched_policy(args, workload):
     """The planner's best policy for this job on the --hardware profile, within --gpu-mem/--cpu-mem."""
     from .api import resolve_device, resolve_dtype
     from .models import resolve_model_config
-    from .planner.hardware import resolve_hardware
     from .planner.report import policy_summary
     from .planner.search import search_policy
     from .units import parse_size
@@ -115,16 +116,33 @@ def searched_policy(args, workload):
     if workload is None:
         raise FlexoffError(f"--policy auto works with `flexoff run` and `flexoff batch`, not `flexoff {args.command}`: "
                            "save a policy with `flexoff search --output FILE` and pass --policy FILE")
-    if resolve_dtype(args.dtype, resolve_device(args.device)).itemsize != 2:
+    device = resolve_device(args.device)
+    if resolve_dtype(args.dtype, device).itemsize != 2:
         raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16")
     config = resolve_model_config(args.model or DEFAULT_MODEL)
     caps = [parse_size(value) if value else None for value in (args.gpu_mem, args.cpu_mem)]
-    hardware = resolve_hardware(args.hardware).with_memory(*caps)
+    hardware = hardware_profile(args, device).with_memory(*caps)
     job = workload()
     result = search_policy(config, job, hardware)
     print(f"searched   {policy_summary(result.policy)} for prompt {job.prompt_len}, generate {job.gen_len} on "
           f"{hardware.name}: {result.throughput:.4g} token/s predicted", file=sys.stderr)
     return result.policy
+
+
+def hardware_profile(args, device):
+    """The profile planning uses: --hardware, else this machine's saved one, measured quickly (and
+    saved) the first time."""
+    from .planner.default import saved_or_measured_profile
+    from .planner.hardware import resolve_hardware
+
+    if args.hardware:
+        return resolve_hardware(args.hardware)
+    return saved_or_measured_profile(device, offload_dir_of(args),
+                                     lambda message: print(f"profile    {message}", file=sys.stderr))
+
+
+def offload_dir_of(args) -> str | None:
+    return getattr(args, "offload_dir", None) or os.environ.get("FLEXOFF_OFFLOAD_DIR")
 
 
 def sampling_from_args(args, max_new_tokens: int, stop=()):
@@ -138,13 +156,39 @@ def sampling_from_args(args, max_new_tokens: int, stop=()):
 
 def make_llm(args, workload=None):
     """The LLM the flags describe; ``workload`` (a callable giving the planner's Workload) serves
-    --policy auto."""
-    from .api import LLM
+    --policy auto, lets a job that cannot fit be refused before anything is allocated, and, with no
+    policy flags, plans a policy when the job does not fit the device."""
+    from .api import DEFAULT_POLICY, LLM, resolve_device, resolve_dtype
+    from .models import resolve_model_config
+    from .planner.default import check_job, plan_default
+    from .runtime.memory import machine_capacity
+    from .units import parse_size
 
     model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
-    return LLM(model, dummy=dummy, policy=policy_from_args(args, workload), dtype=args.dtype, device=args.device,
-               seed=args.seed, tokenizer=args.tokenizer, offload_dir=getattr(args, "offload_dir", None),
-               gpu_mem=getattr(args, "gpu_mem", None), cpu_mem=getattr(args, "cpu_mem", None))
+    job = workload() if workload is not None else None
+    policy = policy_from_args(args, (lambda: job) if job is not None else None)
+    offload_dir = offload_dir_of(args)
+    gpu_mem, cpu_mem = getattr(args, "gpu_mem", None), getattr(args, "cpu_mem", None)
+    if job is not None:
+        config = resolve_model_config(model)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]
+        if policy is None:
+            # Planning may put data on disk: in the offload directory, else the temp directory.
+            planning_dir = offload_dir or tempfile.gettempdir()
+            plan = plan_default(config, job, machine_capacity(device, *caps, None), dtype,
+                                lambda: hardware_profile(args, device), DEFAULT_POLICY, planning_dir)
+            policy = plan.policy
+            if plan.message:
+                print(plan.message, file=sys.stderr)
+            if policy.uses_disk:
+                offload_dir = planning_dir
+        else:
+            check_job(config, policy, dtype, job,
+                      machine_capacity(device, *caps, offload_dir if policy.uses_disk else None))
+    return LLM(model, dummy=dummy, policy=policy, dtype=args.dtype, device=args.device,
+               seed=args.seed, tokenizer=args.tokenizer, offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem)
 
 
 def _split(fractions) -> str:
