@@ -196,22 +196,32 @@ def _split(fractions) -> str:
 
 
 def format_summary(llm, metrics) -> str:
+    from .runtime.memory import tier_name
+    from .runtime.policy import TIERS
+
     policy = llm.policy
     placement = llm.engine.placement_report
+    peaks = dict(metrics.peak_memory)
+    peaks.pop("cpu_weights", None)  # the weights line says where every weight is
+    ram = f"ram {format_size(peaks.pop('cpu_rss', 0))} (process rss"
+    ram += f": the {tier_name('gpu', llm.device)} and cpu tiers)" if llm.device.type != "cuda" else ": the cpu tier)"
+    memory = [f"{tier_name('gpu', llm.device)} {format_size(peaks.pop('gpu'))}"] if "gpu" in peaks else []
+    memory += [ram] + [f"{key} {format_size(value)}" for key, value in peaks.items()]
     lines = [
         f"model      {llm.config.name} · {str(llm.dtype).removeprefix('torch.')} on {llm.device} · "
         f"{metrics.num_sequences} prompts · gpu batch {policy.gpu_batch_size} × {policy.num_gpu_batches}",
-        f"policy     weights gpu/cpu/disk % requested {_split(placement['requested'].values())}, realised "
-        f"{_split(placement['realised'].values())} · cache {_split(policy.cache.as_tuple())} · "
-        f"activations {_split(policy.activations.as_tuple())} · cpu attention "
-        f"{'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}",
+        f"policy     % on {'/'.join(tier_name(t, llm.device) for t in TIERS)}: weights requested "
+        f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
+        f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
+        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}",
+        "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
         f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",
         f"total      {metrics.total_throughput:12.1f} token/s  ({metrics.total_time:.3f} s)",
         f"tokens     prompt {metrics.prompt_tokens} actual / {metrics.padded_prompt_tokens} padded · "
         f"generated {metrics.generated_tokens} actual / {metrics.padded_generated_tokens} padded · "
         f"efficiency {100 * metrics.efficiency:.1f}%",
-        "peak mem   " + " · ".join(f"{tier} {format_size(value)}" for tier, value in metrics.peak_memory.items()),
+        "peak mem   " + " · ".join(memory),
     ]
     return "\n".join(lines)
 

@@ -137,3 +137,45 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
     assert len(lines) == 1 and lines[0].startswith("flexoff: error:"), err
     assert needle in lines[0]
     assert "Traceback" not in err
+
+
+def _summary_sizes(line: str, label: str) -> dict[str, int]:
+    """``{tier: bytes}`` from a summary line such as 'weights    device (cpu) 1.50 KiB · cpu 0 B'."""
+    import re
+
+    from flexoff.units import parse_size
+
+    assert line.startswith(label), line
+    return {name: parse_size(size) for name, size in
+            re.findall(r"([a-z]+(?: \([a-z:0-9]+\))?) ([0-9.]+ [KMGT]?i?B)", line[len(label):])}
+
+
+def test_the_summary_names_the_tiers_as_they_are_and_tells_where_every_weight_is(tiny_model_dir, tmp_path, capsys):
+    """On a CPU the "gpu" tier is the CPU: the summary says so, and its byte counts are the placement's."""
+    import torch
+
+    from flexoff.models import resolve_model_config
+    from flexoff.runtime.memory import weight_buffer_bytes, weight_bytes
+    from flexoff.runtime.policy import Policy, placement_from_percent
+
+    path, _ = tiny_model_dir("opt-pre")
+    percent = ["40", "30", "50", "50", "100", "0"]
+    metrics_file = tmp_path / "metrics.json"
+    assert main(["run", "--model", str(path), "--quiet", "--prompt-len", "8", "--gen-len", "3", "--num-prompts", "4",
+                 "--percent", *percent, "--offload-dir", str(tmp_path), "--metrics-json", str(metrics_file)]) == 0
+    lines = {line[:11]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["policy     "].startswith("policy     % on device (cpu)/cpu/disk: weights requested 40.0/30.0/30.0")
+    weights = _summary_sizes(lines["weights    "], "weights    ")
+    policy = Policy(**placement_from_percent([float(p) for p in percent]))
+    config = resolve_model_config(str(path))
+    placed = weight_bytes(config, policy, torch.float32)
+    placed["gpu"] -= weight_buffer_bytes(config, policy, torch.float32)  # the buffers streamed stages pass through
+    assert list(weights) == ["device (cpu)", "cpu", "disk"]
+    for tier, name in zip(("gpu", "cpu", "disk"), weights):
+        assert placed[tier] > 0 and weights[name] == pytest.approx(placed[tier], rel=5e-3)
+    peaks = json.loads(metrics_file.read_text())["peak_memory"]
+    printed = _summary_sizes(lines["peak mem   "], "peak mem   ")
+    assert lines["peak mem   "].startswith("peak mem   ram ") and "the device (cpu) and cpu tiers" in lines["peak mem   "]
+    assert printed["ram"] == pytest.approx(peaks["cpu_rss"], rel=5e-3)
+    assert printed["disk"] == pytest.approx(peaks["disk"], rel=5e-3)
+    assert "cpu_weights" not in lines["peak mem   "]

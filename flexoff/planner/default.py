@@ -79,7 +79,7 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     try:
         result = search_policy(config, workload, profile, compress="off")
     except PolicyError as exc:
-        raise PolicyError(f"{short}, and no lossless policy fits this machine either: {exc}; store the weights "
+        raise PolicyError(f"{short}, and no lossless policy fits this machine: {exc}; store the weights "
                           "4-bit (--compress-weight), or let --policy auto plan with compression") from None
     check_job(config, result.policy, dtype, workload, capacity)
     message = (f"planned    {policy_summary(result.policy)} on {profile.name}, "

@@ -56,10 +56,12 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        # Requested and realised weight fractions per tier, and the worst per-stage deviation.
+        # Requested and realised weight fractions per tier, the worst per-stage deviation, and the
+        # bytes of weights stored on each tier.
         self.placement_report = {
             "requested": dict(zip(TIERS, policy.weights.as_tuple())),
             "realised": self.weights.realised(),
+            "bytes": dict(self.weights.bytes),
             "max_stage_deviation": self.weights.max_layer_deviation(policy.weights),
         }
 
