@@ -10,10 +10,9 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 
-from .errors import FlexoffError
+from .errors import FlexoffError, TokenizerError
 from .harness import cli as harness_cli
 from .planner import cli as planner_cli
 from .fileio import write_text_atomic
@@ -155,40 +154,30 @@ def sampling_from_args(args, max_new_tokens: int, stop=()):
 
 
 def make_llm(args, workload=None):
-    """The LLM the flags describe; ``workload`` (a callable giving the planner's Workload) serves
+    """The LLM the flags describe. ``workload`` (a callable giving the planner's Workload) serves
     --policy auto, lets a job that cannot fit be refused before anything is allocated, and, with no
-    policy flags, plans a policy when the job does not fit the device."""
-    from .api import DEFAULT_POLICY, LLM, resolve_device, resolve_dtype
-    from .models import resolve_model_config
-    from .planner.default import check_job, plan_default
-    from .runtime.memory import machine_capacity
-    from .units import parse_size
+    policy flags, plans a policy when the job does not fit the device (the plan is printed)."""
+    from functools import cache
+
+    from .api import LLM, resolve_device
 
     model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
-    job = workload() if workload is not None else None
-    policy = policy_from_args(args, (lambda: job) if job is not None else None)
-    offload_dir = offload_dir_of(args)
-    gpu_mem, cpu_mem = getattr(args, "gpu_mem", None), getattr(args, "cpu_mem", None)
-    if job is not None:
-        config = resolve_model_config(model)
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]
-        if policy is None:
-            # Planning may put data on disk: in the offload directory, else the temp directory.
-            planning_dir = offload_dir or tempfile.gettempdir()
-            plan = plan_default(config, job, machine_capacity(device, *caps, None), dtype,
-                                lambda: hardware_profile(args, device), DEFAULT_POLICY, planning_dir)
-            policy = plan.policy
-            if plan.message:
-                print(plan.message, file=sys.stderr)
-            if policy.uses_disk:
-                offload_dir = planning_dir
-        else:
-            check_job(config, policy, dtype, job,
-                      machine_capacity(device, *caps, offload_dir if policy.uses_disk else None))
-    return LLM(model, dummy=dummy, policy=policy, dtype=args.dtype, device=args.device,
-               seed=args.seed, tokenizer=args.tokenizer, offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem)
+    workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
+
+    def measured_workload():
+        try:
+            return workload()
+        except TokenizerError:  # text without a tokenizer: the prompts' own check names the line at fault
+            return None
+
+    llm = LLM(model, dummy=dummy, policy=policy_from_args(args, workload), dtype=args.dtype, device=args.device,
+              seed=args.seed, tokenizer=args.tokenizer, offload_dir=offload_dir_of(args),
+              gpu_mem=getattr(args, "gpu_mem", None), cpu_mem=getattr(args, "cpu_mem", None),
+              workload=measured_workload if workload is not None else None,
+              hardware=lambda: hardware_profile(args, resolve_device(args.device)))
+    if llm.plan is not None and llm.plan.message:
+        print(llm.plan.message, file=sys.stderr)
+    return llm
 
 
 def _split(fractions) -> str:

@@ -139,3 +139,16 @@ def test_without_a_saved_profile_a_quick_one_is_measured_once_and_saved(tiny, tm
     second, _ = _run(path, work, capsys, "--gpu-mem", cap)
     assert calls == [(True, "cpu")]  # read back, not measured again
     assert _printed_plan(second.err) == _printed_plan(first.err) and "measuring" not in second.err
+
+
+def test_the_python_api_plans_for_a_workload_it_is_given(tiny):
+    from flexoff import LLM
+
+    path, config = tiny
+    cap = job_needs(config, DEFAULT_POLICY, torch.bfloat16, WORKLOAD)["gpu"] // 4
+    expected = plan_default(config, WORKLOAD, Capacity(cap, ROOMY, None, "cpu"), torch.bfloat16, H100,
+                            DEFAULT_POLICY).policy
+    with LLM(str(path), dtype="bfloat16", gpu_mem=cap, workload=WORKLOAD, hardware=H100) as llm:
+        assert llm.policy == expected and llm.plan.message.startswith("planned    ")
+    with LLM(str(path), dtype="bfloat16", workload=WORKLOAD, hardware=never) as llm:
+        assert llm.policy == DEFAULT_POLICY and llm.plan.message is None

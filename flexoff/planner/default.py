@@ -9,6 +9,8 @@ accept it.
 from __future__ import annotations
 
 import shutil
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -51,6 +53,23 @@ class DefaultPlan:
     policy: Policy
     search: SearchResult | None  # None: the default fits as it is
     message: str | None  # what was planned and why, for the user; None when nothing was
+    offload_dir: str | None = None  # where a planned policy's disk data goes
+
+
+def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtype: torch.dtype,
+            capacity: Capacity, hardware, default: Policy, offload_dir: str | None, device: torch.device
+            ) -> DefaultPlan:
+    """The policy a job runs: ``policy`` if given, checked against ``capacity``; else
+    :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None) and
+    ``hardware`` (None: :func:`saved_or_measured_profile`)."""
+    if policy is not None:
+        check_job(config, policy, dtype, workload, capacity)
+        return DefaultPlan(policy, None, None)
+    offload_dir = offload_dir or tempfile.gettempdir()
+    if hardware is None:
+        def hardware():
+            return saved_or_measured_profile(device, offload_dir, lambda message: print(message, file=sys.stderr))
+    return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir)
 
 
 def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dtype: torch.dtype,
@@ -84,7 +103,7 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     check_job(config, result.policy, dtype, workload, capacity)
     message = (f"planned    {policy_summary(result.policy)} on {profile.name}, "
                f"{result.throughput:.4g} token/s predicted ({short})")
-    return DefaultPlan(result.policy, result, message)
+    return DefaultPlan(result.policy, result, message, offload_dir)
 
 
 def planning_memory(capacity: Capacity) -> tuple[int | None, int | None, int]:
