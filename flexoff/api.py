@@ -94,7 +94,13 @@ class LLM:
     def __init__(self, model: str, *, dummy: bool = False, policy: Policy | str | None = None,
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
                  tokenizer: str | None = None, offload_dir: str | None = None,
-                 gpu_mem: str | int | None = None, cpu_mem: str | int | None = None):
+                 gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
+                 workload=None, hardware=None):
+        """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
+        With it, a job that cannot fit the machine is refused before anything is allocated, and with
+        no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a lossless
+        policy planned on ``hardware`` (a HardwareProfile or a callable giving one; default: this
+        machine's saved profile, measured quickly and saved the first time); ``self.plan`` tells."""
         # A local directory, a registry name (dummy only) or a Hugging Face Hub id (fetched as needed).
         self.config: ModelConfig
         self.config, checkpoint = resolve_model(model, dummy)
@@ -104,14 +110,25 @@ class LLM:
         if policy == "auto":
             raise FlexoffError("policy 'auto' is for the command line, which knows the job; in Python, pass "
                                "flexoff.planner.search_policy(config, Workload(...), hardware).policy")
-        self.policy = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else DEFAULT_POLICY
+        given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else None
+        self.policy = given or DEFAULT_POLICY
         self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
         source = DummyWeights(seed) if dummy else CheckpointWeights(checkpoint)
         source.check({stage: stage_specs(self.config, stage) for stage in stage_names(self.config)})
         offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
-        capacity = machine_capacity(self.device, parse_size(gpu_mem) if gpu_mem else None,
-                                    parse_size(cpu_mem) if cpu_mem else None,
-                                    offload_dir if self.policy.uses_disk else None)
+        caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]
+        capacity = machine_capacity(self.device, *caps, offload_dir if self.policy.uses_disk else None)
+        self.plan = None
+        job = workload() if callable(workload) else workload
+        if job is not None:
+            from .planner.default import fit_job  # the planner loads its solver: only when asked for
+
+            self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY,
+                                offload_dir, self.device)
+            self.policy = self.plan.policy
+            if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
+                offload_dir = offload_dir or self.plan.offload_dir
+                capacity = machine_capacity(self.device, *caps, offload_dir)
         if gpu_mem and self.device.type == "cuda":
             # Emulate a smaller card: the allocator refuses anything past the cap.
             total = torch.cuda.get_device_properties(self.device).total_memory

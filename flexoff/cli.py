@@ -6,11 +6,14 @@ Every user error ends as one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
+import json
+import os
 import signal
 import sys
 import threading
 
-from .errors import FlexoffError, OutputError
+from .errors import FlexoffError, OutputError, TokenizerError
 from .harness import cli as harness_cli
 from .planner import cli as planner_cli
 from .fileio import check_destination, json_text, write_or_keep
@@ -108,7 +111,6 @@ def searched_policy(args, workload):
     """The planner's best policy for this job on the --hardware profile, within --gpu-mem/--cpu-mem."""
     from .api import resolve_device, resolve_dtype
     from .models import resolve_model_config
-    from .planner.hardware import resolve_hardware
     from .planner.report import policy_summary
     from .planner.search import search_policy
     from .units import parse_size
@@ -116,16 +118,33 @@ def searched_policy(args, workload):
     if workload is None:
         raise FlexoffError(f"--policy auto works with `flexoff run` and `flexoff batch`, not `flexoff {args.command}`: "
                            "save a policy with `flexoff search --output FILE` and pass --policy FILE")
-    if resolve_dtype(args.dtype, resolve_device(args.device)).itemsize != 2:
+    device = resolve_device(args.device)
+    if resolve_dtype(args.dtype, device).itemsize != 2:
         raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16")
     config = resolve_model_config(args.model or DEFAULT_MODEL)
     caps = [parse_size(value) if value else None for value in (args.gpu_mem, args.cpu_mem)]
-    hardware = resolve_hardware(args.hardware).with_memory(*caps)
+    hardware = hardware_profile(args, device).with_memory(*caps)
     job = workload()
     result = search_policy(config, job, hardware)
     print(f"searched   {policy_summary(result.policy)} for prompt {job.prompt_len}, generate {job.gen_len} on "
           f"{hardware.name}: {result.throughput:.4g} token/s predicted", file=sys.stderr)
     return result.policy
+
+
+def hardware_profile(args, device):
+    """The profile planning uses: --hardware, else this machine's saved one, measured quickly (and
+    saved) the first time."""
+    from .planner.default import saved_or_measured_profile
+    from .planner.hardware import resolve_hardware
+
+    if args.hardware:
+        return resolve_hardware(args.hardware)
+    return saved_or_measured_profile(device, offload_dir_of(args),
+                                     lambda message: print(f"profile    {message}", file=sys.stderr))
+
+
+def offload_dir_of(args) -> str | None:
+    return getattr(args, "offload_dir", None) or os.environ.get("FLEXOFF_OFFLOAD_DIR")
 
 
 def sampling_from_args(args, max_new_tokens: int, stop=()):
@@ -138,14 +157,30 @@ def sampling_from_args(args, max_new_tokens: int, stop=()):
 
 
 def make_llm(args, workload=None):
-    """The LLM the flags describe; ``workload`` (a callable giving the planner's Workload) serves
-    --policy auto."""
-    from .api import LLM
+    """The LLM the flags describe. ``workload`` (a callable giving the planner's Workload) serves
+    --policy auto, lets a job that cannot fit be refused before anything is allocated, and, with no
+    policy flags, plans a policy when the job does not fit the device (the plan is printed)."""
+    from functools import cache
+
+    from .api import LLM, resolve_device
 
     model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
-    return LLM(model, dummy=dummy, policy=policy_from_args(args, workload), dtype=args.dtype, device=args.device,
-               seed=args.seed, tokenizer=args.tokenizer, offload_dir=getattr(args, "offload_dir", None),
-               gpu_mem=getattr(args, "gpu_mem", None), cpu_mem=getattr(args, "cpu_mem", None))
+    workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
+
+    def measured_workload():
+        try:
+            return workload()
+        except TokenizerError:  # text without a tokenizer: the prompts' own check names the line at fault
+            return None
+
+    llm = LLM(model, dummy=dummy, policy=policy_from_args(args, workload), dtype=args.dtype, device=args.device,
+              seed=args.seed, tokenizer=args.tokenizer, offload_dir=offload_dir_of(args),
+              gpu_mem=getattr(args, "gpu_mem", None), cpu_mem=getattr(args, "cpu_mem", None),
+              workload=measured_workload if workload is not None else None,
+              hardware=lambda: hardware_profile(args, resolve_device(args.device)))
+    if llm.plan is not None and llm.plan.message:
+        print(llm.plan.message, file=sys.stderr)
+    return llm
 
 
 def _split(fractions) -> str:
@@ -153,22 +188,32 @@ def _split(fractions) -> str:
 
 
 def format_summary(llm, metrics) -> str:
+    from .runtime.memory import tier_name
+    from .runtime.policy import TIERS
+
     policy = llm.policy
     placement = llm.engine.placement_report
+    peaks = dict(metrics.peak_memory)
+    peaks.pop("cpu_weights", None)  # the weights line says where every weight is
+    ram = f"ram {format_size(peaks.pop('cpu_rss', 0))} (process rss"
+    ram += f": the {tier_name('gpu', llm.device)} and cpu tiers)" if llm.device.type != "cuda" else ": the cpu tier)"
+    memory = [f"{tier_name('gpu', llm.device)} {format_size(peaks.pop('gpu'))}"] if "gpu" in peaks else []
+    memory += [ram] + [f"{key} {format_size(value)}" for key, value in peaks.items()]
     lines = [
         f"model      {llm.config.name} · {str(llm.dtype).removeprefix('torch.')} on {llm.device} · "
         f"{metrics.num_sequences} prompts · gpu batch {policy.gpu_batch_size} × {policy.num_gpu_batches}",
-        f"policy     weights gpu/cpu/disk % requested {_split(placement['requested'].values())}, realised "
-        f"{_split(placement['realised'].values())} · cache {_split(policy.cache.as_tuple())} · "
-        f"activations {_split(policy.activations.as_tuple())} · cpu attention "
-        f"{'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}",
+        f"policy     % on {'/'.join(tier_name(t, llm.device) for t in TIERS)}: weights requested "
+        f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
+        f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
+        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}",
+        "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
         f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",
         f"total      {metrics.total_throughput:12.1f} token/s  ({metrics.total_time:.3f} s)",
         f"tokens     prompt {metrics.prompt_tokens} actual / {metrics.padded_prompt_tokens} padded · "
         f"generated {metrics.generated_tokens} actual / {metrics.padded_generated_tokens} padded · "
         f"efficiency {100 * metrics.efficiency:.1f}%",
-        "peak mem   " + " · ".join(f"{tier} {format_size(value)}" for tier, value in metrics.peak_memory.items()),
+        "peak mem   " + " · ".join(memory),
     ]
     return "\n".join(lines)
 

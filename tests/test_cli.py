@@ -122,7 +122,7 @@ BAD_CASES = {
     "empty prompt file": (["--prompts", "{empty}"], "no prompts"),
     "missing prompt file": (["--prompts", "{missing}"], "cannot read"),
     "malformed jsonl": (["--prompts", "{malformed}"], "line 2: not valid JSON"),
-    "bad max new tokens": (["--gen-len", "0"], "max_new_tokens"),
+    "bad max new tokens": (["--gen-len", "0"], "gen len must be an integer >= 1"),
     "too long prompt": (["--prompt-len", "2048", "--num-prompts", "1"], "positions"),
     "bad batch size": (["--gpu-batch-size", "0"], "gpu_batch_size"),
 }
@@ -238,3 +238,42 @@ def test_failed_sequences_get_error_records_and_exit_1(tiny_model_dir, tmp_path,
     assert [r["finish_reason"] == "error" for r in records] == [False, True, False]
     assert records[1]["error"] == "logits turned non-finite (layer 0 weight)" and records[1]["token_ids"] == []
     assert all(r["error"] is None and len(r["token_ids"]) >= 1 for r in (records[0], records[2]))
+
+
+def _summary_sizes(line: str, label: str) -> dict[str, int]:
+    """``{tier: bytes}`` from a summary line such as 'weights    device (cpu) 1.50 KiB · cpu 0 B'."""
+    import re
+
+    from flexoff.units import parse_size
+
+    assert line.startswith(label), line
+    return {name: parse_size(size) for name, size in
+            re.findall(r"([a-z]+(?: \([a-z:0-9]+\))?) ([0-9.]+ [KMGT]?i?B)", line[len(label):])}
+
+
+def test_the_summary_names_the_tiers_as_they_are_and_tells_where_every_weight_is(tiny_model_dir, tmp_path, capsys):
+    """On a CPU the "gpu" tier is the CPU: the summary says so, and its byte counts are the placement's."""
+    from flexoff.models import resolve_model_config
+    from flexoff.models import stage_names, stage_specs
+
+    path, _ = tiny_model_dir("opt-pre")
+    percent = ["40", "30", "50", "50", "100", "0"]
+    metrics_file = tmp_path / "metrics.json"
+    assert main(["run", "--model", str(path), "--quiet", "--prompt-len", "8", "--gen-len", "3", "--num-prompts", "4",
+                 "--percent", *percent, "--offload-dir", str(tmp_path), "--metrics-json", str(metrics_file)]) == 0
+    lines = {line[:11]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["policy     "].startswith("policy     % on device (cpu)/cpu/disk: weights requested 40.0/30.0/30.0")
+    weights = _summary_sizes(lines["weights    "], "weights    ")
+    config = resolve_model_config(str(path))
+    total = sum(spec.numel for stage in stage_names(config) for spec in stage_specs(config, stage)) * 4  # float32
+    realised = lines["policy     "].split("realised ")[1].split()[0].split("/")
+    assert list(weights) == ["device (cpu)", "cpu", "disk"]
+    assert sum(weights.values()) == pytest.approx(total, abs=20)  # every weight, each size printed to 0.01 KiB
+    for share, name in zip(realised, weights):
+        assert weights[name] == pytest.approx(total * float(share) / 100, abs=total * 6e-4)
+    peaks = json.loads(metrics_file.read_text())["peak_memory"]
+    printed = _summary_sizes(lines["peak mem   "], "peak mem   ")
+    assert lines["peak mem   "].startswith("peak mem   ram ") and "the device (cpu) and cpu tiers" in lines["peak mem   "]
+    assert printed["ram"] == pytest.approx(peaks["cpu_rss"], rel=5e-3)
+    assert printed["disk"] == pytest.approx(peaks["disk"], rel=5e-3)
+    assert "cpu_weights" not in lines["peak mem   "]

@@ -14,7 +14,7 @@ from ..models import ModelConfig, architecture, stage_names
 from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
 from .kv import BatchKV, KVWorkspace
-from .memory import Capacity, block_bytes, check_fits, weight_bytes
+from .memory import Capacity, check_fits, job_bytes, weight_bytes
 from .metrics import MemoryMeter, Metrics
 from .policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
@@ -57,10 +57,12 @@ class Engine:
         except BaseException:
             self.close()
             raise
-        # Requested and realised weight fractions per tier, and the worst per-stage deviation.
+        # Requested and realised weight fractions per tier, the worst per-stage deviation, and the
+        # bytes of weights stored on each tier.
         self.placement_report = {
             "requested": dict(zip(TIERS, policy.weights.as_tuple())),
             "realised": self.weights.realised(),
+            "bytes": dict(self.weights.bytes),
             "max_stage_deviation": self.weights.max_layer_deviation(policy.weights),
         }
 
@@ -85,8 +87,7 @@ class Engine:
         policy = self.policy
         size = policy.gpu_batch_size
         prompt_len = max(len(s.prompt_ids) for s in seqs)
-        needed = block_bytes(self.cfg, policy, prompt_len, extra_slots, self.dtype.itemsize, self.pins_host)
-        check_fits({t: needed[t] + self._weight_bytes[t] for t in TIERS}, self.capacity,
+        check_fits(job_bytes(self.cfg, policy, self.dtype, prompt_len, extra_slots, self.pins_host), self.capacity,
                    f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens")
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
                                           self.device, self.dtype, self.streams)

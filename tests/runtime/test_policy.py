@@ -46,11 +46,11 @@ def test_unwritable_offload_dir(tmp_path):
 
 
 def test_policy_that_cannot_fit_names_tier_and_shortfall():
-    with pytest.raises(PolicyError, match=r"gpu tier.*short by"):
+    with pytest.raises(PolicyError, match=r"device \(cpu\) tier.*short by"):
         LLM("opt-125m", dummy=True, gpu_mem="64MiB")
     llm = LLM("opt-125m", dummy=True, policy=Policy(weights=TierFractions(0, 1, 0), gpu_batch_size=64),
               gpu_mem="500MiB")
-    with pytest.raises(PolicyError, match=r"block of 64 sequences.*gpu tier"):
+    with pytest.raises(PolicyError, match=r"block of 64 sequences.*device \(cpu\) tier"):
         llm.generate([[5] * 1500] * 64)
 
 

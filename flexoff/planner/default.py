@@ -1,0 +1,135 @@
+"""The policy a run takes when none is given: everything on the compute device when the job fits
+there, otherwise a lossless policy the planner searches for this job on this machine's profile.
+
+Whether a job fits is the runtime's own estimate (:func:`flexoff.runtime.memory.job_bytes`), the
+one the engine checks each block against, so the default is kept exactly when the engine would
+accept it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..errors import PolicyError
+from ..models.config import ModelConfig
+from ..runtime.memory import (Capacity, check_fits, job_bytes, overflow, tier_limits, tier_name,
+                              usable_offload_dir)
+from ..runtime.policy import Policy
+from ..runtime.tiers import pins_host_memory
+from ..units import format_size
+from .cost_model import Workload
+from .hardware import HardwareProfile, default_profile_path
+from .report import policy_summary
+from .search import SearchResult, search_policy
+
+
+def job_what(config: ModelConfig, policy: Policy, workload: Workload) -> str:
+    """The job as error messages name it."""
+    return (f"{config.name} with a block of {policy.block_size} sequences of up to "
+            f"{workload.prompt_len}+{workload.gen_len} tokens")
+
+
+def job_needs(config: ModelConfig, policy: Policy, dtype: torch.dtype, workload: Workload) -> dict[str, int]:
+    """Bytes per tier the job takes under ``policy`` (weights and one full block)."""
+    return job_bytes(config, policy, dtype, workload.prompt_len, workload.gen_len,
+                     pins_host_memory(policy.pin_cpu_memory))
+
+
+def check_job(config: ModelConfig, policy: Policy, dtype: torch.dtype, workload: Workload,
+              capacity: Capacity) -> None:
+    """Refuse, before anything is allocated, a job that cannot fit the machine under ``policy``."""
+    check_fits(job_needs(config, policy, dtype, workload), capacity, job_what(config, policy, workload))
+
+
+@dataclass(frozen=True)
+class DefaultPlan:
+    policy: Policy
+    search: SearchResult | None  # None: the default fits as it is
+    message: str | None  # what was planned and why, for the user; None when nothing was
+    offload_dir: str | None = None  # where a planned policy's disk data goes
+
+
+def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtype: torch.dtype,
+            capacity: Capacity, hardware, default: Policy, offload_dir: str | None, device: torch.device
+            ) -> DefaultPlan:
+    """The policy a job runs: ``policy`` if given, checked against ``capacity``; else
+    :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None) and
+    ``hardware`` (None: :func:`saved_or_measured_profile`)."""
+    if policy is not None:
+        check_job(config, policy, dtype, workload, capacity)
+        return DefaultPlan(policy, None, None)
+    offload_dir = offload_dir or tempfile.gettempdir()
+    if hardware is None:
+        def hardware():
+            return saved_or_measured_profile(device, offload_dir, lambda message: print(message, file=sys.stderr))
+    return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir)
+
+
+def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dtype: torch.dtype,
+                 hardware: HardwareProfile | Callable[[], HardwareProfile], default: Policy,
+                 offload_dir: str | None = None) -> DefaultPlan:
+    """``default`` when the job fits the machine under it; otherwise the best lossless policy for
+    the job on ``hardware`` (a profile, or a callable giving one, called only when needed) within
+    ``capacity`` and the free space of ``offload_dir`` (None: no disk). Raises PolicyError when planning cannot help (the device is the CPU, whose RAM
+    the cpu tier shares, and no --gpu-mem sets it apart) or no lossless policy fits."""
+    needed = job_needs(config, default, dtype, workload)
+    tier = overflow(needed, capacity)
+    if tier is None:
+        return DefaultPlan(default, None, None)
+    if capacity.shared and capacity.gpu is None:
+        check_fits(needed, capacity, job_what(config, default, workload))  # raises: only disk could help
+    limit = tier_limits(needed, capacity)[tier]
+    short = (f"{config.name} needs {format_size(needed[tier])} on the {tier_name(tier, capacity.device)} tier "
+             f"with everything there, and {format_size(limit)} is available")
+    if dtype.itemsize != 2:
+        raise PolicyError(f"{short}; the planner plans 16-bit weights and cache: pass --dtype float16 or bfloat16 "
+                          "to plan a policy, or place the data yourself (--percent, --policy FILE)")
+    if offload_dir is not None:
+        capacity = replace(capacity, disk=shutil.disk_usage(usable_offload_dir(offload_dir)).free)
+    profile = hardware() if callable(hardware) else hardware
+    profile = profile.with_memory(*planning_memory(capacity))
+    try:
+        result = search_policy(config, workload, profile, compress="off")
+    except PolicyError as exc:
+        raise PolicyError(f"{short}, and no lossless policy fits this machine: {exc}; store the weights "
+                          "4-bit (--compress-weight), or let --policy auto plan with compression") from None
+    check_job(config, result.policy, dtype, workload, capacity)
+    message = (f"planned    {policy_summary(result.policy)} on {profile.name}, "
+               f"{result.throughput:.4g} token/s predicted ({short})")
+    return DefaultPlan(result.policy, result, message, offload_dir)
+
+
+def planning_memory(capacity: Capacity) -> tuple[int | None, int | None, int]:
+    """(gpu, cpu, disk) bytes the planner may plan with: where the device is the CPU, the cpu tier
+    is the RAM the device's cap leaves; without an offload directory there is no disk."""
+    cpu = capacity.cpu
+    if capacity.shared and cpu is not None and capacity.gpu is not None:
+        cpu = max(0, cpu - capacity.gpu)
+    return capacity.gpu, cpu, capacity.disk or 0
+
+
+def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: Callable[[str], None]
+                              ) -> HardwareProfile:
+    """This machine's saved profile; measured quickly and saved there first when there is none."""
+    path = default_profile_path()
+    if path.is_file():
+        return HardwareProfile.load(path)
+    from .profiler import profile_machine  # imports the measurements only when they are needed
+
+    log(f"no hardware profile saved at {path}: measuring a quick one (`flexoff profile` measures a full one)")
+    started = time.perf_counter()
+    profile = profile_machine(quick=True, disk_dir=disk_dir, device=device.type)
+    try:
+        profile.save(path)
+    except OSError as exc:
+        log(f"could not save the hardware profile to {path}: {exc.strerror or exc}")
+    else:
+        log(f"measured in {time.perf_counter() - started:.0f} s, saved to {path}")
+    return profile
