@@ -124,3 +124,11 @@ def tiny_model_dir(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+def untimed_records(path) -> list[dict]:
+    """A results file's records without their timing fields, which differ from run to run."""
+    import json
+
+    return [{k: v for k, v in json.loads(line).items() if k not in ("block_seconds", "finished_at")}
+            for line in open(path, encoding="utf-8").read().splitlines()]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flexoff.cli import main
-from tests.conftest import PROMPTS
+from tests.conftest import PROMPTS, untimed_records
 
 DATA = Path(__file__).parent / "harness" / "data"
 
@@ -72,11 +72,7 @@ def test_policy_auto_searches_for_the_job_and_runs_what_it_found(tiny_model_dir,
     assert policy["compress_weight"] is not None  # 50 KB is tight enough to change the policy
     assert f"searched   {policy['gpu_batch_size']}x{policy['num_gpu_batches']} " in err
     assert main(["run", *common, "--policy", str(searched), "--output", str(tmp_path / "file.jsonl")]) == 0
-    def results(name):  # all but the timing, which differs from run to run
-        return [{k: v for k, v in json.loads(line).items() if k not in ("block_seconds", "finished_at")}
-                for line in (tmp_path / name).read_text().splitlines()]
-
-    assert results("auto.jsonl") == results("file.jsonl")
+    assert untimed_records(tmp_path / "auto.jsonl") == untimed_records(tmp_path / "file.jsonl")
 
 
 def test_policy_auto_in_a_batch_job_plans_for_the_prompts_left(tiny_model_dir, tmp_path, capsys):
