@@ -5,6 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import TokenizerError
+from .fileio import nothing_at
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class Tokenizer:
@@ -41,14 +44,25 @@ class Tokenizer:
 
     @classmethod
     def for_model(cls, model: str | Path, tokenizer: str | Path | None = None) -> "Tokenizer | None":
-        """The tokenizer in ``tokenizer``, else in the checkpoint directory ``model``; None if neither has one."""
-        directory = Path(tokenizer) if tokenizer else Path(model) if Path(model).is_dir() else None
-        return cls(directory) if directory is not None and cls.available(directory) else None
+        """The tokenizer in ``tokenizer``, else in the checkpoint directory ``model``; None if the model
+        has none. A ``tokenizer`` given that is not a folder with tokenizer files is an error naming it."""
+        if tokenizer is not None:
+            directory = Path(tokenizer)
+            if not directory.is_dir():
+                reason = "does not exist" if nothing_at(directory) else "is not a directory"
+                raise TokenizerError(f"tokenizer {str(tokenizer)!r} {reason}; give the folder that holds "
+                                     f"{' or '.join(TOKENIZER_FILES)}")
+            if not cls.available(directory):
+                raise TokenizerError(f"tokenizer folder {str(tokenizer)!r} has no tokenizer files "
+                                     f"({', '.join(TOKENIZER_FILES)})")
+            return cls(directory)
+        directory = Path(model)
+        return cls(directory) if directory.is_dir() and cls.available(directory) else None
 
     @staticmethod
     def available(path: str | Path) -> bool:
         path = Path(path)
-        return any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        return any((path / name).exists() for name in TOKENIZER_FILES)
 
     def encode(self, text: str) -> list[int]:
         if self._hf is not None:
