@@ -227,3 +227,35 @@ def test_a_given_tokenizer_path_is_used_or_refused_by_name(tmp_path, capsys):
     assert f"tokenizer '{tmp_path / 'no'}' does not exist" in line and "has no tokenizer" not in line
     with pytest.raises(TokenizerError, match="has no tokenizer files"):
         Tokenizer.for_model("opt-125m", tmp_path)
+
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(dummy="maybe"), "dummy='maybe': use true or false"),
+    (dict(greedy_check="nope"), "greedy_check='nope'"),
+    (dict(seed="abc"), "seed='abc'"),
+    (dict(seed=-1), "seed=-1: use an integer in [0, "),
+    (dict(seed=1.5), "seed=1.5: use an integer"),
+    (dict(policy="/no/such.json"), "cannot read policy file /no/such.json: no such file"),
+    (dict(tokenizer="/no/such"), "tokenizer '/no/such' does not exist"),
+])
+def test_lm_eval_adapter_checks_its_model_args(kwargs, words):
+    pytest.importorskip("lm_eval")
+    from flexoff.errors import FlexoffError
+    from flexoff.harness.lm_eval_adapter import FlexoffLM
+
+    with pytest.raises(FlexoffError) as info:
+        FlexoffLM(**{"pretrained": "opt-125m", "dummy": True, "device": "cpu", **kwargs})
+    assert words in str(info.value)
+
+
+def test_lm_eval_adapter_bad_path_is_one_line_and_exit_2(tmp_path):
+    pytest.importorskip("lm_eval")
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "flexoff.harness.lm_eval_adapter", "--model", "flexoff",
+                           "--model_args", f"pretrained={tmp_path / 'none'}", "--tasks", "hellaswag",
+                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"flexoff: error: unknown model '{tmp_path / 'none'}'")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import sys
 
-from ..checks import MAX_SEED, check_seed
+from ..checks import MAX_SEED, is_int
 from ..errors import ConfigError, FlexoffError
 
 try:
@@ -50,10 +50,10 @@ def _flag(value, name: str) -> bool:
 
 
 def _seed(value) -> int:
-    try:
-        return check_seed(int(value) if isinstance(value, str) else value, "flexoff model_args seed", ConfigError)
-    except ValueError:
-        raise ConfigError(f"flexoff model_args seed={value!r}: use an integer in [0, {MAX_SEED}]") from None
+    number = int(value) if isinstance(value, str) and value.strip().lstrip("-").isdigit() else value
+    if not is_int(number) or not 0 <= number <= MAX_SEED:
+        raise ConfigError(f"flexoff model_args seed={value!r}: use an integer in [0, {MAX_SEED}]")
+    return number
 
 
 @register_model("flexoff")
@@ -75,12 +75,13 @@ class FlexoffLM(LM):
             print(f"flexoff: device {device!r} is not available here; running on the CPU", file=sys.stderr)
             device = "cpu"
         seed = _seed(seed)
+        self.greedy_check = _flag(greedy_check, "greedy_check")
         self.llm = LLM(str(pretrained), dummy=_flag(dummy, "dummy"), policy=policy, dtype=dtype,
                        device=device or "auto", seed=seed, tokenizer=tokenizer)
         if self.llm.tokenizer is None:
+            self.llm.close()
             raise FlexoffError(f"lm_eval works on text; model {pretrained!r} has no tokenizer")
         self.seed = seed
-        self.greedy_check = _flag(greedy_check, "greedy_check")
         self.max_length = self.llm.config.max_positions
         cfg = self.llm.config
         self.prefix_token_id = cfg.bos_token_id if cfg.bos_token_id is not None else cfg.eos_token_ids[0]
