@@ -7,6 +7,7 @@ caller's error class (a ValueError). Booleans are not integers here, and NaN or 
 from __future__ import annotations
 
 import math
+import os
 import re
 
 from .errors import ArgumentTypeError, ConfigError
@@ -15,16 +16,11 @@ from .errors import ArgumentTypeError, ConfigError
 # index (the default per-sequence seed) stays in range.
 MAX_SEED = 2**63 - 1
 
-
 _DEVICE = re.compile(r"auto|cpu|cuda(:[0-9]+)?")
 
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def in_range(value, minimum=None, maximum=None, above=None) -> bool:
@@ -81,8 +77,6 @@ def check_seed(value, name: str, error: type[Exception]) -> int:
 
 def check_optional_path(value, name: str):
     """None, or a str or os.PathLike naming a file or folder."""
-    import os
-
     if value is not None and not isinstance(value, (str, os.PathLike)):
         raise ArgumentTypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
     return value

@@ -1,6 +1,5 @@
 """Flags and files are checked by type and range, and an error says what really happened, in one line."""
 
-import builtins
 import json
 
 import pytest
