@@ -10,8 +10,11 @@ import os
 import torch
 from tqdm import tqdm
 
-from .errors import FlexoffError, NonFiniteError, PromptError, SamplingError, TokenizerError
+from .checks import check_bool, check_device_name, check_optional_path, check_real, check_seed
+from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
+                     SamplingError, TokenizerError)
 from .models import ModelConfig, resolve_model, stage_names, stage_specs
+from .prompts import check_prompt
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
 from .runtime.engine import Engine
@@ -65,10 +68,24 @@ class GenerationResult(list):
         self.metrics = metrics
 
 
+def parse_device(device: str | torch.device) -> torch.device | None:
+    """``device`` as a torch.device (None for "auto"), refusing what flexoff cannot compute on."""
+    if isinstance(device, torch.device):
+        parsed = device
+    elif isinstance(device, str):
+        check_device_name(device)
+        return None if device == "auto" else torch.device(device)
+    else:
+        raise ArgumentTypeError(f"device must be a string or a torch.device, got {type(device).__name__}")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {str(device)!r}; use auto, cpu, cuda or cuda:N")
+    return parsed
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = parse_device(device)
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise FlexoffError("device 'cuda' was asked for, but CUDA is not available on this machine")
     if device.type == "cuda" and device.index is None:
@@ -79,17 +96,44 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ConfigError(f"unsupported dtype {dtype}; use float16, bfloat16 or float32")
         return dtype
+    if not isinstance(dtype, str):
+        raise ArgumentTypeError(f"dtype must be a string or a torch.dtype, got {type(dtype).__name__}")
     if dtype == "auto":
         # fp16 is the GPU's native format; CPUs compute fp32 fastest and most exactly.
         return torch.float16 if device.type == "cuda" else torch.float32
     if dtype not in _DTYPES:
-        raise FlexoffError(f"unknown dtype {dtype!r}; use auto, float16, bfloat16 or float32")
+        raise ConfigError(f"unknown dtype {dtype!r}; use auto, float16, bfloat16 or float32")
     return _DTYPES[dtype]
+
+
+def check_llm_args(*, dummy, policy, dtype, device, seed, tokenizer, offload_dir, gpu_mem, cpu_mem) -> None:
+    """LLM's arguments (all but the model), by type and range, before anything is loaded."""
+    check_bool(dummy, "dummy")
+    if policy is not None and not isinstance(policy, (Policy, str, os.PathLike)):
+        raise ArgumentTypeError(f"policy must be a Policy, a policy file's path or None, got {type(policy).__name__}")
+    resolve_dtype(dtype, torch.device("cpu"))
+    parse_device(device)
+    check_seed(seed, "seed", ConfigError)
+    check_optional_path(tokenizer, "tokenizer")
+    check_optional_path(offload_dir, "offload_dir")
+    for name, value in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem)):
+        if value is None:
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            check_real(value, name, ConfigError, above=0)
+        elif not isinstance(value, str):
+            raise ArgumentTypeError(f"{name} must be a size such as '16GiB' or a number of bytes, got {value!r}")
+        elif parse_size(value) <= 0:
+            raise ConfigError(f"{name} must be a positive size, got {value!r}")
 
 
 class LLM:
     """A model ready to generate: weights from a checkpoint directory, or seeded dummy weights."""
+
+    _closed = False  # set by close()
 
     def __init__(self, model: str, *, dummy: bool = False, policy: Policy | str | None = None,
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
@@ -101,6 +145,8 @@ class LLM:
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a lossless
         policy planned on ``hardware`` (a HardwareProfile or a callable giving one; default: this
         machine's saved profile, measured quickly and saved the first time); ``self.plan`` tells."""
+        check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
+                       offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem)
         # A local directory, a registry name (dummy only) or a Hugging Face Hub id (fetched as needed).
         self.config: ModelConfig
         self.config, checkpoint = resolve_model(model, dummy)
@@ -137,7 +183,13 @@ class LLM:
                              offload_dir=offload_dir, capacity=capacity)
 
     def close(self) -> None:
+        """Free the model's memory and offload files; later calls raise ClosedError. Closing twice is fine."""
+        self._closed = True
         self.engine.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("this LLM is closed; make a new one")
 
     def __enter__(self) -> "LLM":
         return self
@@ -146,31 +198,25 @@ class LLM:
         self.close()
 
     # Input checks
-    def _encode(self, prompts: SequenceOf) -> list[list[int]]:
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, SequenceOf):
-            raise PromptError("prompts must be a list of strings or of token-id lists")
+    def _encode(self, prompts: SequenceOf, what: str = "prompt") -> list[list[int]]:
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+            raise ArgumentTypeError(f"{what}s must be a list of strings or of token-id lists, "
+                                    f"got {type(prompts).__name__}")
         if len(prompts) == 0:
-            raise PromptError("the prompt list is empty")
+            raise PromptError(f"the {what} list is empty")
         encoded = []
         for i, prompt in enumerate(prompts):
+            prompt = check_prompt(prompt, f"{what} {i}", self.config.vocab_size, type_error=ArgumentTypeError)
             if isinstance(prompt, str):
-                if not prompt.strip():
-                    raise PromptError(f"prompt {i} is empty")
                 if self.tokenizer is None:
                     raise TokenizerError(
-                        f"prompt {i} is text, but model {self.config.name!r} has no tokenizer; "
+                        f"{what} {i} is text, but model {self.config.name!r} has no tokenizer; "
                         "give token ids, or a checkpoint directory with tokenizer files"
                     )
-                ids = self.tokenizer.encode(prompt)
-            else:
-                ids = list(prompt)
-                bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.config.vocab_size), None)
-                if bad is not None:
-                    raise PromptError(f"prompt {i} has token id {bad!r}, outside the vocabulary of "
-                                      f"{self.config.vocab_size}")
-            if not ids:
-                raise PromptError(f"prompt {i} is empty")
-            encoded.append(ids)
+                prompt = self.tokenizer.encode(prompt)
+                if not prompt:
+                    raise PromptError(f"{what} {i} is empty once tokenized")
+            encoded.append(prompt)
         return encoded
 
     def _params(self, params, count: int) -> list[SamplingParams]:
@@ -178,10 +224,11 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
-        params = list(params)
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise ArgumentTypeError("params must be a SamplingParams, a list of them (one per prompt) or None")
         if len(params) != count:
             raise SamplingError(f"{len(params)} sampling parameter sets for {count} prompts")
-        return params
+        return list(params)
 
     def _check_lengths(self, ids: list[list[int]], params: list[SamplingParams]) -> None:
         limit = self.config.max_positions
@@ -220,6 +267,10 @@ class LLM:
                  *, progress: bool = False,
                  on_block: Callable[[list[RequestOutput], Metrics], None] | None = None) -> GenerationResult:
         """Generate a continuation of every prompt. Outputs come back in input order."""
+        self._check_open()
+        check_bool(progress, "progress")
+        if on_block is not None and not callable(on_block):
+            raise ArgumentTypeError(f"on_block must be callable or None, got {type(on_block).__name__}")
         ids = self._encode(prompts)
         params = self._params(params, len(ids))
         self._check_lengths(ids, params)
@@ -250,6 +301,7 @@ class LLM:
 
     def next_token_logits(self, prompts: SequenceOf) -> torch.Tensor:
         """Logits for the token after each prompt: (len(prompts), vocab), fp32 on the CPU."""
+        self._check_open()
         ids = self._encode(prompts)
         self._check_lengths(ids, [SamplingParams(max_new_tokens=1)] * len(ids))
         out = torch.empty(len(ids), self.config.vocab_size)
@@ -266,10 +318,12 @@ class LLM:
 
     def score(self, prompts: SequenceOf, continuations: SequenceOf) -> list[ScoreOutput]:
         """Per-token log-probabilities of each continuation given its prompt, in one prefill pass."""
+        self._check_open()
         prompt_ids = self._encode(prompts)
-        if isinstance(continuations, (str, bytes)) or len(continuations) != len(prompt_ids):
-            raise PromptError(f"score() needs one continuation per prompt ({len(prompt_ids)})")
-        cont_ids = self._encode(continuations)
+        cont_ids = self._encode(continuations, "continuation")
+        if len(cont_ids) != len(prompt_ids):
+            raise PromptError(f"score() needs one continuation per prompt ({len(prompt_ids)}), "
+                              f"got {len(cont_ids)}")
         for i, (p, c) in enumerate(zip(prompt_ids, cont_ids)):
             if len(p) + len(c) > self.config.max_positions:
                 raise PromptError(f"prompt {i} plus its continuation has {len(p) + len(c)} tokens, "

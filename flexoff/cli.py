@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import json
-import os
 import signal
 import sys
 import threading
@@ -16,7 +14,10 @@ import threading
 from .errors import FlexoffError, OutputError, TokenizerError
 from .harness import cli as harness_cli
 from .planner import cli as planner_cli
+from .checks import MAX_SEED
+from .cli_args import COUNT, DEVICE, DTYPE, NONEMPTY, SEED, SIZE, Parser, integer, number
 from .fileio import check_destination, json_text, write_or_keep
+from .runtime.policy import SUPPORTED_BITS
 from .units import format_size
 
 DEFAULT_MODEL = "opt-125m"
@@ -31,9 +32,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                             f"(`flexoff run` alone runs {DEFAULT_MODEL} with dummy weights)")
     group.add_argument("--dummy", action="store_true",
                        help="seeded random weights instead of a checkpoint (no download; for benchmarks)")
-    group.add_argument("--dtype", default="auto",
+    group.add_argument("--dtype", default="auto", type=DTYPE,
                        help="float16, bfloat16, float32, or auto (float16 on CUDA, float32 on CPU)")
-    group.add_argument("--device", default="auto", help="compute device: cuda, cpu, or auto")
+    group.add_argument("--device", default="auto", type=DEVICE, help="compute device: cuda, cuda:N, cpu, or auto")
     group.add_argument("--tokenizer", help="directory with tokenizer files, if not the checkpoint's")
 
 
@@ -46,10 +47,11 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--hardware", metavar="NAME|FILE",
                        help="hardware profile --policy auto plans for: t4, h100, h200 or a `flexoff profile` JSON "
                             "(default: the one `flexoff profile` saved for this machine)")
-    group.add_argument("--percent", type=float, nargs=6, metavar=("W_GPU", "W_CPU", "C_GPU", "C_CPU", "A_GPU", "A_CPU"),
-                       help="percent of weights, KV cache and activations on gpu and cpu; the rest goes to disk")
-    group.add_argument("--gpu-batch-size", type=int, help="sequences per GPU batch")
-    group.add_argument("--num-gpu-batches", type=int, help="GPU batches per block (they share one weight load)")
+    group.add_argument("--percent", type=number(0, 100), nargs=6, metavar=("W_GPU", "W_CPU", "C_GPU", "C_CPU", "A_GPU", "A_CPU"),
+                       help="percent of weights, KV cache and activations on gpu and cpu (each pair at most 100 "
+                            "together); the rest goes to disk")
+    group.add_argument("--gpu-batch-size", type=COUNT, help="sequences per GPU batch")
+    group.add_argument("--num-gpu-batches", type=COUNT, help="GPU batches per block (they share one weight load)")
     group.add_argument("--cpu-attention", action="store_true", default=None,
                        help="run decode attention on the CPU for cache rows held off the GPU")
     group.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
@@ -58,25 +60,28 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                        help="do not pin host memory (slower copies, but no page-locked RAM)")
     group.add_argument("--compress-weight", action="store_true", default=None,
                        help="store weights 4-bit group-quantized on every tier (dequantized on the GPU before use)")
-    group.add_argument("--weight-bits", type=int, default=4, help="bits per weight when compressed (2, 3, 4 or 8)")
-    group.add_argument("--weight-group", type=int, default=64, help="group size for weight compression")
+    group.add_argument("--weight-bits", type=int, default=4, choices=SUPPORTED_BITS,
+                       help="bits per weight when compressed (2, 3, 4 or 8)")
+    group.add_argument("--weight-group", type=integer(2), default=64, help="group size for weight compression (>= 2)")
     group.add_argument("--compress-cache", action="store_true", default=None,
                        help="store the KV cache group-quantized on every tier")
-    group.add_argument("--cache-bits", type=int, default=4, help="bits per cache value when compressed")
-    group.add_argument("--cache-group", type=int, default=64, help="group size for cache compression")
+    group.add_argument("--cache-bits", type=int, default=4, choices=SUPPORTED_BITS,
+                       help="bits per cache value when compressed (2, 3, 4 or 8)")
+    group.add_argument("--cache-group", type=integer(2), default=64, help="group size for cache compression (>= 2)")
     group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR); "
                                              "flexoff makes a private folder inside it and removes it on exit")
-    group.add_argument("--gpu-mem", metavar="SIZE", help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card)")
-    group.add_argument("--cpu-mem", metavar="SIZE", help="cap flexoff's host memory, e.g. 200GiB")
+    group.add_argument("--gpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card)")
+    group.add_argument("--cpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's host memory, e.g. 200GiB")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    group.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1: all)")
-    group.add_argument("--seed", type=int, default=0, help="seed for sampling and dummy weights")
-    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
+    group.add_argument("--temperature", type=number(0), default=0.0, help="0 (default) is greedy")
+    group.add_argument("--top-k", type=integer(0), default=0, help="keep the k most likely tokens (0: all)")
+    group.add_argument("--top-p", type=number(maximum=1, above=0), default=1.0,
+                       help="nucleus sampling mass, in (0, 1] (1: all)")
+    group.add_argument("--seed", type=SEED, default=0, help=f"seed for sampling and dummy weights (0 to {MAX_SEED})")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", type=NONEMPTY,
                        help="stop a sequence when its text contains TEXT (repeatable)")
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
@@ -298,11 +303,12 @@ def register_run(subparsers) -> None:
     add_model_args(parser)
     source = parser.add_argument_group("prompts")
     source.add_argument("--prompts", metavar="FILE",
-                        help=".jsonl (objects with \"prompt\" and optional \"id\", \"max_new_tokens\", \"stop\") "
-                             "or a text file with one prompt per line")
-    source.add_argument("--prompt-len", type=int, default=64, help="synthetic prompt length in tokens (default 64)")
-    source.add_argument("--num-prompts", type=int, default=16, help="number of synthetic prompts (default 16)")
-    source.add_argument("--gen-len", "--max-new-tokens", dest="gen_len", type=int, default=32,
+                        help="by extension, in any case: .jsonl (one object per line with \"prompt\", text or "
+                             "token ids, and optional \"id\", \"max_new_tokens\", \"stop\", \"meta\"), .json (one "
+                             "list of such objects or of bare prompts), else text with one prompt per line")
+    source.add_argument("--prompt-len", type=COUNT, default=64, help="synthetic prompt length in tokens (default 64)")
+    source.add_argument("--num-prompts", type=COUNT, default=16, help="number of synthetic prompts (default 16)")
+    source.add_argument("--gen-len", "--max-new-tokens", dest="gen_len", type=COUNT, default=32,
                         help="tokens to generate per prompt (default 32)")
     add_policy_args(parser)
     add_sampling_args(parser)
@@ -316,7 +322,7 @@ def register_run(subparsers) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="flexoff",
         description="High-throughput batch LLM inference on one GPU with too little memory.",
     )
@@ -328,7 +334,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error the parser printed as one line
+        return exc.code or 0
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     try:

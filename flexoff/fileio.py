@@ -116,3 +116,40 @@ def jsonl_objects(path: str | Path, text: str, error: type[Exception]) -> Iterat
         if not isinstance(obj, dict):
             raise error(f"{where}: expected a JSON object, got {type(obj).__name__}")
         yield number, where, obj
+
+
+def read_user_bytes(path: str | Path, what: str, error: type[Exception]) -> bytes:
+    """The bytes of a file the user named; ``error`` says in one line what really went wrong
+    (no such file, permission denied, a directory, ...), never "missing" for all of them."""
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError as exc:
+        # strerror tells a missing file from a forbidden one or a directory ("permission denied").
+        raise error(f"cannot read {what} {path}: {(exc.strerror or str(exc)).lower()}") from None
+
+
+def read_user_text(path: str | Path, what: str, error: type[Exception]) -> str:
+    """A UTF-8 text file the user named (see read_user_bytes)."""
+    return decode_utf8(read_user_bytes(path, what, error), path, error)
+
+
+def decode_utf8(data: bytes, path: str | Path, error: type[Exception]) -> str:
+    """``data`` as UTF-8; bad UTF-8 is refused naming its line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise error(f"{path} line {line}: not valid UTF-8") from None
+
+
+def nothing_at(path: str | Path) -> bool:
+    """True only when no file is at ``path``; one that cannot be looked at (permission denied) is
+    there, and reading it then says why it cannot be read."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        return False
+    return False

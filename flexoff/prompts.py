@@ -1,60 +1,124 @@
-"""Prompt input for the CLI: text or JSONL files, or synthetic token-id prompts for benchmarks."""
+"""Prompt input: the one check of a prompt (for files and the API), prompts files (text, JSONL or JSON),
+and synthetic token-id prompts for benchmarks."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from .checks import is_int
 from .errors import PromptError
-from .fileio import jsonl_objects
+from .fileio import jsonl_objects, read_user_text
 from .models import ModelConfig
 
 
-@dataclass
+PROMPT_FIELDS = ("id", "prompt", "max_new_tokens", "stop", "meta")
+
+
+@dataclass(frozen=True)
 class PromptLine:
     """One prompt from a file: text or token ids, with optional per-line overrides."""
 
     prompt: str | list[int]
-    id: str | None = None
+    id: str | int | None = None
     max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    meta: object = None  # any JSON value, copied to the line's result by `flexoff batch`
+    line: int = 0  # 1-based line (JSONL) or item (JSON) number in the file; 0 when unknown
+
+
+def check_prompt(prompt, what: str, vocab_size: int | None = None, type_error: type[Exception] = PromptError
+                 ) -> str | list[int]:
+    """The one check of a prompt, for files and the Python API: non-empty text, or a non-empty list of
+    token ids (integers >= 0, below ``vocab_size`` when given). ``what`` names it in messages
+    ("prompt 3", "FILE line 2: field 'prompt'"); a prompt of the wrong type raises ``type_error``."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise PromptError(f"{what} is empty")
+        return prompt
+    if not isinstance(prompt, (list, tuple)):
+        raise type_error(f"{what} must be text or a list of token ids, got {type(prompt).__name__}")
+    if not prompt:
+        raise PromptError(f"{what} is an empty token list")
+    if not all(is_int(t) and t >= 0 for t in prompt):
+        bad = next(t for t in prompt if not (is_int(t) and t >= 0))
+        raise type_error(f"{what} must be text or a list of token ids (integers >= 0), but holds {bad!r}")
+    if vocab_size is not None and max(prompt) >= vocab_size:
+        raise PromptError(f"{what} has token id {max(prompt)}, outside the vocabulary of {vocab_size}")
+    return list(prompt)
+
+
+def prompt_record(obj: dict, where: str, line: int = 0, id_required: bool = False) -> PromptLine:
+    """One JSON object of a prompts file (``flexoff run --prompts``, ``flexoff batch --input``), checked
+    field by field: see PROMPT_FIELDS."""
+    unknown = sorted(set(obj) - set(PROMPT_FIELDS))
+    if unknown:
+        raise PromptError(f"{where}: unknown field {unknown[0]!r}; known fields: {', '.join(PROMPT_FIELDS)} "
+                          "(put other data under \"meta\")")
+    if id_required and "id" not in obj:
+        raise PromptError(f"{where}: missing field 'id'")
+    line_id = obj.get("id")
+    if line_id is not None and not (is_int(line_id) or (isinstance(line_id, str) and line_id)):
+        raise PromptError(f"{where}: field 'id' must be a non-empty string or an integer, got {line_id!r}")
+    if "prompt" not in obj:
+        raise PromptError(f"{where}: missing field 'prompt'")
+    prompt = check_prompt(obj["prompt"], f"{where}: field 'prompt'")
+    budget = obj.get("max_new_tokens")
+    if budget is not None and not (is_int(budget) and budget >= 1):
+        raise PromptError(f"{where}: field 'max_new_tokens' must be an integer >= 1, got {budget!r}")
+    stop = obj.get("stop")
+    stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+        raise PromptError(f"{where}: field 'stop' must be a string or a list of strings")
+    if any(not s for s in stop):
+        raise PromptError(f"{where}: field 'stop' has an empty string")
+    return PromptLine(prompt, line_id, budget, tuple(stop), obj.get("meta"), line)
 
 
 def read_prompts(path: str | Path) -> list[PromptLine]:
-    """``.jsonl``: one object per line with "prompt" (text or token ids) and optional "id",
-    "max_new_tokens" and "stop". Any other file: one text prompt per non-blank line."""
+    """A prompts file, by its extension (in any case):
+
+    - ``.jsonl``: one JSON object per line with "prompt" (text or token ids) and optional "id",
+      "max_new_tokens", "stop" and "meta";
+    - ``.json``: one JSON list whose items are such objects, or bare prompts (text or token ids);
+    - anything else: text, one prompt per non-blank line.
+    """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PromptError(f"cannot read prompts file {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    if path.suffix != ".jsonl":
-        lines = [PromptLine(line) for line in text.splitlines() if line.strip()]
+    text = read_user_text(path, "prompts file", PromptError)
+    kind = path.suffix.lower()
+    if kind == ".jsonl":
+        lines = [prompt_record(obj, where, number) for number, where, obj in jsonl_objects(path, text, PromptError)]
+    elif kind == ".json":
+        lines = _json_prompts(path, text)
     else:
-        lines = [_prompt_line(where, record) for _, where, record in jsonl_objects(path, text, PromptError)]
+        lines = [PromptLine(line, line=number) for number, line in enumerate(text.splitlines(), start=1)
+                 if line.strip()]
     if not lines:
         raise PromptError(f"prompts file {path} holds no prompts")
+    # The run's results carry ids as text.
+    return [replace(line, id=str(line.id)) if line.id is not None else line for line in lines]
+
+
+def _json_prompts(path: Path, text: str) -> list[PromptLine]:
+    try:
+        items = json.loads(text)
+    except ValueError as exc:
+        raise PromptError(f"{path} is not valid JSON ({exc}); a .json prompts file holds one list, "
+                          "a .jsonl file one object per line") from None
+    if not isinstance(items, list):
+        raise PromptError(f"{path}: a .json prompts file holds one JSON list of prompts or prompt objects, "
+                          f"not a {type(items).__name__}")
+    lines = []
+    for number, item in enumerate(items, start=1):
+        where = f"{path} item {number}"
+        if isinstance(item, dict):
+            lines.append(prompt_record(item, where, number))
+        else:
+            lines.append(PromptLine(check_prompt(item, where), line=number))
     return lines
-
-
-def _prompt_line(where: str, record: dict) -> PromptLine:
-    prompt = record.get("prompt")
-    is_ids = isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    if not (isinstance(prompt, str) or is_ids):
-        raise PromptError(f"{where}: \"prompt\" must be a string or a list of token ids")
-    if not prompt:
-        raise PromptError(f"{where}: the prompt is empty")
-    max_new = record.get("max_new_tokens")
-    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
-        raise PromptError(f"{where}: \"max_new_tokens\" must be an integer >= 1")
-    stop = record.get("stop", ())
-    stop = (stop,) if isinstance(stop, str) else stop
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-        raise PromptError(f"{where}: \"stop\" must be a string or a list of non-empty strings")
-    record_id = record.get("id")
-    return PromptLine(prompt, None if record_id is None else str(record_id), max_new, tuple(stop))
 
 
 def synthetic_prompts(cfg: ModelConfig, count: int, length: int, seed: int = 0) -> list[list[int]]:

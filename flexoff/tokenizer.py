@@ -5,7 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import TokenizerError
+from .fileio import nothing_at
 from .models.config import config_from_dir, model_directory
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 class Tokenizer:
@@ -43,23 +46,32 @@ class Tokenizer:
     @classmethod
     def for_model(cls, model: str | Path | None, tokenizer: str | Path | None = None) -> "Tokenizer | None":
         """The tokenizer in ``tokenizer``, else in the checkpoint of ``model`` (a directory, or a Hub id
-        whose tokenizer files are fetched); None if neither has one (a registry name has none).
+        whose tokenizer files are fetched); None if the model has none (a registry name has none). A
+        ``tokenizer`` given that is not a folder with tokenizer files is an error naming it.
 
         A checkpoint's config.json is checked first: transformers reads it too while loading a
         tokenizer, and would report a malformed value in it as a broken tokenizer.
         """
-        if tokenizer:
+        if tokenizer is not None:
             directory = Path(tokenizer)
-        else:
-            directory = model_directory(model, "tokenizer") if model is not None else None
-            if directory is not None:
-                config_from_dir(directory)
-        return cls(directory) if directory is not None and cls.available(directory) else None
+            if not directory.is_dir():
+                reason = "does not exist" if nothing_at(directory) else "is not a directory"
+                raise TokenizerError(f"tokenizer {str(tokenizer)!r} {reason}; give the folder that holds "
+                                     f"{' or '.join(TOKENIZER_FILES)}")
+            if not cls.available(directory):
+                raise TokenizerError(f"tokenizer folder {str(tokenizer)!r} has no tokenizer files "
+                                     f"({', '.join(TOKENIZER_FILES)})")
+            return cls(directory)
+        directory = model_directory(model, "tokenizer") if model is not None else None
+        if directory is None:
+            return None
+        config_from_dir(directory)
+        return cls(directory) if cls.available(directory) else None
 
     @staticmethod
     def available(path: str | Path) -> bool:
         path = Path(path)
-        return any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+        return any((path / name).exists() for name in TOKENIZER_FILES)
 
     def encode(self, text: str) -> list[int]:
         if self._hf is not None:

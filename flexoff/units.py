@@ -26,7 +26,10 @@ def parse_size(text: str | int | float) -> int:
             f"cannot parse size {text!r}: use a number with an optional unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 16GiB or 1.5TB"
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if value > 2**63:  # also catches the infinity of a number too long for a float
+        raise ConfigError(f"size {text!r} is too large")
+    return int(value)
 
 
 def format_size(num_bytes: float) -> str:

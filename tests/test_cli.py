@@ -118,9 +118,9 @@ BAD_CASES = {
     "empty prompt file": (["--prompts", "{empty}"], "no prompts"),
     "missing prompt file": (["--prompts", "{missing}"], "cannot read"),
     "malformed jsonl": (["--prompts", "{malformed}"], "line 2: not valid JSON"),
-    "bad max new tokens": (["--gen-len", "0"], "gen len must be an integer >= 1"),
+    "bad max new tokens": (["--gen-len", "0"], "--gen-len/--max-new-tokens: must be an integer >= 1"),
     "too long prompt": (["--prompt-len", "2048", "--num-prompts", "1"], "positions"),
-    "bad batch size": (["--gpu-batch-size", "0"], "gpu_batch_size"),
+    "bad batch size": (["--gpu-batch-size", "0"], "--gpu-batch-size: must be an integer >= 1"),
 }
 
 

@@ -30,90 +30,36 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import PromptError, TokenizerError
-from ..fileio import jsonl_objects
+from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..models import model_directory
+from ..prompts import PromptLine, check_prompt, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .runner import GenerationItem, request_seed, run_generation
 from .store import ResultStore, id_key, make_header
 
-FIELDS = ("id", "prompt", "max_new_tokens", "stop", "meta")
+# A batch line is a prompts-file record whose id is required (see flexoff.prompts.prompt_record).
+BatchLine = PromptLine
 
 
-@dataclass(frozen=True)
-class BatchLine:
-    line: int  # 1-based line number in the input file
-    id: str | int
-    prompt: str | list[int]
-    max_new_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    meta: object = None
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def read_batch_input(path: str | Path) -> tuple[list[BatchLine], str]:
+def read_batch_input(path: str | Path) -> tuple[list[PromptLine], str]:
     """Parse and check every line; returns the lines and the sha256 of the file's bytes."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise PromptError(f"cannot read input file {path}: {exc.strerror or exc}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[:exc.start].count(b"\n") + 1
-        raise PromptError(f"{path} line {line}: not valid UTF-8") from None
-    lines: list[BatchLine] = []
+    data = read_user_bytes(path, "input file", PromptError)
+    text = decode_utf8(data, path, PromptError)
+    lines: list[PromptLine] = []
     seen: dict[str, int] = {}
     for number, where, obj in jsonl_objects(path, text, PromptError):
-        unknown = sorted(set(obj) - set(FIELDS))
-        if unknown:
-            raise PromptError(f"{where}: unknown field {unknown[0]!r}; known fields: {', '.join(FIELDS)} "
-                              "(put other data under \"meta\")")
-        if "id" not in obj:
-            raise PromptError(f"{where}: missing field 'id'")
-        line_id = obj["id"]
-        if not (_is_int(line_id) or (isinstance(line_id, str) and line_id)):
-            raise PromptError(f"{where}: field 'id' must be a non-empty string or an integer, got {line_id!r}")
-        key = id_key(line_id)
+        line = prompt_record(obj, where, number, id_required=True)
+        key = id_key(line.id)
         if key in seen:
-            raise PromptError(f"{where}: duplicate id {line_id!r} (first on line {seen[key]})")
+            raise PromptError(f"{where}: duplicate id {line.id!r} (first on line {seen[key]})")
         seen[key] = number
-        if "prompt" not in obj:
-            raise PromptError(f"{where}: missing field 'prompt'")
-        prompt = obj["prompt"]
-        if isinstance(prompt, str):
-            if not prompt.strip():
-                raise PromptError(f"{where}: field 'prompt' is empty")
-        elif isinstance(prompt, list):
-            if not prompt:
-                raise PromptError(f"{where}: field 'prompt' is an empty token list")
-            if not all(_is_int(t) and t >= 0 for t in prompt):
-                raise PromptError(f"{where}: field 'prompt' must be text or a list of token ids (integers >= 0)")
-        else:
-            raise PromptError(f"{where}: field 'prompt' must be text or a list of token ids")
-        budget = obj.get("max_new_tokens")
-        if budget is not None and not (_is_int(budget) and budget >= 1):
-            raise PromptError(f"{where}: field 'max_new_tokens' must be an integer >= 1, got {budget!r}")
-        stop = obj.get("stop")
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            stop = tuple(stop)
-        else:
-            raise PromptError(f"{where}: field 'stop' must be a string or a list of strings")
-        if any(not s for s in stop):
-            raise PromptError(f"{where}: field 'stop' has an empty string")
-        lines.append(BatchLine(number, line_id, prompt, budget, stop, obj.get("meta")))
+        lines.append(line)
     if not lines:
         raise PromptError(f"{path} has no prompts")
     return lines, hashlib.sha256(data).hexdigest()
@@ -140,7 +86,7 @@ def sampling_identity(params: SamplingParams, seed: int) -> dict:
             "top_p": params.top_p, "stop": list(params.stop), "ignore_eos": params.ignore_eos, "seed": seed}
 
 
-def generation_items(llm, lines: list[BatchLine], defaults: SamplingParams, seed: int, source: str
+def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, seed: int, source: str
                      ) -> list[GenerationItem]:
     """Tokenize and check every line against the model before anything runs."""
     items = []
@@ -153,10 +99,7 @@ def generation_items(llm, lines: list[BatchLine], defaults: SamplingParams, seed
                                      "tokenizer; give token ids, or a checkpoint directory with tokenizer files")
             ids = llm.tokenizer.encode(line.prompt)
         else:
-            ids = line.prompt
-            bad = next((t for t in ids if t >= llm.config.vocab_size), None)
-            if bad is not None:
-                raise PromptError(f"{where}: token id {bad} is outside the vocabulary of {llm.config.vocab_size}")
+            ids = check_prompt(line.prompt, f"{where}: the prompt", llm.config.vocab_size)
         budget = line.max_new_tokens or defaults.max_new_tokens
         if len(ids) + budget > limit:
             raise PromptError(f"{where}: the prompt has {len(ids)} tokens; with max_new_tokens={budget} it needs "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..cli_args import COUNT, SEED, integer
+
 
 BATCH_EPILOG = """\
 input: one JSON object per line
@@ -65,7 +67,7 @@ def register(subparsers) -> None:
     main_cli.add_model_args(batch)
     main_cli.add_policy_args(batch)
     main_cli.add_sampling_args(batch)
-    batch.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+    batch.add_argument("--max-new-tokens", type=COUNT, default=32, metavar="N",
                        help="tokens to generate per prompt, unless its line says otherwise (default 32)")
     batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     batch.set_defaults(handler=_batch_handler)
@@ -80,12 +82,12 @@ def register(subparsers) -> None:
                        help="one of: " + ", ".join(SCENARIOS))
     bench.add_argument("--data", metavar="FILE.jsonl",
                        help="the scenario's instances (required except for synthetic_reasoning, which generates them)")
-    bench.add_argument("--max-instances", type=int, metavar="N",
+    bench.add_argument("--max-instances", type=COUNT, metavar="N",
                        help="evaluate the first N instances (default: all; synthetic_reasoning generates 1000)")
-    bench.add_argument("--num-in-context", type=int, metavar="K",
+    bench.add_argument("--num-in-context", type=integer(0), metavar="K",
                        help="in-context examples per prompt (default: the scenario's, 3 or 5)")
     bench.add_argument("--subject", help="mmlu: the subject named in the instructions (default: from the data file name)")
-    bench.add_argument("--seed", type=int, default=0,
+    bench.add_argument("--seed", type=SEED, default=0,
                        help="seed for example choice, sampling, generated data and dummy weights (default 0)")
     bench.add_argument("--output-dir", metavar="DIR", help="where results go (default flexoff-bench/NAME)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import FlexoffError
+from ..checks import MAX_SEED, is_int
+from ..errors import ConfigError, FlexoffError
 
 try:
     import lm_eval.models  # noqa: F401  (register lm_eval's own models before ours; see get_model)
@@ -38,10 +39,21 @@ except ImportError:  # pragma: no cover - exercised only without the optional pa
 _IGNORED_ARGS = ("batch_size", "max_batch_size")
 
 
-def _flag(value) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes")
-    return bool(value)
+def _flag(value, name: str) -> bool:
+    """A model_args switch: lm_eval hands over true/false as booleans, and other spellings as text."""
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes"):
+        return True
+    if text in ("0", "false", "no"):
+        return False
+    raise FlexoffError(f"flexoff model_args {name}={value!r}: use true or false")
+
+
+def _seed(value) -> int:
+    number = int(value) if isinstance(value, str) and value.strip().lstrip("-").isdigit() else value
+    if not is_int(number) or not 0 <= number <= MAX_SEED:
+        raise ConfigError(f"flexoff model_args seed={value!r}: use an integer in [0, {MAX_SEED}]")
+    return number
 
 
 @register_model("flexoff")
@@ -62,12 +74,14 @@ class FlexoffLM(LM):
             # lm_eval's command line asks for cuda:0 unless told otherwise, even on machines without it.
             print(f"flexoff: device {device!r} is not available here; running on the CPU", file=sys.stderr)
             device = "cpu"
-        self.llm = LLM(str(pretrained), dummy=_flag(dummy), policy=policy, dtype=dtype, device=device or "auto",
-                       seed=int(seed), tokenizer=tokenizer)
+        seed = _seed(seed)
+        self.greedy_check = _flag(greedy_check, "greedy_check")
+        self.llm = LLM(str(pretrained), dummy=_flag(dummy, "dummy"), policy=policy, dtype=dtype,
+                       device=device or "auto", seed=seed, tokenizer=tokenizer)
         if self.llm.tokenizer is None:
+            self.llm.close()
             raise FlexoffError(f"lm_eval works on text; model {pretrained!r} has no tokenizer")
-        self.seed = int(seed)
-        self.greedy_check = _flag(greedy_check)
+        self.seed = seed
         self.max_length = self.llm.config.max_positions
         cfg = self.llm.config
         self.prefix_token_id = cfg.bos_token_id if cfg.bos_token_id is not None else cfg.eos_token_ids[0]
@@ -141,7 +155,7 @@ class FlexoffLM(LM):
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
             budget = min(int(kwargs.pop("max_gen_toks", 256)), self.max_length - 1)
-            sample = _flag(kwargs.pop("do_sample", False))
+            sample = _flag(kwargs.pop("do_sample", False), "do_sample")
             temperature = float(kwargs.pop("temperature", 1.0 if sample else 0.0))
             if not sample:
                 temperature = 0.0
@@ -170,7 +184,11 @@ def main() -> None:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv[0] = "lm_eval"
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except FlexoffError as exc:  # a bad model_args value or path: one line, as the flexoff command says it
+        print(f"flexoff: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

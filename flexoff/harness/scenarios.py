@@ -33,7 +33,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..fileio import jsonl_objects
+from ..fileio import jsonl_objects, read_user_text
 from .errors import ScenarioError
 from .synthetic import pattern_match_problems
 
@@ -199,10 +199,7 @@ def load_instances(scenario: Scenario, path: str | Path | None, *, seed: int = 0
                          "train" if i < SYNTHETIC_TRAIN else "test")
                 for i, (text, target) in enumerate(problems)]
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ScenarioError(f"cannot read data file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    text = read_user_text(path, "data file", ScenarioError)
     instances, seen = [], {}
     for number, where, obj in jsonl_objects(path, text, ScenarioError):
         instance = _instance(scenario, obj, number, where)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from ..cli_args import COUNT, SIZE, Parser, number
 from ..errors import ConfigError
 from ..models.config import resolve_model_config
 from ..units import parse_size
@@ -24,23 +25,23 @@ def register(subparsers) -> None:
     search.add_argument("--model", required=True,
                         help="registry name (e.g. opt-30b), checkpoint directory, or Hugging Face Hub id "
                              "(e.g. facebook/opt-30b; only its config.json is fetched)")
-    search.add_argument("--prompt-len", type=int, default=512,
+    search.add_argument("--prompt-len", type=COUNT, default=512,
                         help="prompt length in tokens, after padding (default 512)")
-    search.add_argument("--gen-len", type=int, default=32, help="tokens generated per prompt (default 32)")
-    search.add_argument("--num-prompts", type=int, default=None,
+    search.add_argument("--gen-len", type=COUNT, default=32, help="tokens generated per prompt (default 32)")
+    search.add_argument("--num-prompts", type=COUNT, default=None,
                         help="prompts in the job; blocks larger than it waste work (default: an endless stream)")
     search.add_argument("--hardware", default=None,
                         help=f"profile: {' or '.join(sorted(set(PACKAGED_PROFILES)))} (packaged), or a JSON file; "
                              f"default: this machine's profile from `flexoff profile` ({default_profile_path()})")
     for tier in ("gpu", "cpu", "disk"):
-        search.add_argument(f"--{tier}-mem", default=None, metavar="SIZE",
+        search.add_argument(f"--{tier}-mem", default=None, metavar="SIZE", type=SIZE,
                             help=f"override the profile's {tier} memory, e.g. 16GiB or 1.5TB "
                                  "(the profile's headroom still applies)")
     search.add_argument("--compress", choices=CHOICES, default="auto",
                         help="4-bit group-wise compression of weights and KV cache: try both (auto), always, never")
     search.add_argument("--cpu-attention", choices=CHOICES, default="auto",
                         help="decode attention on the CPU for the cache that is not on the GPU: auto, on, off")
-    search.add_argument("--max-latency", type=float, default=None, metavar="SECONDS",
+    search.add_argument("--max-latency", type=number(above=0), default=None, metavar="SECONDS",
                         help="highest throughput whose block latency (prefill plus all decode steps of one block) "
                              "is at most SECONDS")
     search.add_argument("--pareto", action="store_true", help="also print the latency-throughput frontier")
@@ -146,7 +147,7 @@ def run_profile(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """A parser with only these subcommands, for tests and ``python -m flexoff.planner.cli``."""
-    parser = argparse.ArgumentParser(prog="flexoff")
+    parser = Parser(prog="flexoff")
     register(parser.add_subparsers(dest="command", required=True))
     return parser
 
@@ -155,7 +156,10 @@ def main(argv=None) -> int:
     from ..errors import FlexoffError
     import sys
 
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error the parser printed as one line
+        return exc.code or 0
     try:
         return args.handler(args)
     except FlexoffError as exc:

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..fileio import write_text_atomic
+from ..fileio import nothing_at, read_user_text, write_text_atomic
 from ..units import parse_size
 
 FORMAT_TAG = "flexoff-hardware-profile"
@@ -203,10 +203,7 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareProfile":
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError(f"cannot read hardware profile {path}: {exc.strerror or exc}") from None
+        text = read_user_text(path, "hardware profile", ConfigError)
         try:
             data = json.loads(text)
         except ValueError as exc:
@@ -353,7 +350,7 @@ def resolve_hardware(spec: str | None = None) -> HardwareProfile:
     """A packaged profile name, a path to a profile JSON, or None for this machine's saved profile."""
     if spec is None:
         path = default_profile_path()
-        if not path.is_file():
+        if nothing_at(path):
             raise ConfigError(
                 f"no hardware profile for this machine at {path}: run `flexoff profile` first, "
                 "or pass --hardware t4|h100|FILE"
@@ -361,7 +358,7 @@ def resolve_hardware(spec: str | None = None) -> HardwareProfile:
         return HardwareProfile.load(path)
     if spec.lower() in PACKAGED_PROFILES:
         return packaged_profile(spec)
-    if not Path(spec).exists():
+    if nothing_at(spec):
         raise ConfigError(
             f"hardware profile {spec!r} is neither a file nor a packaged profile "
             f"({', '.join(sorted(PACKAGED_PROFILES))})"

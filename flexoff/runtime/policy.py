@@ -7,12 +7,12 @@ cost model) can trust it. It round-trips through JSON.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..errors import PolicyError
-from ..fileio import write_text_atomic
+from ..checks import check_bool, check_int, check_real
+from ..errors import ArgumentTypeError, PolicyError
+from ..fileio import read_user_text, write_text_atomic
 
 TIERS = ("gpu", "cpu", "disk")
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -26,11 +26,13 @@ class TierFractions:
     cpu: float = 0.0
     disk: float = 0.0
 
+    def __post_init__(self):
+        self.validate("tier")
+
     def validate(self, what: str) -> None:
         for tier in TIERS:
             value = getattr(self, tier)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-                raise PolicyError(f"{what} fraction on {tier} must be a number, got {value!r}")
+            check_real(value, f"{what} fraction on {tier}", PolicyError)
             if value < 0:
                 raise PolicyError(f"{what} fraction on {tier} is negative ({value})")
         total = self.gpu + self.cpu + self.disk
@@ -51,9 +53,18 @@ class TierFractions:
         return cls(gpu_percent / 100.0, cpu_percent / 100.0, disk / 100.0)
 
 
-def placement_from_percent(percent) -> dict[str, TierFractions]:
+def placement_from_percent(percent, flag: str = "--percent") -> dict[str, TierFractions]:
     """FlexGen's ``--percent``: weights, cache and activations on gpu and cpu (six numbers, the rest
-    on disk), as Policy's ``weights``, ``cache`` and ``activations`` arguments."""
+    on disk), as Policy's ``weights``, ``cache`` and ``activations`` arguments. ``flag`` names the
+    six numbers in messages."""
+    if not isinstance(percent, (list, tuple)) or len(percent) != 6:
+        raise ArgumentTypeError(f"{flag} takes six numbers (W_GPU W_CPU C_GPU C_CPU A_GPU A_CPU), got {percent!r}")
+    for name, gpu, cpu in zip(("weights", "cache", "activations"), percent[0::2], percent[1::2]):
+        for tier, value in (("gpu", gpu), ("cpu", cpu)):
+            check_real(value, f"{flag}: {name} on {tier}", PolicyError, 0, 100)
+        if gpu + cpu > 100 + 1e-9:
+            raise PolicyError(f"{flag}: {name} on gpu and cpu add up to {gpu + cpu:g}%, more than 100 "
+                              "(the rest goes to disk)")
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = percent
     return {"weights": TierFractions.from_percent(w_gpu, w_cpu), "cache": TierFractions.from_percent(c_gpu, c_cpu),
             "activations": TierFractions.from_percent(a_gpu, a_cpu)}
@@ -66,11 +77,14 @@ class CompressionConfig:
     bits: int = 4
     group_size: int = 64
 
+    def __post_init__(self):
+        self.validate("compression")
+
     def validate(self, what: str) -> None:
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or self.bits not in SUPPORTED_BITS:
+        check_int(self.bits, f"{what} bits", PolicyError)
+        if self.bits not in SUPPORTED_BITS:
             raise PolicyError(f"{what}: {self.bits}-bit compression is not supported; use one of {SUPPORTED_BITS}")
-        if not isinstance(self.group_size, int) or self.group_size < 2:
-            raise PolicyError(f"{what}: group size must be an integer >= 2, got {self.group_size!r}")
+        check_int(self.group_size, f"{what} group size", PolicyError, minimum=2)
 
 
 @dataclass(frozen=True)
@@ -88,16 +102,19 @@ class Policy:
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches"):
+            check_int(getattr(self, name), name, PolicyError, minimum=1)
+        for name in ("cpu_attention", "overlap", "pin_cpu_memory"):
+            check_bool(getattr(self, name), name)
+        for name in ("weights", "cache", "activations"):
+            if not isinstance(getattr(self, name), TierFractions):
+                raise ArgumentTypeError(f"{name} must be a TierFractions, got {type(getattr(self, name)).__name__}")
+        for name in ("compress_weight", "compress_cache"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PolicyError(f"{name} must be an integer >= 1, got {value!r}")
+            if value is not None and not isinstance(value, CompressionConfig):
+                raise ArgumentTypeError(f"{name} must be a CompressionConfig or None, got {type(value).__name__}")
         self.weights.validate("weight")
         self.cache.validate("cache")
         self.activations.validate("activation")
-        if self.compress_weight is not None:
-            self.compress_weight.validate("weight compression")
-        if self.compress_cache is not None:
-            self.compress_cache.validate("cache compression")
 
     @property
     def block_size(self) -> int:
@@ -126,30 +143,36 @@ class Policy:
         if unknown:
             raise PolicyError(f"{source}: unknown policy field {unknown[0]!r}; known fields: {', '.join(sorted(known))}")
         kwargs = dict(data)
-        for name in ("weights", "cache", "activations"):
-            if name in kwargs:
-                kwargs[name] = _sub(TierFractions, kwargs[name], f"{source}: {name}")
-        for name in ("compress_weight", "compress_cache"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = _sub(CompressionConfig, kwargs[name], f"{source}: {name}")
-        return cls(**kwargs)
+        try:
+            for name in ("weights", "cache", "activations"):
+                if name in kwargs:
+                    kwargs[name] = _sub(TierFractions, kwargs[name], name)
+            for name in ("compress_weight", "compress_cache"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = _sub(CompressionConfig, kwargs[name], name)
+            return cls(**kwargs)
+        except (ArgumentTypeError, PolicyError) as exc:
+            # In a file, a value of the wrong type is a bad policy like any other; name the file.
+            raise PolicyError(f"{source}: {exc}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "Policy":
+        text = read_user_text(path, "policy file", PolicyError)
         try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise PolicyError(f"cannot read policy file {path}: {exc.strerror or exc}") from None
+            data = json.loads(text)
         except ValueError as exc:
             raise PolicyError(f"policy file {path} is not valid JSON: {exc}") from None
         return cls.from_dict(data, source=str(path))
 
 
-def _sub(kind, value, where: str):
+def _sub(kind, value, name: str):
     if not isinstance(value, dict):
-        raise PolicyError(f"{where} must be a JSON object")
+        raise PolicyError(f"{name} must be a JSON object, got {value!r}")
     allowed = {f.name for f in fields(kind)}
     unknown = sorted(set(value) - allowed)
     if unknown:
-        raise PolicyError(f"{where}: unknown field {unknown[0]!r}; known: {', '.join(sorted(allowed))}")
-    return kind(**value)
+        raise PolicyError(f"{name}: unknown field {unknown[0]!r}; known: {', '.join(sorted(allowed))}")
+    try:
+        return kind(**value)
+    except (ArgumentTypeError, PolicyError) as exc:
+        raise PolicyError(f"{name}: {exc}") from None

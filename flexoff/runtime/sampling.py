@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SamplingError
+from ..checks import check_bool, check_int, check_real, check_seed
+from ..errors import ArgumentTypeError, SamplingError
 
 
 @dataclass(frozen=True)
@@ -23,20 +24,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise SamplingError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)) or self.temperature < 0:
-            raise SamplingError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)):
+            raise ArgumentTypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        object.__setattr__(self, "stop", tuple(stop))
+        check_int(self.max_new_tokens, "max_new_tokens", SamplingError, minimum=1)
+        check_real(self.temperature, "temperature", SamplingError, minimum=0)
+        check_int(self.top_k, "top_k", SamplingError, minimum=0)
+        check_real(self.top_p, "top_p", SamplingError, maximum=1, above=0)
+        if self.seed is not None:
+            check_seed(self.seed, "seed", SamplingError)
+        if any(not isinstance(s, str) for s in self.stop):
+            raise ArgumentTypeError(f"stop strings must be strings, got {self.stop!r}")
+        if any(not s for s in self.stop):
             raise SamplingError("stop strings must be non-empty strings")
+        check_bool(self.ignore_eos, "ignore_eos")
 
     @property
     def greedy(self) -> bool:
