@@ -11,7 +11,7 @@ import signal
 import sys
 import threading
 
-from .errors import FlexoffError, OutputError, TokenizerError
+from .errors import FlexoffError, OutputError, TokenizerError, error_line
 from .harness import cli as harness_cli
 from .planner import cli as planner_cli
 from .checks import MAX_SEED
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except FlexoffError as exc:
-        print(f"flexoff: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("flexoff: interrupted", file=sys.stderr)

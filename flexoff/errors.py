@@ -60,3 +60,8 @@ class NonFiniteError(FlexoffError):
 
 class ClosedError(FlexoffError, RuntimeError):
     """A call on an LLM after its close()."""
+
+
+def error_line(exc: BaseException) -> str:
+    """The one line a user sees for ``exc``: messages quoted from other libraries may span lines."""
+    return "flexoff: error: " + " ".join(part.strip() for part in str(exc).splitlines() if part.strip())

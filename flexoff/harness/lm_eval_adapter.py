@@ -26,7 +26,7 @@ from __future__ import annotations
 import sys
 
 from ..checks import MAX_SEED, is_int
-from ..errors import ConfigError, FlexoffError
+from ..errors import ConfigError, FlexoffError, error_line
 
 try:
     import lm_eval.models  # noqa: F401  (register lm_eval's own models before ours; see get_model)
@@ -187,7 +187,7 @@ def main() -> None:
     try:
         cli_evaluate()
     except FlexoffError as exc:  # a bad model_args value or path: one line, as the flexoff command says it
-        print(f"flexoff: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         raise SystemExit(2) from None
 
 

@@ -6,7 +6,7 @@ import argparse
 import time
 
 from ..cli_args import COUNT, SIZE, Parser, number
-from ..errors import ConfigError
+from ..errors import ConfigError, error_line
 from ..models.config import resolve_model_config
 from ..units import parse_size
 from .cost_model import Workload
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     try:
         return args.handler(args)
     except FlexoffError as exc:
-        print(f"flexoff: error: {exc}", file=sys.stderr)
+        print(error_line(exc), file=sys.stderr)
         return 2
 
 
