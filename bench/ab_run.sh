@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The same `flexoff run` from two checkouts, alternately, on one machine: a change's effect on
+# throughput, with the machine's drift between runs spread over both. Prints one line a run.
+#
+#   bash bench/ab_run.sh OLD_CHECKOUT ROUNDS -- RUN_ARGS...
+set -uo pipefail
+OLD=$1; ROUNDS=$2; shift 3
+NEW=$(cd "$(dirname "$0")/.." && pwd)
+for round in $(seq "$ROUNDS"); do
+  for side in old new; do
+    tree=$([ "$side" = old ] && echo "$OLD" || echo "$NEW")
+    total=$(cd "$tree" && PYTHONPATH="$tree:${SITE:-}" python -m flexoff.cli run "$@" 2>/dev/null | grep -E "^total")
+    echo "round $round $side $total"
+  done
+done
