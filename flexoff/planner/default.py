@@ -91,7 +91,7 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
         check_fits(needed, capacity, job_what(config, default, workload))  # raises: only disk could help
     limit = tier_limits(needed, capacity)[tier]
     short = (f"{config.name} needs {format_size(needed[tier])} on the {tier_name(tier, capacity.device)} tier "
-             f"with everything there, and {format_size(limit)} is available")
+             f"with everything there ({format_size(limit)} available)")
     if dtype.itemsize != 2:
         raise PolicyError(f"{short}; the planner plans 16-bit weights and cache: pass --dtype float16 or bfloat16 "
                           "to plan a policy, or place the data yourself (--percent, --policy FILE)")
@@ -102,7 +102,7 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     try:
         result = search_policy(config, workload, profile, compress="off")
     except PolicyError as exc:
-        raise PolicyError(f"{short}, and no lossless policy fits this machine: {exc}; store the weights "
+        raise PolicyError(f"{short}, and no lossless policy fits either: {exc}; store the weights "
                           "4-bit (--compress-weight), or let --policy auto plan with compression") from None
     check_job(config, result.policy, dtype, workload, capacity)
     message = (f"planned    {policy_summary(result.policy)} on {profile.name}, "
