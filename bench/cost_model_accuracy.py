@@ -36,7 +36,7 @@ from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
 from flexoff.planner.search import search_policy  # noqa: E402
-from flexoff.runtime.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
+from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
 
 GiB = 1 << 30
 FOUR_BIT = CompressionConfig(4, 64)

@@ -36,7 +36,7 @@ from flexoff.compression import CompressedTensor, compressed_nbytes, dequantize
 from flexoff.models.common import attention
 from flexoff.runtime.kv import cpu_attention
 from flexoff.runtime.kv_storage import ROW_MAJOR, QuantizedFormat
-from flexoff.runtime.policy import CompressionConfig
+from flexoff.policy import CompressionConfig
 
 
 def sdpa(q, k, v, mask):

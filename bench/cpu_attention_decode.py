@@ -33,7 +33,7 @@ from flexoff.models.config import resolve_model_config  # noqa: E402
 from flexoff.runtime.batch import GpuBatch  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
-from flexoff.runtime.policy import TierFractions  # noqa: E402
+from flexoff.policy import TierFractions  # noqa: E402
 
 
 class AttentionTimer:

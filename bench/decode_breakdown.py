@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoff import LLM, Policy, SamplingParams  # noqa: E402
-from flexoff.runtime.policy import CompressionConfig, placement_from_percent  # noqa: E402
+from flexoff.policy import CompressionConfig, placement_from_percent  # noqa: E402
 
 
 def copy_bandwidth(num_bytes: int) -> float:

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from flexoff import LLM, Policy, TierFractions  # noqa: E402
 from flexoff.compression import CompressedTensor, quantize, triton_available  # noqa: E402
 from flexoff.runtime.kv_storage import SLOT_MAJOR  # noqa: E402
-from flexoff.runtime.policy import CompressionConfig  # noqa: E402
+from flexoff.policy import CompressionConfig  # noqa: E402
 
 
 def sync() -> None:

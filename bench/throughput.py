@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from flexoff.models import REGISTRY, stage_names, stage_specs  # noqa: E402
 from flexoff.runtime.placement import place_stage  # noqa: E402
-from flexoff.runtime.policy import placement_from_percent  # noqa: E402
+from flexoff.policy import placement_from_percent  # noqa: E402
 
 # Measured on the lent H100 machine (shared/reference/anchors.md): pinned host->GPU copy and
 # O_DIRECT disk reads.
@@ -92,7 +92,7 @@ def moved_bytes_per_token(model: str, spec: dict, prompt_len: int, gen_len: int)
 
 
 def policy_of(spec: dict):
-    from flexoff.runtime.policy import CompressionConfig, Policy
+    from flexoff.policy import CompressionConfig, Policy
 
     four_bit = CompressionConfig(4, 64)
     return Policy(spec["gbs"], spec["ngb"], **placement_from_percent(spec["percent"]),

@@ -3,7 +3,7 @@
 from .api import LLM, GenerationResult, RequestOutput, ScoreOutput
 from .errors import FlexoffError
 from .runtime.metrics import Metrics
-from .runtime.policy import CompressionConfig, Policy, TierFractions
+from .policy import CompressionConfig, Policy, TierFractions
 from .runtime.sampling import SamplingParams
 
 __all__ = [

@@ -20,7 +20,7 @@ from .runtime.batch import Sequence
 from .runtime.engine import Engine
 from .runtime.memory import machine_capacity
 from .runtime.metrics import Metrics
-from .runtime.policy import Policy
+from .policy import Policy
 from .runtime.sampling import SamplingParams, SequenceSampler
 from .tokenizer import Tokenizer
 from .units import parse_size

@@ -17,7 +17,7 @@ from .planner import cli as planner_cli
 from .checks import MAX_SEED
 from .cli_args import COUNT, DEVICE, DTYPE, NONEMPTY, SEED, SIZE, Parser, integer, number
 from .fileio import check_destination, json_text, write_or_keep
-from .runtime.policy import SUPPORTED_BITS
+from .policy import SUPPORTED_BITS
 from .units import format_size
 
 DEFAULT_MODEL = "opt-125m"
@@ -92,7 +92,7 @@ def policy_from_args(args, workload=None):
     from dataclasses import replace
 
     from .api import DEFAULT_POLICY
-    from .runtime.policy import CompressionConfig, Policy, placement_from_percent
+    from .policy import CompressionConfig, Policy, placement_from_percent
 
     if args.policy == "auto":
         policy = searched_policy(args, workload)
@@ -194,7 +194,7 @@ def _split(fractions) -> str:
 
 def format_summary(llm, metrics) -> str:
     from .runtime.memory import tier_name
-    from .runtime.policy import TIERS
+    from .policy import TIERS
 
     policy = llm.policy
     placement = llm.engine.placement_report

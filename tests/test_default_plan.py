@@ -127,7 +127,7 @@ def test_without_a_saved_profile_a_quick_one_is_measured_once_and_saved(tiny, tm
         calls.append((quick, device))
         return H100
 
-    from flexoff.planner import profiler
+    from flexoff import profiler
 
     monkeypatch.setattr(profiler, "profile_machine", measure)
     cap = str(job_needs(config, DEFAULT_POLICY, torch.bfloat16, WORKLOAD)["gpu"] // 4)

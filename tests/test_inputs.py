@@ -10,7 +10,7 @@ from flexoff.errors import ConfigError, PolicyError, PromptError, TokenizerError
 from flexoff.harness.batch import read_batch_input
 from flexoff.planner.hardware import HardwareProfile, resolve_hardware
 from flexoff.prompts import read_prompts
-from flexoff.runtime.policy import Policy, placement_from_percent
+from flexoff.policy import Policy, placement_from_percent
 from flexoff.tokenizer import Tokenizer
 
 # (argv, words the one line must hold); every one is refused while parsing, before any model loads.

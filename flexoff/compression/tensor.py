@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import FlexoffError
-from ..runtime.policy import SUPPORTED_BITS, CompressionConfig
+from ..policy import SUPPORTED_BITS, CompressionConfig
 from .packing import packed_row_bytes
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

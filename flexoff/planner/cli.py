@@ -115,7 +115,7 @@ def run_search(args) -> int:
 
 
 def run_profile(args) -> int:
-    from .profiler import profile_machine  # imports torch; keep `flexoff search` light
+    from ..profiler import profile_machine  # imports torch; keep `flexoff search` light
 
     device = None if args.device == "auto" else args.device
     started = time.perf_counter()

@@ -40,7 +40,7 @@ from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..runtime.kv import CPU_ATTENTION_ROWS
 from ..runtime.memory import block_host_requests, weight_buffer_bytes, weight_host_requests
-from ..runtime.policy import TIERS, CompressionConfig, Policy, TierFractions
+from ..policy import TIERS, CompressionConfig, Policy, TierFractions
 from ..runtime.tiers import HostWorker, registered_bytes, slab_bytes
 from ..runtime.weight_store import dequantize_scratch_numel
 from .hardware import HardwareProfile

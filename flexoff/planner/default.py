@@ -21,7 +21,7 @@ from ..errors import PolicyError, PromptError
 from ..models.config import ModelConfig
 from ..runtime.memory import (Capacity, check_fits, job_bytes, overflow, tier_limits, tier_name,
                               usable_offload_dir)
-from ..runtime.policy import Policy
+from ..policy import Policy
 from ..runtime.tiers import pins_host_memory
 from ..units import format_size
 from .cost_model import Workload
@@ -125,7 +125,7 @@ def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: C
     path = default_profile_path()
     if path.is_file():
         return HardwareProfile.load(path)
-    from .profiler import profile_machine  # imports the measurements only when they are needed
+    from ..profiler import profile_machine  # imports the measurements only when they are needed
 
     log(f"no hardware profile saved at {path}: measuring a quick one (`flexoff profile` measures a full one)")
     started = time.perf_counter()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..fileio import write_text_atomic
 from ..models.config import REGISTRY
-from ..runtime.policy import CompressionConfig, Policy, TierFractions
+from ..policy import CompressionConfig, Policy, TierFractions
 from ..units import format_size
 from .cost_model import Workload
 from .hardware import packaged_profile

@@ -6,7 +6,7 @@ import csv
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..runtime.policy import TIERS, Policy
+from ..policy import TIERS, Policy
 from ..units import format_size
 from .cost_model import Prediction
 from .hardware import HardwareProfile

@@ -7,7 +7,7 @@ specs (``flexoff.models.stage_specs``).
 from __future__ import annotations
 
 from ..models.config import ModelConfig
-from ..runtime.policy import CompressionConfig
+from ..policy import CompressionConfig
 
 FP16_BYTES = 2
 # Group-wise quantization keeps a minimum and a scale per group, both fp16.

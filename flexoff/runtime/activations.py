@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .placement import split_rows
-from .policy import TierFractions
+from ..policy import TierFractions
 from .tiers import DiskTier, HostMemory, read_pinned
 
 

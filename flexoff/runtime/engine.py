@@ -16,7 +16,7 @@ from .batch import GpuBatch, Sequence
 from .kv import BatchKV, KVWorkspace
 from .memory import Capacity, check_fits, job_bytes, weight_bytes
 from .metrics import MemoryMeter, Metrics
-from .policy import TIERS, Policy
+from ..policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
 from .schedule import COMPUTE, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, STORE_ACTIVATION, block_schedule
 from .tiers import DiskTier, HostMemory, HostWorker, Streams, pins_host_memory

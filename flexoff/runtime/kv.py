@@ -30,7 +30,7 @@ from ..models import ModelConfig
 from ..models.common import attention
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
 from .placement import Piece, split_rows
-from .policy import TIERS, Policy
+from ..policy import TIERS, Policy
 from .tiers import DiskTier, HostMemory, HostWorker, Streams, device_allocator, read_pinned
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory

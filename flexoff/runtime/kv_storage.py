@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..compression import CompressedTensor, compressed_nbytes, dequantize, quantize
-from .policy import CompressionConfig
+from ..policy import CompressionConfig
 
 # allocate(shape, dtype) -> an uninitialised tensor on the buffer's tier
 Allocate = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]

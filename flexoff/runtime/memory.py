@@ -19,7 +19,7 @@ from ..units import format_size
 from .kv import KVWorkspace
 from .kv_storage import SLOT_MAJOR, kv_format
 from .placement import place_stage, split_rows
-from .policy import TIERS, Policy
+from ..policy import TIERS, Policy
 from .tiers import HostWorker, Streams, device_allocator, registered_bytes, slab_bytes
 from .weight_store import compressible, dequantize_scratch_numel, stage_kind
 

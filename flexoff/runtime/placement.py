@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import WeightSpec
-from .policy import TIERS, TierFractions
+from ..policy import TIERS, TierFractions
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import torch
 from ..compression import CompressedTensor, dequantize, quantize
 from ..models import ModelConfig, WeightSpec, stage_names, stage_specs
 from .placement import TensorPlacement, place_stage, realised_fractions
-from .policy import TIERS, CompressionConfig, Policy
+from ..policy import TIERS, CompressionConfig, Policy
 from .tiers import DiskRegion, DiskTier, HostMemory, Streams, device_allocator
 
 Stored = torch.Tensor | CompressedTensor

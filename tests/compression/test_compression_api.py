@@ -18,7 +18,7 @@ from flexoff.compression import (
 )
 from flexoff.compression.packing import pack_codes, packed_row_bytes, unpack_codes
 from flexoff.errors import FlexoffError
-from flexoff.runtime.policy import CompressionConfig
+from flexoff.policy import CompressionConfig
 
 
 def random(shape, dtype=torch.float16, seed=0):

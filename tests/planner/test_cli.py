@@ -6,7 +6,7 @@ import pytest
 from flexoff.errors import ConfigError, PolicyError, UnknownModelError
 from flexoff.planner import cli
 from flexoff.planner.hardware import HardwareProfile
-from flexoff.runtime.policy import Policy
+from flexoff.policy import Policy
 
 
 def run(argv, capsys):
@@ -95,7 +95,7 @@ def test_search_reads_the_saved_profile_by_default(capsys, tmp_path, monkeypatch
 
 
 def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
-    from flexoff.planner import profiler
+    from flexoff import profiler
 
     monkeypatch.setattr(profiler, "QUICK", profiler.ProfileSizes(
         (1 << 20, 4 << 20), 8 << 20, (1, 16, 64), 128, 256, 1, 1 << 16, 0.0, 1 << 20))

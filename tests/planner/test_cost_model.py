@@ -12,7 +12,7 @@ import pytest
 
 from flexoff.errors import ConfigError
 from flexoff.planner.cost_model import CostModel, PolicyFrame, Workload
-from flexoff.runtime.policy import CompressionConfig, Policy, TierFractions
+from flexoff.policy import CompressionConfig, Policy, TierFractions
 
 GPU, CPU, DISK = TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(0, 0, 1)
 FOUR_BIT = CompressionConfig(4, 64)

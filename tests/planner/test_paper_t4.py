@@ -8,7 +8,7 @@ from flexoff.planner.cost_model import CostModel
 from flexoff.planner.hardware import HardwareProfile, packaged_profile
 from flexoff.planner.reference import BENCHMARK_WORKLOAD, PAPER_T4_POLICIES
 from flexoff.planner.search import search_policy
-from flexoff.runtime.policy import TIERS
+from flexoff.policy import TIERS
 
 CASES = sorted(PAPER_T4_POLICIES)
 

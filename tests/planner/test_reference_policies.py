@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from flexoff.planner.reference import REFERENCE_SEARCHES, run_reference_search
-from flexoff.runtime.policy import Policy
+from flexoff.policy import Policy
 
 POLICIES = Path(__file__).resolve().parents[2] / "policies"
 REGENERATE = "regenerate with `python -m flexoff.planner.reference policies`"

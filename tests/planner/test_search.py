@@ -14,7 +14,7 @@ from flexoff.planner.hardware import packaged_profile
 from flexoff.planner.search import (
     FrameProblem, candidate_frames, pareto_frontier, round_fractions, row_splits, search_policy,
 )
-from flexoff.runtime.policy import TIERS, CompressionConfig
+from flexoff.policy import TIERS, CompressionConfig
 
 WORKLOAD = Workload(512, 32)
 FOUR_BIT = CompressionConfig(4, 64)

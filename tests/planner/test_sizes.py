@@ -7,7 +7,7 @@ from flexoff.planner.sizes import (
     bytes_per_element, embedding_numel, head_matmul_numel, layer_matrix_numel, layer_vector_numel,
     layer_weight_numel, parameter_count,
 )
-from flexoff.runtime.policy import CompressionConfig
+from flexoff.policy import CompressionConfig
 
 
 def test_opt_layer_by_hand(tiny_opt):

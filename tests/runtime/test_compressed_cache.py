@@ -13,7 +13,7 @@ from flexoff.models import ModelConfig
 from flexoff.runtime import engine as engine_module
 from flexoff.runtime.kv import BatchKV, KVWorkspace
 from flexoff.runtime.memory import kv_cache_bytes
-from flexoff.runtime.policy import CompressionConfig
+from flexoff.policy import CompressionConfig
 from flexoff.runtime.tiers import DiskTier, HostMemory, HostWorker, Streams
 from tests.conftest import PROMPTS, assert_same_outputs, generate
 

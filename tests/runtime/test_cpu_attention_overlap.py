@@ -14,7 +14,7 @@ from flexoff.runtime import batch as batch_module
 from flexoff.runtime import engine as engine_module
 from flexoff.runtime import kv as kv_module
 from flexoff.runtime.kv_storage import ROW_MAJOR
-from flexoff.runtime.policy import CompressionConfig
+from flexoff.policy import CompressionConfig
 from flexoff.runtime.tiers import HostWorker, Streams
 from tests.conftest import WORDS, assert_same_outputs, build_tokenizer, generate
 

@@ -8,7 +8,7 @@ import torch
 from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.runtime import tiers
 from flexoff.runtime.memory import block_bytes, block_host_requests, weight_bytes, weight_host_requests
-from flexoff.runtime.policy import CompressionConfig
+from flexoff.policy import CompressionConfig
 from flexoff.runtime.tiers import HostWorker, SlabPlan, registered_bytes, slab_bytes
 
 MiB, GiB = 1 << 20, 1 << 30

@@ -4,7 +4,7 @@ import pytest
 
 from flexoff.models import REGISTRY, stage_specs
 from flexoff.runtime.placement import place_stage, realised_fractions, split_rows
-from flexoff.runtime.policy import TIERS, TierFractions
+from flexoff.policy import TIERS, TierFractions
 
 REQUESTS = [TierFractions(0.25, 0.75, 0), TierFractions(0.2, 0.6, 0.2), TierFractions(0.5, 0.5, 0),
             TierFractions(0.01, 0.0, 0.99), TierFractions(0, 1, 0), TierFractions(1, 0, 0)]

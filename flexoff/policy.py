@@ -10,9 +10,9 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..checks import check_bool, check_int, check_real
-from ..errors import ArgumentTypeError, PolicyError
-from ..fileio import read_user_text, write_text_atomic
+from .checks import check_bool, check_int, check_real
+from .errors import ArgumentTypeError, PolicyError
+from .fileio import read_user_text, write_text_atomic
 
 TIERS = ("gpu", "cpu", "disk")
 SUPPORTED_BITS = (2, 3, 4, 8)

@@ -21,8 +21,8 @@ import numpy as np
 import psutil
 import torch
 
-from ..errors import ConfigError
-from .hardware import HardwareProfile
+from .errors import ConfigError
+from .planner.hardware import HardwareProfile
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -160,7 +160,7 @@ def _matmul_curve(device, dtype, sizes: ProfileSizes):
 
 
 def _attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128, prompt=512, keys=544):
-    from ..models.common import attention, attention_mask
+    from .models.common import attention, attention_mask
 
     batch = sizes.attention_batch * heads
     # Prefill as the runtime runs it: its attention function, with a causal and padding mask.
@@ -195,7 +195,7 @@ def _cpu_attention_seconds(rows: int, sizes: ProfileSizes, heads=56, head_dim=12
     own function, over an fp16 cache in the row-major layout it keeps for CPU attention, with a
     padding mask. Calls cycle through enough distinct caches (``sizes.cold_bytes`` in all) that none is
     still in a CPU cache when it is read again, as a layer's cache is not in the runtime."""
-    from ..runtime.kv import cpu_attention
+    from .runtime.kv import cpu_attention
 
     shape = (rows, heads, keys, head_dim)
     copies = max(1, -(-sizes.cold_bytes // (2 * 2 * math.prod(shape))))
@@ -215,7 +215,7 @@ def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
     """CPU attention's FLOP/s and its fixed cost per call, fit to a full call (the full profile's
     cache of 32 sequences of an OPT-30B layer, 0.5 GB, is larger than CPU caches, as real ones are)
     and a call of a few sequences: seconds = per_call + FLOPs / rate."""
-    from ..runtime.kv import CPU_ATTENTION_ROWS
+    from .runtime.kv import CPU_ATTENTION_ROWS
 
     flops_per_row = 4.0 * heads * keys * head_dim
     small = 2
@@ -236,7 +236,7 @@ def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
     fits in the free host memory sees, since the page cache keeps its pages. Stages are read into
     pinned staging a stage at a time on the disk tier's threads, ``streams`` at once: the weight
     store's ring of two buffers lets the next stage's read start while this one's finishes."""
-    from ..runtime.tiers import DiskTier
+    from .runtime.tiers import DiskTier
 
     disk = DiskTier(directory)
     try:
@@ -308,7 +308,7 @@ def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, shape: tupl
     """4-bit dequantization through flexoff's own codec, as the runtime runs it, of a tensor whose
     trailing dimensions are ``shape``, grouped along the last: a weight's rows, or a slot-major KV
     cache's (sequences, heads, head_dim) slots."""
-    from ..compression import dequantize, quantize
+    from .compression import dequantize, quantize
 
     lead = max(1, sizes.dequant_elements // math.prod(shape))
     full = (lead, *shape)
@@ -321,8 +321,8 @@ def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, shape: tupl
 def _kv_quant_rate(device, dtype, sizes: ProfileSizes, heads=32, prompt=512, head_dim=128):
     """Quantizing a prefill's keys (batch, heads, prompt, head_dim) into a slot-major compressed
     cache, through the codec as the runtime calls it."""
-    from ..compression import CompressedTensor, quantize
-    from ..runtime.kv_storage import SLOT_MAJOR
+    from .compression import CompressedTensor, quantize
+    from .runtime.kv_storage import SLOT_MAJOR
 
     keys = torch.randn(sizes.attention_batch, heads, prompt, head_dim, device=device, dtype=dtype)
     out = CompressedTensor.empty(SLOT_MAJOR.shape(prompt, sizes.attention_batch, heads, head_dim), dtype,
@@ -336,12 +336,12 @@ def _host_overhead(compute: torch.device, dtype, repeats: int = 3):
     the work itself: decode of one sequence through models too narrow (hidden 64) to keep the device
     busy, all on the device, at two depths. The slope over depth is per layer, the rest per step
     (embedding, head, sampling)."""
-    from ..models.config import ModelConfig
-    from ..runtime.batch import Sequence
-    from ..runtime.engine import Engine
-    from ..runtime.policy import Policy, TierFractions
-    from ..runtime.sampling import SamplingParams, SequenceSampler
-    from ..weights.dummy import DummyWeights
+    from .models.config import ModelConfig
+    from .runtime.batch import Sequence
+    from .runtime.engine import Engine
+    from .policy import Policy, TierFractions
+    from .runtime.sampling import SamplingParams, SequenceSampler
+    from .weights.dummy import DummyWeights
 
     steps, depths, per_step = 24, (2, 10), {}
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from flexoff.errors import ConfigError
-from flexoff.planner.profiler import fit_bandwidth, profile_machine
+from flexoff.profiler import fit_bandwidth, profile_machine
 
 
 def test_bandwidth_fit_recovers_latency_and_rate():
