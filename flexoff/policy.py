@@ -70,6 +70,12 @@ def placement_from_percent(percent, flag: str = "--percent") -> dict[str, TierFr
             "activations": TierFractions.from_percent(a_gpu, a_cpu)}
 
 
+# Far past any real batch or group, and small enough that the sizes computed from them stay within
+# the 64-bit shapes torch takes.
+MAX_BATCH = 2**20
+MAX_GROUP = 2**20
+
+
 @dataclass(frozen=True)
 class CompressionConfig:
     """Group-wise asymmetric quantization settings."""
@@ -84,7 +90,7 @@ class CompressionConfig:
         check_int(self.bits, f"{what} bits", PolicyError)
         if self.bits not in SUPPORTED_BITS:
             raise PolicyError(f"{what}: {self.bits}-bit compression is not supported; use one of {SUPPORTED_BITS}")
-        check_int(self.group_size, f"{what} group size", PolicyError, minimum=2)
+        check_int(self.group_size, f"{what} group size", PolicyError, minimum=2, maximum=MAX_GROUP)
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,7 @@ class Policy:
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches"):
-            check_int(getattr(self, name), name, PolicyError, minimum=1)
+            check_int(getattr(self, name), name, PolicyError, minimum=1, maximum=MAX_BATCH)
         for name in ("cpu_attention", "overlap", "pin_cpu_memory"):
             check_bool(getattr(self, name), name)
         for name in ("weights", "cache", "activations"):

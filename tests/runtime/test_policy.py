@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from flexoff import LLM, Policy, TierFractions
+from flexoff import LLM, CompressionConfig, Policy, TierFractions
 from flexoff.errors import PolicyError
 
 
@@ -88,3 +88,11 @@ def test_block_memory_counts_the_host_workers_queue():
     per_job = 2 * 4 * prompt * cfg.num_kv_heads * cfg.head_dim * 2
     assert beyond_cache(on_cpu)["gpu"] - beyond_cache(on_gpu)["gpu"] == HostWorker.MAX_IN_FLIGHT * per_job
     assert beyond_cache(on_cpu)["cpu"] - beyond_cache(on_gpu)["cpu"] == 2 * HostWorker.CHUNK
+
+
+@pytest.mark.parametrize("changes", [dict(gpu_batch_size=2**20 + 1), dict(num_gpu_batches=10**20),
+                                     dict(compress_weight=CompressionConfig(4, 10**20))])
+def test_batch_and_group_sizes_past_any_real_one_are_refused(changes):
+    """Sizes computed from them would overflow torch's shapes: refused as a policy error instead."""
+    with pytest.raises(PolicyError, match="must be an integer in"):
+        Policy(**changes)
