@@ -90,9 +90,9 @@ def test_block_memory_counts_the_host_workers_queue():
     assert beyond_cache(on_cpu)["cpu"] - beyond_cache(on_gpu)["cpu"] == 2 * HostWorker.CHUNK
 
 
-@pytest.mark.parametrize("changes", [dict(gpu_batch_size=2**20 + 1), dict(num_gpu_batches=10**20),
-                                     dict(compress_weight=CompressionConfig(4, 10**20))])
-def test_batch_and_group_sizes_past_any_real_one_are_refused(changes):
+@pytest.mark.parametrize("make", [lambda: Policy(gpu_batch_size=2**20 + 1), lambda: Policy(num_gpu_batches=10**20),
+                                  lambda: CompressionConfig(4, 10**20)])
+def test_batch_and_group_sizes_past_any_real_one_are_refused(make):
     """Sizes computed from them would overflow torch's shapes: refused as a policy error instead."""
     with pytest.raises(PolicyError, match="must be an integer in"):
-        Policy(**changes)
+        make()
