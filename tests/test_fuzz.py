@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from flexoff.cli import main
 
 # Deterministic, so that CI runs the same inputs every time; a failure prints the input that caused it.
-FUZZ = settings(max_examples=int(os.environ.get("FLEXOFF_FUZZ_EXAMPLES", "60")), deadline=None, derandomize=True, database=None,
+FUZZ = settings(max_examples=int(os.environ.get("FLEXOFF_FUZZ_EXAMPLES", "100")), deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 # Values a hand-edited or generated file may hold where flexoff expects something else.
