@@ -98,7 +98,7 @@ def test_percent_pair_over_100_from_the_command_line(capsys):
     ({"cpu_attention": "no"}, "cpu_attention must be true or false, got 'no'"),
     ({"overlap": 0}, "overlap must be true or false"),
     ({"pin_cpu_memory": None}, "pin_cpu_memory"),
-    ({"gpu_batch_size": 2.0}, "gpu_batch_size must be an integer >= 1, got 2.0"),
+    ({"gpu_batch_size": 2.0}, "gpu_batch_size must be an integer in [1, 1048576], got 2.0"),
     ({"gpu_batch_size": True}, "gpu_batch_size"),
     ({"num_gpu_batches": "2"}, "num_gpu_batches"),
     ({"weights": {"gpu": "1", "cpu": 0, "disk": 0}}, "weights: tier fraction on gpu must be a number"),

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..errors import PolicyError, PromptError
+from ..errors import PolicyError
 from ..models.config import ModelConfig
 from ..runtime.memory import (Capacity, check_fits, job_bytes, overflow, tier_limits, tier_name,
                               usable_offload_dir)
@@ -62,10 +62,11 @@ def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtyp
     """The policy a job runs: ``policy`` if given, checked against ``capacity``; else
     :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None) and
     ``hardware`` (None: :func:`saved_or_measured_profile`)."""
-    positions = workload.prompt_len + workload.gen_len
-    if positions > config.max_positions:  # before any sizing: the sizes would be absurd, or overflow
-        raise PromptError(f"the job needs {positions} positions (prompts of up to {workload.prompt_len} tokens, "
-                          f"{workload.gen_len} new ones), but {config.name} has {config.max_positions}")
+    # A job past the model's positions is refused later, naming its prompt; sized as it asks, it
+    # could overflow the sizing first.
+    prompt_len = min(workload.prompt_len, config.max_positions - 1)
+    workload = replace(workload, prompt_len=prompt_len,
+                       gen_len=max(1, min(workload.gen_len, config.max_positions - prompt_len)))
     if policy is not None:
         check_job(config, policy, dtype, workload, capacity)
         return DefaultPlan(policy, None, None)
