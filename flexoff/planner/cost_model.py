@@ -37,12 +37,10 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ConfigError
+from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
+                      registered_bytes, slab_bytes, weight_buffer_bytes, weight_host_requests)
 from ..models.config import ModelConfig
-from ..runtime.kv import CPU_ATTENTION_ROWS
-from ..runtime.memory import block_host_requests, weight_buffer_bytes, weight_host_requests
 from ..policy import TIERS, CompressionConfig, Policy, TierFractions
-from ..runtime.tiers import HostWorker, registered_bytes, slab_bytes
-from ..runtime.weight_store import dequantize_scratch_numel
 from .hardware import HardwareProfile
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
@@ -55,7 +53,6 @@ STREAM_TERMS = IO_TERMS + ("host",)
 COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
 FP32_BYTES = 4
-HOST_JOBS_IN_FLIGHT = HostWorker.MAX_IN_FLIGHT  # each holds one GPU batch's new keys and values
 
 
 @dataclass(frozen=True)

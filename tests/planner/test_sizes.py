@@ -1,7 +1,7 @@
 import pytest
 
 from flexoff.compression import compressed_nbytes
-from flexoff.models import stage_names, stage_specs
+from flexoff.models import Stage, stage_specs, stages
 from flexoff.models.config import REGISTRY
 from flexoff.planner.sizes import (
     bytes_per_element, embedding_numel, head_matmul_numel, layer_matrix_numel, layer_vector_numel,
@@ -44,11 +44,11 @@ def test_whole_model_counts_match_published_checkpoints(name, params):
 @pytest.mark.parametrize("name", ["opt-125m", "opt-350m", "opt-30b", "llama-2-70b", "llama-3-8b", "qwen2.5-7b"])
 def test_counts_match_the_runtime_weight_specs(name):
     config = REGISTRY[name]
-    stored = {stage: sum(spec.numel for spec in stage_specs(config, stage)) for stage in stage_names(config)}
+    stored = {stage.name: sum(spec.numel for spec in stage_specs(config, stage)) for stage in stages(config)}
     assert stored["layer.0"] == layer_weight_numel(config)
     assert stored["layer.0"] == stored[f"layer.{config.num_layers - 1}"]
     assert stored["embed"] + stored["head"] == embedding_numel(config)
-    matrices = sum(spec.numel for spec in stage_specs(config, "layer.0") if len(spec.shape) == 2)
+    matrices = sum(spec.numel for spec in stage_specs(config, Stage("layer", 0)) if len(spec.shape) == 2)
     assert matrices == layer_matrix_numel(config)
 
 

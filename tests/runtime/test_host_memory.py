@@ -7,9 +7,10 @@ import torch
 
 from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.runtime import tiers
-from flexoff.runtime.memory import block_bytes, block_host_requests, weight_bytes, weight_host_requests
+from flexoff.layout import block_bytes, block_host_requests, weight_bytes, weight_host_requests
 from flexoff.policy import CompressionConfig
-from flexoff.runtime.tiers import HostWorker, SlabPlan, registered_bytes, slab_bytes
+from flexoff.runtime.tiers import HostWorker
+from flexoff.layout import SlabPlan, registered_bytes, slab_bytes
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -58,9 +59,9 @@ def test_block_cache_reserves_its_slabs():
 
 
 def _all_specs(cfg):
-    from flexoff.models import stage_names, stage_specs
+    from flexoff.models import stage_specs, stages
 
-    return [spec for stage in stage_names(cfg) for spec in stage_specs(cfg, stage)]
+    return [spec for stage in stages(cfg) for spec in stage_specs(cfg, stage)]
 
 
 @pytest.mark.parametrize("compress", [False, True])
