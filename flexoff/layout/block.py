@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..models import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy
-from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, slab_bytes
+from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
 from .placement import split_rows
 from .weights import stored_parts
 
@@ -81,6 +81,20 @@ def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots
     activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
                    for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
     return (cache + activations) * policy.num_gpu_batches
+
+
+def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
+    """Sizes of one block's offload files: per batch, two (keys, values) for each layer of its disk
+    rows, and one for its disk rows' hidden states."""
+    files: list[int] = []
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+        if piece.tier == "disk":
+            size = sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
+            files += [disk_file_bytes(size)] * (2 * cfg.num_layers)
+    for piece in split_rows(policy.gpu_batch_size, policy.activations):
+        if piece.tier == "disk":
+            files.append(disk_file_bytes((piece.stop - piece.start) * prompt_len * cfg.hidden_size * itemsize))
+    return files * policy.num_gpu_batches
 
 
 def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,

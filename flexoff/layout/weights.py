@@ -12,7 +12,7 @@ import torch
 from ..compression.packing import packed_row_bytes
 from ..models import ModelConfig, Stage, WeightSpec, stage_specs, stages
 from ..policy import TIERS, CompressionConfig, Policy
-from .host import registered_bytes
+from .host import disk_file_bytes, registered_bytes
 from .placement import TensorPlacement, place_stage
 
 
@@ -27,12 +27,15 @@ def buffer_copies(cfg: ModelConfig, kind: str) -> int:
     return 2 if kind == "layer" and cfg.num_layers > 1 else 1
 
 
-def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None) -> int:
-    """Elements of the one buffer compressed matrices are dequantized into: the largest of them."""
-    if compression is None:
-        return 0
+def largest_matrix_numel(cfg: ModelConfig) -> int:
+    """Elements of the model's biggest 2-D weight."""
     return max((spec.numel for stage in stages(cfg) for spec in stage_specs(cfg, stage) if compressible(spec)),
                default=0)
+
+
+def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None) -> int:
+    """Elements of the one buffer compressed matrices are dequantized into: the largest of them."""
+    return 0 if compression is None else largest_matrix_numel(cfg)
 
 
 def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int) -> list[int]:
@@ -80,6 +83,11 @@ class WeightLayout:
     @property
     def buffer_bytes(self) -> int:
         return sum(self.buffers.values()) + self.scratch
+
+    def disk_files(self) -> dict[str, int]:
+        """Size of each stage's offload file, by the file's name (the stage's)."""
+        return {stage.name: disk_file_bytes(sizes["disk"]) for stage, sizes in self.stage_tiers.items()
+                if sizes["disk"]}
 
 
 def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> WeightLayout:

@@ -38,13 +38,14 @@ import torch
 
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
-                      registered_bytes, slab_bytes, weight_buffer_bytes, weight_host_requests)
+                      largest_matrix_numel, registered_bytes, slab_bytes, weight_buffer_bytes,
+                      weight_host_requests)
 from ..models.config import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy, TierFractions
 from .hardware import HardwareProfile
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
-    largest_matrix_numel, layer_matrix_numel, layer_vector_numel,
+    layer_matrix_numel, layer_vector_numel,
 )
 
 IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
