@@ -22,10 +22,11 @@ from .weights import (WeightLayout, buffer_copies, compressible, dequantize_scra
                       weight_layout)
 
 __all__ = [
-    "CPU_ATTENTION_ROWS", "HOST_CHUNK", "HOST_JOBS_IN_FLIGHT", "PAGE", "Capacity", "Piece", "SlabPlan",
-    "TensorPlacement", "WeightLayout", "WorkspaceLayout", "block_bytes", "block_disk_files", "block_host_requests", "buffer_copies",
-    "check_fits", "compressible", "dequantize_scratch_numel", "disk_file_bytes", "job_bytes", "kv_buffer_parts",
-    "kv_cache_bytes", "largest_matrix_numel", "overflow", "pages", "pins_host_memory", "place_stage", "realised_fractions",
-    "registered_bytes", "slab_bytes", "split_rows", "stage_placements", "stored_parts", "tier_limits", "tier_name",
-    "weight_buffer_bytes", "weight_bytes", "weight_host_requests", "weight_layout", "workspace_layout",
+    "CPU_ATTENTION_ROWS", "HOST_CHUNK", "HOST_JOBS_IN_FLIGHT", "PAGE", "block_bytes", "block_disk_files",
+    "block_host_requests", "buffer_copies", "Capacity", "check_fits", "compressible", "dequantize_scratch_numel",
+    "disk_file_bytes", "job_bytes", "kv_buffer_parts", "kv_cache_bytes", "largest_matrix_numel", "overflow",
+    "pages", "Piece", "pins_host_memory", "place_stage", "realised_fractions", "registered_bytes", "slab_bytes",
+    "SlabPlan", "split_rows", "stage_placements", "stored_parts", "TensorPlacement", "tier_limits", "tier_name",
+    "weight_buffer_bytes", "weight_bytes", "weight_host_requests", "weight_layout", "WeightLayout",
+    "workspace_layout", "WorkspaceLayout",
 ]
