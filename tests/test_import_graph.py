@@ -39,22 +39,32 @@ def imports(path: Path, package: Path) -> set[str]:
     return found
 
 
-def forbidden(target: str) -> bool:
-    return target == "flexoff.runtime" or target.startswith("flexoff.runtime.") or target == "flexoff.profiler"
+def within(target: str, modules: tuple[str, ...]) -> bool:
+    return any(target == module or target.startswith(module + ".") for module in modules)
 
 
-def planner_imports_of_the_runtime(package: Path) -> list[str]:
+def imports_into(package: Path, part: str, banned: tuple[str, ...]) -> list[str]:
+    """'source imports target' for each import from ``part`` of ``package`` into ``banned`` modules."""
     bad = []
-    for path in sorted((package / "planner").rglob("*.py")):
+    for path in sorted((package / part).rglob("*.py")):
         source = module_name(path, package)
         if source in COMMANDS:
             continue
-        bad += [f"{source} imports {target}" for target in sorted(imports(path, package)) if forbidden(target)]
+        bad += [f"{source} imports {target}" for target in sorted(imports(path, package)) if within(target, banned)]
     return bad
+
+
+def planner_imports_of_the_runtime(package: Path) -> list[str]:
+    return imports_into(package, "planner", ("flexoff.runtime", "flexoff.profiler"))
 
 
 def test_the_planner_imports_neither_the_runtime_nor_the_profiler():
     assert planner_imports_of_the_runtime(PACKAGE) == []
+
+
+def test_the_layout_sits_below_the_runtime_and_the_planner():
+    assert imports_into(PACKAGE, "layout", ("flexoff.runtime", "flexoff.profiler", "flexoff.planner",
+                                            "flexoff.api")) == []
 
 
 def test_the_walk_finds_module_and_function_level_imports(tmp_path):

@@ -201,12 +201,12 @@ class CostModel:
     def weight_buffer_bytes(self, frame: PolicyFrame, wg):
         """GPU bytes of the buffers the runtime assembles streamed weights in, affine in ``wg``.
 
-        The runtime's own accounting with every weight off the GPU (a layer's ring of two, plus
-        the embedding's and head's buffers, at stored size) scales with the share off the GPU.
+        The layout's figure with every weight off the GPU (a layer's ring of two, plus the
+        embedding's and head's buffers, at stored size) scales with the share off the GPU.
         The one tensor a fraction splits is assembled whole: up to two of the largest matrix more,
         priced as ``wg`` x that, which is exact with nothing on the GPU, close for a small share
         off it (where it matters), and two matrices too many with everything on it. Compressed
-        weights add one matrix of dequantization scratch (in the runtime's figure)."""
+        weights add one matrix of dequantization scratch (in the layout's figure)."""
         key = frame.compress_weight
         if key not in self._buffer_bytes:
             off_gpu = Policy(1, 1, TierFractions(0, 1, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0),

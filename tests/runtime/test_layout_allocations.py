@@ -75,6 +75,7 @@ def _check_allocations(path, tmp_path, policy, device):
         files = offload_files(tmp_path)
         block = block_disk_files(cfg, policy, PROMPT, PROMPT + NEW, dtype.itemsize)
         # The stages' files keep their names; every other file is the block's cache or activations.
+        assert set(layout.disk_files()) <= {"embed", "head", *(f"layer.{i}" for i in range(cfg.num_layers))}
         assert {name: files[name] for name in layout.disk_files()} == layout.disk_files()
         others = Counter(size for name, size in files.items() if name not in layout.disk_files())
         assert others == Counter(block)
