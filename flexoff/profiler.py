@@ -216,7 +216,7 @@ def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
     """CPU attention's FLOP/s and its fixed cost per call, fit to a full call (the full profile's
     cache of 32 sequences of an OPT-30B layer, 0.5 GB, is larger than CPU caches, as real ones are)
     and a call of a few sequences: seconds = per_call + FLOPs / rate."""
-    from .runtime.kv import CPU_ATTENTION_ROWS
+    from .layout import CPU_ATTENTION_ROWS
 
     flops_per_row = 4.0 * heads * keys * head_dim
     small = 2
