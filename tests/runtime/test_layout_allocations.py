@@ -12,9 +12,10 @@ import torch
 from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.compression import CompressedTensor
 from flexoff.errors import PolicyError
-from flexoff.layout import block_disk_files, job_bytes, weight_layout
+from flexoff.layout import block_disk_files, job_bytes, weight_layout, workspace_layout
 from flexoff.planner.cost_model import Workload
 from flexoff.policy import CompressionConfig
+from flexoff.runtime.kv import KVWorkspace
 from flexoff.runtime.offload_dir import OWNER_FILE
 from flexoff.runtime.tiers import HostMemory
 
@@ -58,7 +59,15 @@ def offload_files(base: Path) -> dict[str, int]:
     return {path.name: path.stat().st_size for path in base.rglob("*") if path.is_file() and path.name != OWNER_FILE}
 
 
-def _check_allocations(path, tmp_path, policy, device):
+def _check_allocations(path, tmp_path, policy, device, monkeypatch):
+    workspaces = []
+    make = KVWorkspace.for_block.__func__
+
+    def recording(cls, *args, **kwargs):
+        workspaces.append(make(cls, *args, **kwargs))
+        return workspaces[-1]
+
+    monkeypatch.setattr(KVWorkspace, "for_block", classmethod(recording))
     with LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float32", device=device) as llm:
         cfg, dtype, weights = llm.config, llm.dtype, llm.engine.weights
         layout = weight_layout(cfg, policy, dtype)
@@ -72,6 +81,10 @@ def _check_allocations(path, tmp_path, policy, device):
             assert host == planned["cpu"]
             assert held_tensor_bytes(weights, llm.device) == planned["gpu"]
         llm.generate([[7] * PROMPT] * policy.block_size, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        # The GPU workspace the block's batches share.
+        planned_workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, PROMPT + NEW, dtype.itemsize)
+        assert [held_tensor_bytes(w, llm.device) if w is not None else None for w in workspaces] == [
+            planned_workspace.nbytes(dtype.itemsize) if planned_workspace is not None else None]
         files = offload_files(tmp_path)
         block = block_disk_files(cfg, policy, PROMPT, PROMPT + NEW, dtype.itemsize)
         # The stages' files keep their names; every other file is the block's cache or activations.
@@ -83,16 +96,16 @@ def _check_allocations(path, tmp_path, policy, device):
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_the_engine_allocates_what_the_layout_lists(tiny_model_dir, tmp_path, name):
+def test_the_engine_allocates_what_the_layout_lists(tiny_model_dir, tmp_path, monkeypatch, name):
     path, _ = tiny_model_dir("opt-post-proj")
-    _check_allocations(path, tmp_path, POLICIES[name], "cpu")
+    _check_allocations(path, tmp_path, POLICIES[name], "cpu", monkeypatch)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", POLICIES)
-def test_the_engine_allocates_what_the_layout_lists_on_cuda(tiny_model_dir, tmp_path, name):
+def test_the_engine_allocates_what_the_layout_lists_on_cuda(tiny_model_dir, tmp_path, monkeypatch, name):
     path, _ = tiny_model_dir("opt-post-proj")
-    _check_allocations(path, tmp_path, POLICIES[name], "cuda")
+    _check_allocations(path, tmp_path, POLICIES[name], "cuda", monkeypatch)
 
 
 @pytest.mark.parametrize("short", [None, "device (cpu)", "cpu"])
