@@ -26,8 +26,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flexoff.models import REGISTRY, stage_names, stage_specs  # noqa: E402
-from flexoff.runtime.placement import place_stage  # noqa: E402
+from flexoff.models import REGISTRY, stage_specs, stages  # noqa: E402
+from flexoff.layout import place_stage  # noqa: E402
 from flexoff.policy import placement_from_percent  # noqa: E402
 
 # Measured on the lent H100 machine (shared/reference/anchors.md): pinned host->GPU copy and
@@ -67,7 +67,7 @@ def roofline(model: str, spec: dict, gen_len: int, itemsize: int = 2) -> float:
     cfg = REGISTRY[model]
     w = placement_from_percent(spec["percent"])["weights"]
     on = {"cpu": 0, "disk": 0}
-    for stage in stage_names(cfg):
+    for stage in stages(cfg):
         for placement in place_stage(stage_specs(cfg, stage), w):
             for tier in on:
                 on[tier] += placement.numel_on(tier) * itemsize

@@ -6,6 +6,8 @@ from collections.abc import Callable, Sequence as SequenceOf
 from dataclasses import dataclass
 import math
 import os
+import sys
+import tempfile
 
 import torch
 from tqdm import tqdm
@@ -13,7 +15,7 @@ from tqdm import tqdm
 from .checks import check_bool, check_device_name, check_optional_path, check_real, check_seed
 from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
-from .models import ModelConfig, resolve_model, stage_names, stage_specs
+from .models import ModelConfig, resolve_model, stage_specs, stages
 from .prompts import check_prompt
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
@@ -160,7 +162,7 @@ class LLM:
         self.policy = given or DEFAULT_POLICY
         self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
         source = DummyWeights(seed) if dummy else CheckpointWeights(checkpoint)
-        source.check({stage: stage_specs(self.config, stage) for stage in stage_names(self.config)})
+        source.check({stage.name: stage_specs(self.config, stage) for stage in stages(self.config)})
         offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
         caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]
         capacity = machine_capacity(self.device, *caps, offload_dir if self.policy.uses_disk else None)
@@ -168,9 +170,14 @@ class LLM:
         job = workload() if callable(workload) else workload
         if job is not None:
             from .planner.default import fit_job  # the planner loads its solver: only when asked for
+            from .profiler import saved_or_measured_profile
 
-            self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY,
-                                offload_dir, self.device)
+            if hardware is None:
+                disk_dir, device = offload_dir or tempfile.gettempdir(), self.device
+
+                def hardware():
+                    return saved_or_measured_profile(device, disk_dir, lambda message: print(message, file=sys.stderr))
+            self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir)
             self.policy = self.plan.policy
             if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
                 offload_dir = offload_dir or self.plan.offload_dir

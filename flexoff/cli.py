@@ -139,7 +139,7 @@ def searched_policy(args, workload):
 def hardware_profile(args, device):
     """The profile planning uses: --hardware, else this machine's saved one, measured quickly (and
     saved) the first time."""
-    from .planner.default import saved_or_measured_profile
+    from .profiler import saved_or_measured_profile
     from .planner.hardware import resolve_hardware
 
     if args.hardware:
@@ -193,7 +193,7 @@ def _split(fractions) -> str:
 
 
 def format_summary(llm, metrics) -> str:
-    from .runtime.memory import tier_name
+    from .layout import tier_name
     from .policy import TIERS
 
     policy = llm.policy

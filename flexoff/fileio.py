@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import OutputError
+from .errors import OutputError, PolicyError
 
 
 def write_text_atomic(path: str | Path, text: str) -> None:
@@ -153,3 +153,15 @@ def nothing_at(path: str | Path) -> bool:
     except OSError:
         return False
     return False
+
+
+def usable_offload_dir(path: str | Path) -> Path:
+    """The offload directory, created if needed; refused unless it can be written."""
+    directory = Path(path)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PolicyError(f"cannot use offload directory {path}: {exc.strerror or exc}") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise PolicyError(f"cannot use offload directory {path}: it is not writable")
+    return directory

@@ -14,6 +14,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import psutil
 import torch
 
 from .errors import ConfigError
-from .planner.hardware import HardwareProfile
+from .planner.hardware import HardwareProfile, default_profile_path
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -215,7 +216,7 @@ def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
     """CPU attention's FLOP/s and its fixed cost per call, fit to a full call (the full profile's
     cache of 32 sequences of an OPT-30B layer, 0.5 GB, is larger than CPU caches, as real ones are)
     and a call of a few sequences: seconds = per_call + FLOPs / rate."""
-    from .runtime.kv import CPU_ATTENTION_ROWS
+    from .layout import CPU_ATTENTION_ROWS
 
     flops_per_row = 4.0 * heads * keys * head_dim
     small = 2
@@ -470,3 +471,21 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",
         notes=notes, measurements=measurements,
     )
+
+
+def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: Callable[[str], None]
+                              ) -> HardwareProfile:
+    """This machine's saved profile; measured quickly and saved there first when there is none."""
+    path = default_profile_path()
+    if path.is_file():
+        return HardwareProfile.load(path)
+    log(f"no hardware profile saved at {path}: measuring a quick one (`flexoff profile` measures a full one)")
+    started = time.perf_counter()
+    profile = profile_machine(quick=True, disk_dir=disk_dir, device=device.type)
+    try:
+        profile.save(path)
+    except OSError as exc:
+        log(f"could not save the hardware profile to {path}: {exc.strerror or exc}")
+    else:
+        log(f"measured in {time.perf_counter() - started:.0f} s, saved to {path}")
+    return profile

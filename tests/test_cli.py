@@ -250,7 +250,7 @@ def _summary_sizes(line: str, label: str) -> dict[str, int]:
 def test_the_summary_names_the_tiers_as_they_are_and_tells_where_every_weight_is(tiny_model_dir, tmp_path, capsys):
     """On a CPU the "gpu" tier is the CPU: the summary says so, and its byte counts are the placement's."""
     from flexoff.models import resolve_model_config
-    from flexoff.models import stage_names, stage_specs
+    from flexoff.models import stage_specs, stages
 
     path, _ = tiny_model_dir("opt-pre")
     percent = ["40", "30", "50", "50", "100", "0"]
@@ -261,7 +261,7 @@ def test_the_summary_names_the_tiers_as_they_are_and_tells_where_every_weight_is
     assert lines["policy     "].startswith("policy     % on device (cpu)/cpu/disk: weights requested 40.0/30.0/30.0")
     weights = _summary_sizes(lines["weights    "], "weights    ")
     config = resolve_model_config(str(path))
-    total = sum(spec.numel for stage in stage_names(config) for spec in stage_specs(config, stage)) * 4  # float32
+    total = sum(spec.numel for stage in stages(config) for spec in stage_specs(config, stage)) * 4  # float32
     realised = lines["policy     "].split("realised ")[1].split()[0].split("/")
     assert list(weights) == ["device (cpu)", "cpu", "disk"]
     assert sum(weights.values()) == pytest.approx(total, abs=20)  # every weight, each size printed to 0.01 KiB

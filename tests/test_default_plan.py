@@ -15,7 +15,7 @@ from flexoff.planner.default import job_needs, plan_default
 from flexoff.planner.hardware import default_profile_path, packaged_profile
 from tests.conftest import untimed_records
 from flexoff.planner.search import search_policy
-from flexoff.runtime.memory import Capacity, overflow
+from flexoff.layout import Capacity, overflow
 from tests.conftest import PROMPTS
 
 WORKLOAD = Workload(14, 4, len(PROMPTS))

@@ -37,16 +37,15 @@ from typing import NamedTuple
 import torch
 
 from ..errors import ConfigError
+from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
+                      largest_matrix_numel, registered_bytes, slab_bytes, weight_buffer_bytes,
+                      weight_host_requests)
 from ..models.config import ModelConfig
-from ..runtime.kv import CPU_ATTENTION_ROWS
-from ..runtime.memory import block_host_requests, weight_buffer_bytes, weight_host_requests
 from ..policy import TIERS, CompressionConfig, Policy, TierFractions
-from ..runtime.tiers import HostWorker, registered_bytes, slab_bytes
-from ..runtime.weight_store import dequantize_scratch_numel
 from .hardware import HardwareProfile
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
-    largest_matrix_numel, layer_matrix_numel, layer_vector_numel,
+    layer_matrix_numel, layer_vector_numel,
 )
 
 IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
@@ -55,7 +54,6 @@ STREAM_TERMS = IO_TERMS + ("host",)
 COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
 FP32_BYTES = 4
-HOST_JOBS_IN_FLIGHT = HostWorker.MAX_IN_FLIGHT  # each holds one GPU batch's new keys and values
 
 
 @dataclass(frozen=True)
@@ -203,12 +201,12 @@ class CostModel:
     def weight_buffer_bytes(self, frame: PolicyFrame, wg):
         """GPU bytes of the buffers the runtime assembles streamed weights in, affine in ``wg``.
 
-        The runtime's own accounting with every weight off the GPU (a layer's ring of two, plus
-        the embedding's and head's buffers, at stored size) scales with the share off the GPU.
+        The layout's figure with every weight off the GPU (a layer's ring of two, plus the
+        embedding's and head's buffers, at stored size) scales with the share off the GPU.
         The one tensor a fraction splits is assembled whole: up to two of the largest matrix more,
         priced as ``wg`` x that, which is exact with nothing on the GPU, close for a small share
         off it (where it matters), and two matrices too many with everything on it. Compressed
-        weights add one matrix of dequantization scratch (in the runtime's figure)."""
+        weights add one matrix of dequantization scratch (in the layout's figure)."""
         key = frame.compress_weight
         if key not in self._buffer_bytes:
             off_gpu = Policy(1, 1, TierFractions(0, 1, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0),

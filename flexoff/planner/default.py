@@ -1,31 +1,27 @@
 """The policy a run takes when none is given: everything on the compute device when the job fits
-there, otherwise a lossless policy the planner searches for this job on this machine's profile.
+there, otherwise a lossless policy the planner searches for this job on a machine's profile.
 
-Whether a job fits is the runtime's own estimate (:func:`flexoff.runtime.memory.job_bytes`), the
-one the engine checks each block against, so the default is kept exactly when the engine would
-accept it.
+Whether a job fits is the layout's figure (:func:`flexoff.layout.job_bytes`), the one the engine
+checks each block against, so the default is kept exactly when the engine would accept it.
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import PolicyError
+from ..fileio import usable_offload_dir
+from ..layout import Capacity, check_fits, job_bytes, overflow, pins_host_memory, tier_limits, tier_name
 from ..models.config import ModelConfig
-from ..runtime.memory import (Capacity, check_fits, job_bytes, overflow, tier_limits, tier_name,
-                              usable_offload_dir)
 from ..policy import Policy
-from ..runtime.tiers import pins_host_memory
 from ..units import format_size
 from .cost_model import Workload
-from .hardware import HardwareProfile, default_profile_path
+from .hardware import HardwareProfile
 from .report import policy_summary
 from .search import SearchResult, search_policy
 
@@ -57,11 +53,11 @@ class DefaultPlan:
 
 
 def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtype: torch.dtype,
-            capacity: Capacity, hardware, default: Policy, offload_dir: str | None, device: torch.device
-            ) -> DefaultPlan:
+            capacity: Capacity, hardware: HardwareProfile | Callable[[], HardwareProfile], default: Policy,
+            offload_dir: str | None) -> DefaultPlan:
     """The policy a job runs: ``policy`` if given, checked against ``capacity``; else
     :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None) and
-    ``hardware`` (None: :func:`saved_or_measured_profile`)."""
+    ``hardware`` (a profile, or a callable giving one, called only when needed)."""
     # A job past the model's positions is refused later, naming its prompt; sized as it asks, it
     # could overflow the sizing first.
     prompt_len = min(workload.prompt_len, config.max_positions - 1)
@@ -70,11 +66,7 @@ def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtyp
     if policy is not None:
         check_job(config, policy, dtype, workload, capacity)
         return DefaultPlan(policy, None, None)
-    offload_dir = offload_dir or tempfile.gettempdir()
-    if hardware is None:
-        def hardware():
-            return saved_or_measured_profile(device, offload_dir, lambda message: print(message, file=sys.stderr))
-    return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir)
+    return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir or tempfile.gettempdir())
 
 
 def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dtype: torch.dtype,
@@ -119,22 +111,3 @@ def planning_memory(capacity: Capacity) -> tuple[int | None, int | None, int]:
         cpu = max(0, cpu - capacity.gpu)
     return capacity.gpu, cpu, capacity.disk or 0
 
-
-def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: Callable[[str], None]
-                              ) -> HardwareProfile:
-    """This machine's saved profile; measured quickly and saved there first when there is none."""
-    path = default_profile_path()
-    if path.is_file():
-        return HardwareProfile.load(path)
-    from ..profiler import profile_machine  # imports the measurements only when they are needed
-
-    log(f"no hardware profile saved at {path}: measuring a quick one (`flexoff profile` measures a full one)")
-    started = time.perf_counter()
-    profile = profile_machine(quick=True, disk_dir=disk_dir, device=device.type)
-    try:
-        profile.save(path)
-    except OSError as exc:
-        log(f"could not save the hardware profile to {path}: {exc.strerror or exc}")
-    else:
-        log(f"measured in {time.perf_counter() - started:.0f} s, saved to {path}")
-    return profile

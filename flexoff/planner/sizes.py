@@ -1,11 +1,11 @@
-"""Element counts of a model's weights, computed from its ModelConfig alone.
-
-The planner needs them before any weight exists; a test checks them against the runtime's weight
-specs (``flexoff.models.stage_specs``).
-"""
+"""Element counts of a model's weights, read off its weight specs (the ones the runtime stores),
+split as the layout splits them: matrices, which matmuls read and compression packs, and vectors
+(biases and norms), which stay in the compute dtype."""
 
 from __future__ import annotations
 
+from ..layout import compressible
+from ..models import Stage, stage_specs
 from ..models.config import ModelConfig
 from ..policy import CompressionConfig
 
@@ -14,31 +14,24 @@ FP16_BYTES = 2
 GROUP_METADATA_BYTES = 2 * FP16_BYTES
 
 
+def _numel(config: ModelConfig, stages: tuple[Stage, ...], matrices: bool) -> int:
+    return sum(spec.numel for stage in stages for spec in stage_specs(config, stage)
+               if compressible(spec) == matrices)
+
+
+# Every decoder layer has the first one's shapes.
+_LAYER = (Stage("layer", 0),)
+_OUTSIDE = (Stage("embed"), Stage("head"))
+
+
 def layer_matrix_numel(config: ModelConfig) -> int:
     """Elements of one transformer layer's 2-D weights (the ones matmuls read and compression packs)."""
-    h = config.hidden_size
-    q_width = config.num_heads * config.head_dim
-    kv_width = config.num_kv_heads * config.head_dim
-    attention = h * q_width * 2 + h * kv_width * 2  # q, o and k, v
-    if config.family == "opt":
-        mlp = 2 * h * config.intermediate_size  # fc1, fc2
-    else:
-        mlp = 3 * h * config.intermediate_size  # gate, up, down (SwiGLU)
-    return attention + mlp
+    return _numel(config, _LAYER, True)
 
 
 def layer_vector_numel(config: ModelConfig) -> int:
     """Elements of one layer's biases and norms; they stay fp16 under compression."""
-    h = config.hidden_size
-    q_width = config.num_heads * config.head_dim
-    kv_width = config.num_kv_heads * config.head_dim
-    if config.family == "opt":
-        norms = 2 * 2 * h  # two LayerNorms, weight and bias
-        biases = (q_width + 2 * kv_width + h + config.intermediate_size + h) if config.enable_bias else 0
-        return norms + biases
-    norms = 2 * h  # two RMSNorms
-    biases = (q_width + 2 * kv_width) if config.attention_bias else 0
-    return norms + biases
+    return _numel(config, _LAYER, False)
 
 
 def layer_weight_numel(config: ModelConfig) -> int:
@@ -52,22 +45,12 @@ def embedding_matrix_numel(config: ModelConfig) -> int:
     The head counts even when tied to the token embedding: the runtime keeps the embedding and the
     head as separate stages that are placed (and stored) independently.
     """
-    h, vocab, proj = config.hidden_size, config.vocab_size, config.word_embed_proj_dim
-    numel = 2 * vocab * proj  # token embedding and head
-    if config.family == "opt":
-        numel += (config.max_positions + 2) * h  # OPT's learned positions carry an offset of 2
-        if proj != h:
-            numel += 2 * proj * h  # project_in and project_out
-    return numel
+    return _numel(config, _OUTSIDE, True)
 
 
 def embedding_vector_numel(config: ModelConfig) -> int:
     """The final norm, the only 1-D weight outside the layers."""
-    h = config.hidden_size
-    if config.family == "opt":
-        has_final_norm = config.do_layer_norm_before and not config.remove_final_layer_norm
-        return 2 * h if has_final_norm else 0
-    return h
+    return _numel(config, _OUTSIDE, False)
 
 
 def embedding_numel(config: ModelConfig) -> int:
@@ -88,20 +71,7 @@ def parameter_count(config: ModelConfig) -> int:
 
 def head_matmul_numel(config: ModelConfig) -> int:
     """Weight elements a token's logits multiply through (lm head, plus OPT's project_out)."""
-    numel = config.vocab_size * config.word_embed_proj_dim
-    if config.family == "opt" and config.word_embed_proj_dim != config.hidden_size:
-        numel += config.word_embed_proj_dim * config.hidden_size
-    return numel
-
-
-def largest_matrix_numel(config: ModelConfig) -> int:
-    """The biggest single 2-D weight: the size of one dequantization buffer."""
-    h = config.hidden_size
-    return max(
-        h * config.intermediate_size,
-        h * config.num_heads * config.head_dim,
-        config.vocab_size * config.word_embed_proj_dim,
-    )
+    return _numel(config, (Stage("head"),), True)
 
 
 def bytes_per_element(compression: CompressionConfig | None) -> float:

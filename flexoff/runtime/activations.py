@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .placement import split_rows
+from ..layout import split_rows
 from ..policy import TierFractions
 from .tiers import DiskTier, HostMemory, read_pinned
 

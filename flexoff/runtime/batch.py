@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models import ModelConfig, architecture
+from ..models import ModelConfig, Stage, architecture
 from ..models.common import attention_mask
 from .activations import BatchActivations
 from .kv import BatchKV
@@ -66,7 +66,7 @@ class GpuBatch:
         self.activations: BatchActivations = make_activations(len(seqs), self.prompt_len)
         self.hidden: torch.Tensor | None = None
         self.active = True
-        self.pending: tuple[str, Callable[[], torch.Tensor]] | None = None  # (stage, finish) of a half-run layer
+        self.pending: tuple[Stage, Callable[[], torch.Tensor]] | None = None  # (stage, finish) of a half-run layer
         self._store_on_resolve = False
 
     def slot_start(self, token: int) -> int:
@@ -87,13 +87,13 @@ class GpuBatch:
         self.mask = attention_mask(self.valid, self.start, self.input_ids.shape[1])
         self.context = architecture(self.cfg).step_context(self.cfg, self.positions, self.dtype)
 
-    def run_stage(self, stage: str, weights: dict) -> None:
+    def run_stage(self, stage: Stage, weights: dict) -> None:
         """Compute one stage for this batch; the head is left to the caller (it samples or scores)."""
         arch = architecture(self.cfg)
-        if stage == "embed":
+        if stage.kind == "embed":
             self.hidden = arch.embed(self.cfg, weights, self.input_ids, self.positions)
-        elif stage != "head":
-            layer = int(stage.split(".", 1)[1])
+        elif stage.is_layer:
+            layer = stage.index
             if not self.kv.attends_on_cpu(self.start):
                 attend = self.kv.attender(layer, self.start, self.mask)
                 self.hidden = arch.layer(self.cfg, weights, self.hidden, self.context, attend)
@@ -103,7 +103,7 @@ class GpuBatch:
             attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
             self.pending = (stage, lambda: arch.after_attention(self.cfg, weights, hidden, attended()))
 
-    def resolve(self) -> str | None:
+    def resolve(self) -> Stage | None:
         """Finish a pending layer (waiting for its CPU attention); returns its stage, or None if none was pending."""
         if self.pending is None:
             return None

@@ -10,16 +10,16 @@ from collections.abc import Callable
 import torch
 
 from ..errors import PolicyError
-from ..models import ModelConfig, architecture, stage_names
+from ..models import ModelConfig, architecture, stages
 from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
 from .kv import BatchKV, KVWorkspace
-from .memory import Capacity, check_fits, job_bytes, weight_bytes
+from ..layout import Capacity, check_fits, job_bytes, pins_host_memory, weight_bytes
 from .metrics import MemoryMeter, Metrics
 from ..policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
 from .schedule import COMPUTE, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, STORE_ACTIVATION, block_schedule
-from .tiers import DiskTier, HostMemory, HostWorker, Streams, pins_host_memory
+from .tiers import DiskTier, HostMemory, HostWorker, Streams
 from .weight_store import TieredWeights
 
 # Decides after each token whether a sequence has hit a stop string; returns True to stop.
@@ -36,7 +36,7 @@ class Engine:
         self.dtype = dtype
         self.seed = seed
         self.capacity = capacity or Capacity(None, None, None)
-        self.stages = stage_names(cfg)
+        self.stages = stages(cfg)
         self.memory = MemoryMeter(device)
         self.streams = Streams(device, policy.overlap)
         # Host-side cache work (see kv.py), on one thread for the engine's lifetime.

@@ -26,14 +26,12 @@ from functools import partial
 
 import torch
 
+from ..layout import CPU_ATTENTION_ROWS, Piece, WorkspaceLayout, split_rows, workspace_layout
 from ..models import ModelConfig
 from ..models.common import attention
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
-from .placement import Piece, split_rows
 from ..policy import TIERS, Policy
 from .tiers import DiskTier, HostMemory, HostWorker, Streams, device_allocator, read_pinned
-
-CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 
 
 def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor,
@@ -61,14 +59,13 @@ class KVWorkspace:
     in order on the compute stream.
     """
 
-    def __init__(self, cfg: ModelConfig, slots: int, travelling_rows: int, dequantized_rows: int,
-                 fmt: PlainFormat | QuantizedFormat, device: torch.device, dtype: torch.dtype, streams: Streams):
+    def __init__(self, cfg: ModelConfig, layout: WorkspaceLayout, fmt: PlainFormat | QuantizedFormat,
+                 device: torch.device, dtype: torch.dtype, streams: Streams):
         allocate = device_allocator(device)
-        shape = SLOT_MAJOR.shape(slots, travelling_rows, cfg.num_kv_heads, cfg.head_dim)
+        shape = SLOT_MAJOR.shape(layout.slots, layout.travelling, cfg.num_kv_heads, cfg.head_dim)
         self.fmt = fmt
-        self.sets = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate))
-                     for _ in range(2) if travelling_rows > 0]
-        numel = slots * dequantized_rows * cfg.num_kv_heads * cfg.head_dim
+        self.sets = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in range(layout.ring_sets)]
+        numel = layout.dequantized_numel
         self.dequantized = (allocate((numel,), dtype), allocate((numel,), dtype)) if numel else (None, None)
         self.free_events = [None] * len(self.sets)
         self.streams = streams
@@ -78,14 +75,10 @@ class KVWorkspace:
     def for_block(cls, cfg: ModelConfig, policy: Policy, rows: int, slots: int, device: torch.device,
                   dtype: torch.dtype, streams: Streams) -> "KVWorkspace | None":
         """The workspace for batches of up to ``rows`` sequences, or None where none is needed."""
-        on_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier == "gpu")
-        travelling = 0 if policy.cpu_attention else rows - on_gpu
-        # GPU rows and travelling rows attend one after the other, so they share the buffer.
-        dequantized = max(on_gpu, travelling) if policy.compress_cache is not None else 0
-        if not travelling and not dequantized:
+        layout = workspace_layout(cfg, policy, rows, slots, dtype.itemsize)
+        if layout is None:
             return None
-        return cls(cfg, slots, travelling, dequantized, kv_format(policy.compress_cache, dtype), device, dtype,
-                   streams)
+        return cls(cfg, layout, kv_format(policy.compress_cache, dtype), device, dtype, streams)
 
     def take(self) -> int:
         index = self._next

@@ -18,10 +18,10 @@ import torch
 
 from ..errors import PolicyError
 from ..units import format_size
+from ..layout.host import (HOST_CHUNK, HOST_JOBS_IN_FLIGHT, PAGE, SlabPlan, disk_file_bytes, pages,
+                           pins_host_memory)
 from .offload_dir import make_private_folder
 
-_PAGE = 4096
-_ALIGN = _PAGE  # file offsets are page-aligned so large reads map onto whole pages
 _CHUNK = 64 << 20  # bytes per read/write call: large enough for full disk bandwidth
 
 
@@ -63,59 +63,6 @@ def read_pinned(target: torch.Tensor, source: torch.Tensor) -> None:
     alias = torch.as_tensor(_DeviceView(source.data_ptr(), nbytes), device=target.device)
     integer = _SAME_SIZE_INTEGER[source.element_size()]
     torch.mul(alias.view(integer).view(source.shape), 1, out=target.view(integer))
-
-
-class SlabPlan:
-    """Where pinned host allocations go: first fit, at ``ALIGN``-byte boundaries, into slabs of
-    ``SLAB`` bytes (a larger request gets a power-of-two slab of its own size).
-
-    Pure bookkeeping, so that the memory estimates reserve what :class:`HostMemory` reserves: the
-    space a slab's last requests leave unused (a 411 MB matrix does not fit the 201 MB left by two
-    others) is host memory all the same, 6-7% of OPT-30B's weights.
-    """
-
-    SLAB = 1 << 30
-    ALIGN = 512
-
-    def __init__(self):
-        self.slabs: list[list[int]] = []  # [size, bytes used]
-
-    def place(self, nbytes: int) -> tuple[int, int]:
-        """(slab index, offset) for ``nbytes``; a new slab is added when none has room."""
-        need = -(-nbytes // self.ALIGN) * self.ALIGN
-        index = next((i for i, (size, used) in enumerate(self.slabs) if size - used >= need), None)
-        if index is None:
-            self.slabs.append([max(self.SLAB, 1 << max(0, need - 1).bit_length()), 0])
-            index = len(self.slabs) - 1
-        start = self.slabs[index][1]
-        self.slabs[index][1] += need
-        return index, start
-
-    @property
-    def reserved(self) -> int:
-        return sum(size for size, _ in self.slabs)
-
-
-def slab_bytes(requests) -> int:
-    """Host bytes that pinned allocations of ``requests`` bytes, made in this order, reserve."""
-    plan = SlabPlan()
-    for nbytes in requests:
-        plan.place(nbytes)
-    return plan.reserved
-
-
-def registered_bytes(requests) -> int:
-    """Host bytes that exactly pinned allocations of ``requests`` bytes take: whole pages each."""
-    return sum(_pages(nbytes) for nbytes in requests)
-
-
-def _pages(nbytes: int) -> int:
-    return max(1, -(-nbytes // _PAGE)) * _PAGE
-
-
-def pins_host_memory(pin: bool) -> bool:
-    """Whether host memory is pinned when a policy asks for it: only where CUDA exists."""
-    return pin and torch.cuda.is_available()
 
 
 class HostMemory:
@@ -161,9 +108,9 @@ class HostMemory:
 
     def _register(self, nbytes: int) -> torch.Tensor:
         # Whole pages of its own: two registrations must never share a page.
-        size = _pages(nbytes)
-        base = torch.empty(size + _PAGE, dtype=torch.uint8)
-        buffer = base[-base.data_ptr() % _PAGE:][:size]
+        size = pages(nbytes)
+        base = torch.empty(size + PAGE, dtype=torch.uint8)
+        buffer = base[-base.data_ptr() % PAGE:][:size]
         error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0))
         if error:
             raise PolicyError(f"cannot pin {format_size(size)} of host memory (CUDA error {error}); run without "
@@ -233,8 +180,8 @@ class HostWorker:
     earlier write to it, and disk rows' staging pair is never used by two jobs at once.
     """
 
-    MAX_IN_FLIGHT = 3  # a job keeps its GPU inputs (a layer's keys at prefill) alive until it has run
-    CHUNK = 32 << 20  # bytes of each of the two pinned chunks a strided host write goes through
+    MAX_IN_FLIGHT = HOST_JOBS_IN_FLIGHT  # a job keeps its GPU inputs (a layer's keys at prefill) alive until it has run
+    CHUNK = HOST_CHUNK  # bytes of each of the two pinned chunks a strided host write goes through
 
     def __init__(self, device: torch.device, streams: Streams, pin: bool):
         self.device = device
@@ -354,7 +301,7 @@ class DiskTier:
         if name in self._files:  # a later block reuses the name: drop the old file's handle
             os.close(self._files.pop(name))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        size = -(-num_bytes // _ALIGN) * _ALIGN
+        size = disk_file_bytes(num_bytes)
         os.ftruncate(fd, size)
         self._files[name] = fd
         self._sizes[name] = size

@@ -22,29 +22,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compression import CompressedTensor, dequantize, quantize
-from ..models import ModelConfig, WeightSpec, stage_names, stage_specs
-from .placement import TensorPlacement, place_stage, realised_fractions
+from ..layout import (TensorPlacement, buffer_copies, compressible, dequantize_scratch_numel, stage_placements,
+                      realised_fractions)
+from ..models import ModelConfig, Stage, WeightSpec
 from ..policy import TIERS, CompressionConfig, Policy
 from .tiers import DiskRegion, DiskTier, HostMemory, Streams, device_allocator
 
 Stored = torch.Tensor | CompressedTensor
-
-
-def stage_kind(stage: str) -> str:
-    return "layer" if stage.startswith("layer.") else stage
-
-
-def compressible(spec: WeightSpec) -> bool:
-    """Matrices are compressed; norms and biases are too small to matter."""
-    return len(spec.shape) == 2
-
-
-def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None) -> int:
-    """Elements of the one buffer compressed matrices are dequantized into: the largest of them."""
-    if compression is None:
-        return 0
-    return max((spec.numel for stage in stage_names(cfg) for spec in stage_specs(cfg, stage) if compressible(spec)),
-               default=0)
 
 
 def _parts(value: Stored) -> list[torch.Tensor]:
@@ -95,7 +79,7 @@ class _StagePieces:
 class _BufferSet:
     tensors: dict[str, Stored]  # assembled weights: in the compute dtype, or compressed
     staging: torch.Tensor | None  # pinned host bytes for this stage's disk pieces
-    holder: str | None = None  # stage whose weights are (being) loaded here
+    holder: Stage | None = None  # stage whose weights are (being) loaded here
     ready: object = None  # event: the loads are done
     free: object = None  # event: the last compute that read these buffers is done
     pending: object = None  # future of a load running on the disk threads
@@ -134,9 +118,9 @@ class TieredWeights:
         self.compression: CompressionConfig | None = policy.compress_weight
         self.host = HostMemory(policy.pin_cpu_memory, exact=True)
         self._disk = disk
-        self.placements = {stage: place_stage(stage_specs(cfg, stage), policy.weights) for stage in stage_names(cfg)}
+        self.placements = stage_placements(cfg, policy)
         self.bytes = {tier: 0 for tier in TIERS}
-        self._stages: dict[str, _StagePieces] = {}
+        self._stages: dict[Stage, _StagePieces] = {}
         for stage, placements in self.placements.items():
             # One stage at a time: the source's copy is dropped before the next stage is read.
             self._stages[stage] = self._materialise(source, stage, placements)
@@ -151,24 +135,24 @@ class TieredWeights:
         # Groups run along each row, so a piece of rows is itself a whole compressed tensor.
         return quantize(tensor, self.compression.bits, self.compression.group_size, dim=-1)
 
-    def _materialise(self, source, stage: str, placements: list[TensorPlacement]) -> _StagePieces:
+    def _materialise(self, source, stage: Stage, placements: list[TensorPlacement]) -> _StagePieces:
         pieces = _StagePieces()
         on_disk: list[tuple[Stored, _OnDisk]] = []
         for placement in placements:
             spec = placement.spec
             compressed = self._compressed(spec)
             if placement.only_tier == "gpu" and not compressed:
-                pieces.resident[spec.name] = source.load_tensor(stage, spec, self.device, self.dtype)
+                pieces.resident[spec.name] = source.load_tensor(stage.name, spec, self.device, self.dtype)
                 self.bytes["gpu"] += spec.numel * self.dtype.itemsize
                 continue
             if placement.only_tier == "cpu" and not compressed:  # straight into (pinned) host memory
                 storage = self.host.empty(spec.shape, self.dtype)
-                source.load_tensor(stage, spec, storage.device, self.dtype, out=storage)
+                source.load_tensor(stage.name, spec, storage.device, self.dtype, out=storage)
                 self.bytes["cpu"] += spec.numel * self.dtype.itemsize
                 pieces.parts[spec.name] = [(0, spec.shape[0], storage)]
                 continue
             # Quantize where it is fastest: on the GPU when there is one.
-            full = source.load_tensor(stage, spec, self.device if compressed else torch.device("cpu"), self.dtype)
+            full = source.load_tensor(stage.name, spec, self.device if compressed else torch.device("cpu"), self.dtype)
             if compressed:
                 full = self._quantize(full)
                 if placement.only_tier == "gpu":
@@ -193,7 +177,7 @@ class TieredWeights:
                 parts.append((piece.start, piece.stop, storage))
             pieces.parts[spec.name] = parts
         if on_disk:  # the region's size is known once every piece of the stage is (maybe) compressed
-            pieces.region = self._disk.allocate(stage, pieces.disk_bytes)
+            pieces.region = self._disk.allocate(stage.name, pieces.disk_bytes)
             for rows, where in on_disk:
                 offset = where.offset
                 for part in _parts(rows):
@@ -204,14 +188,13 @@ class TieredWeights:
     def _make_buffers(self) -> dict[str, list[_BufferSet]]:
         """Assembly buffers per stage kind, sized by the kind's largest stage."""
         buffers: dict[str, list[_BufferSet]] = {}
-        for stage in stage_names(self.cfg):
-            kind = stage_kind(stage)
-            pieces = self._stages[stage]
+        for stage, pieces in self._stages.items():
+            kind = stage.kind
             if kind in buffers or not pieces.parts:
                 continue
             specs = {p.spec.name: p.spec for p in self.placements[stage]}
-            count = 2 if kind == "layer" and self.cfg.num_layers > 1 else 1
-            disk_bytes = max(self._stages[s].disk_bytes for s in stage_names(self.cfg) if stage_kind(s) == kind)
+            count = buffer_copies(self.cfg, kind)
+            disk_bytes = max(other.disk_bytes for s, other in self._stages.items() if s.kind == kind)
 
             def assembly(name: str) -> Stored:
                 c = self.compression
@@ -233,15 +216,14 @@ class TieredWeights:
         numel = dequantize_scratch_numel(self.cfg, self.compression)
         return torch.empty(numel, device=self.device, dtype=self.dtype) if numel else None
 
-    def _set_for(self, stage: str) -> _BufferSet | None:
-        sets = self._buffers.get(stage_kind(stage))
+    def _set_for(self, stage: Stage) -> _BufferSet | None:
+        sets = self._buffers.get(stage.kind)
         if not sets:
             return None
-        index = int(stage.split(".")[1]) % len(sets) if stage_kind(stage) == "layer" else 0
-        return sets[index]
+        return sets[stage.index % len(sets)]
 
     # Streaming
-    def prefetch(self, stage: str) -> None:
+    def prefetch(self, stage: Stage) -> None:
         """Start assembling ``stage``'s weights on the GPU (a no-op if they are resident).
 
         Stages with disk pieces load on the disk tier's threads, so a slow read never holds up
@@ -259,7 +241,7 @@ class TieredWeights:
             buffer.pending = None
             self._load(stage, buffer)
 
-    def _load(self, stage: str, buffer: _BufferSet) -> None:
+    def _load(self, stage: Stage, buffer: _BufferSet) -> None:
         pieces = self._stages[stage]
         streams = self.streams
         if pieces.disk_bytes:
@@ -277,7 +259,7 @@ class TieredWeights:
                     landing.narrow(0, start, stop - start).copy_(storage, non_blocking=True)
         buffer.ready = streams.record(streams.load)
 
-    def get(self, stage: str) -> StageWeights:
+    def get(self, stage: Stage) -> StageWeights:
         """The stage's weights on the GPU, ready for compute enqueued after this call."""
         buffer = self._set_for(stage)
         pieces = self._stages[stage]
@@ -293,7 +275,7 @@ class TieredWeights:
         weights.update({name: buffer.tensors[name] for name in pieces.parts})
         return StageWeights(weights, self._scratch)
 
-    def release(self, stage: str) -> None:
+    def release(self, stage: Stage) -> None:
         """The last compute reading ``stage``'s buffers has been enqueued; they may be reloaded after it."""
         buffer = self._set_for(stage)
         if buffer is not None:
@@ -317,8 +299,7 @@ class TieredWeights:
         """'name of stage' for the first weight holding a NaN or an infinity as placed (after any
         conversion to the compute dtype, which may overflow); None if none does. Reads every piece
         once, disk pieces included: for naming a fault, never on the normal path."""
-        for stage in stage_names(self.cfg):
-            pieces = self._stages[stage]
+        for stage, pieces in self._stages.items():
             staging = None
             if pieces.disk_bytes:
                 staging = pieces.region.read_into(torch.empty(pieces.disk_bytes, dtype=torch.uint8))

@@ -12,7 +12,7 @@ from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.models import ModelConfig
 from flexoff.runtime import engine as engine_module
 from flexoff.runtime.kv import BatchKV, KVWorkspace
-from flexoff.runtime.memory import kv_cache_bytes
+from flexoff.layout import kv_cache_bytes
 from flexoff.policy import CompressionConfig
 from flexoff.runtime.tiers import DiskTier, HostMemory, HostWorker, Streams
 from tests.conftest import PROMPTS, assert_same_outputs, generate

@@ -1,15 +1,15 @@
 """Pinned host memory: the weights are registered exactly, in whole pages; a block's cache comes
-in slabs. The memory estimates reserve what the runtime does: they replay its own host
-allocations, in its order, through the same accounting."""
+in slabs. The layout lists the runtime's host allocations in its order, and reserves for them
+what the runtime reserves."""
 
 import pytest
 import torch
 
 from flexoff import LLM, Policy, SamplingParams, TierFractions
-from flexoff.runtime import tiers
-from flexoff.runtime.memory import block_bytes, block_host_requests, weight_bytes, weight_host_requests
+from flexoff.layout import (SlabPlan, block_host_requests, registered_bytes, slab_bytes, weight_bytes,
+                            weight_host_requests)
 from flexoff.policy import CompressionConfig
-from flexoff.runtime.tiers import HostWorker, SlabPlan, registered_bytes, slab_bytes
+from flexoff.runtime import tiers
 
 MiB, GiB = 1 << 20, 1 << 30
 
@@ -37,7 +37,6 @@ def test_pinned_weights_take_whole_pages_not_slabs():
     pinned = weight_bytes(cfg, third, torch.float16, pinned=True)["cpu"]
     assert plain == sum(requests)
     assert slab_bytes(requests) > 1.5 * plain
-    assert pinned == registered_bytes(requests) == sum(-(-n // 4096) * 4096 for n in requests)
     assert plain <= pinned < 1.001 * plain
 
 
@@ -45,22 +44,45 @@ def test_registered_bytes_are_whole_pages():
     assert registered_bytes([1, 4096, 4097, 0]) == 4096 + 4096 + 8192 + 4096
 
 
-def test_block_cache_reserves_its_slabs():
+def test_block_cache_slabs_leave_little_unused():
     from flexoff.models import REGISTRY
 
     cfg = REGISTRY["opt-30b"]
     policy = Policy(8, 4, TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(1, 0, 0))
     requests = block_host_requests(cfg, policy, 512, 544, 2)
-    sizes = block_bytes(cfg, policy, 512, 32, 2, pinned=True)
-    # 62 MB tensors, 17 to a slab: 2% more than the cache, plus the host worker's two chunks.
-    assert sizes["cpu"] == slab_bytes(requests) + 2 * HostWorker.CHUNK
+    # 62 MB tensors, 17 to a slab: 2% more than the cache.
     assert 1.01 * sum(requests) < slab_bytes(requests) < 1.04 * sum(requests)
 
 
-def _all_specs(cfg):
-    from flexoff.models import stage_names, stage_specs
+@pytest.mark.gpu
+def test_pinned_host_memory_is_what_the_layout_reserves(tiny_model_dir, tmp_path, monkeypatch):
+    """With CUDA, the weights' registered pages and the block's slabs are the layout's figures."""
+    pools: list[tiers.HostMemory] = []
+    make = tiers.HostMemory.__init__
 
-    return [spec for stage in stage_names(cfg) for spec in stage_specs(cfg, stage)]
+    def recording(self, *args, **kwargs):
+        make(self, *args, **kwargs)
+        pools.append(self)
+
+    monkeypatch.setattr(tiers.HostMemory, "__init__", recording)
+    policy = Policy(4, 2, TierFractions(0, 0.5, 0.5), TierFractions(0.25, 0.5, 0.25), TierFractions(0.5, 0.5, 0))
+    path, _ = tiny_model_dir("opt-post-proj")
+    prompt, new = 5, 3
+    with LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float16", device="cuda") as llm:
+        llm.generate([[7] * prompt] * policy.block_size, SamplingParams(max_new_tokens=new, ignore_eos=True))
+        cfg, dtype = llm.config, llm.dtype
+        weights, block = (pool for pool in pools if pool.pin)
+        registered = sum(buffer.numel() for buffer in weights._registered)
+        assert registered == registered_bytes(weight_host_requests(cfg, policy, dtype))
+        assert weight_bytes(cfg, policy, dtype, pinned=True)["cpu"] == registered
+        slabs = sum(slab.numel() for slab in block._slabs)
+        assert slabs == slab_bytes(block_host_requests(cfg, policy, prompt, prompt + new, dtype.itemsize))
+
+
+def _all_specs(cfg):
+    from flexoff.models import stage_specs, stages
+
+    return [spec for stage in stages(cfg) for spec in stage_specs(cfg, stage)]
 
 
 @pytest.mark.parametrize("compress", [False, True])

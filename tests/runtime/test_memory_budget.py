@@ -11,7 +11,9 @@ from flexoff import LLM
 from flexoff.cli import main
 from flexoff.errors import PolicyError
 from flexoff.runtime import memory
-from flexoff.runtime.memory import HOST_HEADROOM, Capacity, check_fits, machine_capacity, tier_name
+from flexoff.layout import Capacity, check_fits, tier_name
+from flexoff.runtime.memory import HOST_HEADROOM, machine_capacity
+from flexoff.units import format_size
 
 GiB = 1 << 30
 
@@ -76,5 +78,5 @@ def test_the_cli_refuses_a_job_whose_cache_cannot_fit_before_loading_anything(ra
     assert code == 2
     assert len(err.strip().splitlines()) == 1 and err.startswith("flexoff: error: ")
     assert "opt-125m with a block of 32 sequences of up to 512+32 tokens needs" in err
-    assert f"only {memory.format_size(int(1.25 * GiB * (1 - HOST_HEADROOM)))}" in err
+    assert f"only {format_size(int(1.25 * GiB * (1 - HOST_HEADROOM)))}" in err
     assert "device (cpu) tier" in err

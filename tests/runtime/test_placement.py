@@ -2,8 +2,8 @@
 
 import pytest
 
-from flexoff.models import REGISTRY, stage_specs
-from flexoff.runtime.placement import place_stage, realised_fractions, split_rows
+from flexoff.models import REGISTRY, Stage, stage_specs
+from flexoff.layout import place_stage, realised_fractions, split_rows
 from flexoff.policy import TIERS, TierFractions
 
 REQUESTS = [TierFractions(0.25, 0.75, 0), TierFractions(0.2, 0.6, 0.2), TierFractions(0.5, 0.5, 0),
@@ -14,7 +14,7 @@ REQUESTS = [TierFractions(0.25, 0.75, 0), TierFractions(0.2, 0.6, 0.2), TierFrac
 @pytest.mark.parametrize("request_", REQUESTS, ids=str)
 def test_each_stage_within_two_points(model, request_):
     cfg = REGISTRY[model]
-    for stage in ("embed", "layer.0", f"layer.{cfg.num_layers - 1}", "head"):
+    for stage in (Stage("embed"), Stage("layer", 0), Stage("layer", cfg.num_layers - 1), Stage("head")):
         placements = place_stage(stage_specs(cfg, stage), request_)
         got = realised_fractions(placements)
         for tier in TIERS:
@@ -23,7 +23,7 @@ def test_each_stage_within_two_points(model, request_):
 
 def test_pieces_cover_every_row_once():
     cfg = REGISTRY["opt-30b"]
-    for placement in place_stage(stage_specs(cfg, "layer.3"), TierFractions(0.25, 0.5, 0.25)):
+    for placement in place_stage(stage_specs(cfg, Stage("layer", 3)), TierFractions(0.25, 0.5, 0.25)):
         rows = [r for p in placement.pieces for r in range(p.start, p.stop)]
         assert rows == list(range(placement.spec.shape[0]))
 
@@ -31,7 +31,7 @@ def test_pieces_cover_every_row_once():
 def test_a_quarter_stays_a_quarter_on_opt_30b():
     """Whole-tensor placement by midpoint gave 8% for a 25% request here; row splits give 25%."""
     cfg = REGISTRY["opt-30b"]
-    got = realised_fractions(place_stage(stage_specs(cfg, "layer.0"), TierFractions(0.25, 0.75, 0)))
+    got = realised_fractions(place_stage(stage_specs(cfg, Stage("layer", 0)), TierFractions(0.25, 0.75, 0)))
     assert got["gpu"] == pytest.approx(0.25, abs=0.001)
 
 

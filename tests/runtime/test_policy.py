@@ -72,7 +72,7 @@ def test_failure_midway_leaves_no_offload_files(tmp_path, monkeypatch):
 
 def test_block_memory_counts_the_host_workers_queue():
     from flexoff.models import REGISTRY
-    from flexoff.runtime.memory import block_bytes, kv_cache_bytes
+    from flexoff.layout import block_bytes, kv_cache_bytes
     from flexoff.runtime.tiers import HostWorker
 
     cfg = REGISTRY["opt-125m"]

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from flexoff import LLM
 from flexoff.errors import CheckpointError, UnsupportedModelError
 from flexoff.weights import DummyWeights
-from flexoff.models import REGISTRY, stage_specs
+from flexoff.models import REGISTRY, Stage, stage_specs
 
 
 def copy_model(src, dst):
@@ -89,7 +89,7 @@ def test_sharded_safetensors_with_index(tiny_model_dir, tmp_path):
 
 def test_dummy_weights_are_seeded_varied_and_not_constant():
     cfg = REGISTRY["opt-125m"]
-    spec = stage_specs(cfg, "layer.0")[0]
+    spec = stage_specs(cfg, Stage("layer", 0))[0]
     a = DummyWeights(seed=1).make("layer.0", spec, torch.device("cpu"), torch.float32)
     b = DummyWeights(seed=1).make("layer.0", spec, torch.device("cpu"), torch.float32)
     c = DummyWeights(seed=1).make("layer.1", spec, torch.device("cpu"), torch.float32)

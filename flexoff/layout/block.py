@@ -1,0 +1,126 @@
+"""One block's memory under a policy, in bytes: each GPU batch's KV cache per tier (disk rows with
+their host staging), the GPU workspace the batches share, offloaded activations, the host worker's
+share, and the working memory of the largest step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models import ModelConfig
+from ..policy import TIERS, CompressionConfig, Policy
+from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
+from .placement import split_rows
+from .weights import stored_parts
+
+CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
+
+
+def kv_buffer_parts(cfg: ModelConfig, slots: int, rows: int, compression: CompressionConfig | None,
+                    itemsize: int) -> list[int]:
+    """Bytes of each tensor one layer's keys (or values) of ``rows`` sequences are stored as; the
+    same in every storage order, head_dim always last."""
+    return stored_parts((slots, rows, cfg.num_kv_heads, cfg.head_dim), compression, itemsize)
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """The GPU workspace a block's batches share (see runtime.kv.KVWorkspace): a ring of two
+    (keys, values) sets for the ``travelling`` off-GPU rows GPU attention loads, in the cache's
+    format, and with a compressed cache one flat (keys, values) pair of ``dequantized`` rows that
+    one attention call's slots are decompressed into."""
+
+    slots: int
+    travelling: int
+    dequantized: int
+    ring_sets: int
+    set_parts: tuple[int, ...]  # bytes of one buffer's parts in a ring set
+    dequantized_numel: int  # elements of each buffer of the flat pair
+
+    def nbytes(self, itemsize: int) -> int:
+        return self.ring_sets * 2 * sum(self.set_parts) + 2 * self.dequantized_numel * itemsize
+
+
+def workspace_layout(cfg: ModelConfig, policy: Policy, rows: int, slots: int, itemsize: int) -> WorkspaceLayout | None:
+    """The workspace for batches of up to ``rows`` sequences, or None where none is needed."""
+    on_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier == "gpu")
+    travelling = 0 if policy.cpu_attention else rows - on_gpu
+    # GPU rows and travelling rows attend one after the other, so they share the buffer.
+    dequantized = max(on_gpu, travelling) if policy.compress_cache is not None else 0
+    if not travelling and not dequantized:
+        return None
+    parts = kv_buffer_parts(cfg, slots, travelling, policy.compress_cache, itemsize)
+    return WorkspaceLayout(slots, travelling, dequantized, 2 if travelling > 0 else 0, tuple(parts),
+                           slots * dequantized * cfg.num_kv_heads * cfg.head_dim)
+
+
+def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) -> dict[str, int]:
+    """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
+    compresses the cache), disk rows' host staging, and the GPU workspace the batches share."""
+    sizes = dict.fromkeys(TIERS, 0)
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+        layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
+        sizes[piece.tier] += cfg.num_layers * layer_bytes * policy.num_gpu_batches
+        if piece.tier == "disk":
+            sizes["cpu"] += layer_bytes * policy.num_gpu_batches  # each batch stages one layer
+    workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, slots, itemsize)
+    if workspace is not None:
+        sizes["gpu"] += workspace.nbytes(itemsize)
+    return sizes
+
+
+def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
+    """Host allocations of one block in the order the engine makes them: batch by batch, its cache
+    (each tier's rows for every layer, keys then values; one staging pair for disk rows), then its
+    offloaded activations."""
+    cache: list[int] = []
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+        if piece.tier == "gpu":
+            continue
+        pair = kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
+        cache += pair * (cfg.num_layers if piece.tier == "cpu" else 1)
+    activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
+                   for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
+    return (cache + activations) * policy.num_gpu_batches
+
+
+def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
+    """Sizes of one block's offload files: per batch, two (keys, values) for each layer of its disk
+    rows, and one for its disk rows' hidden states."""
+    files: list[int] = []
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+        if piece.tier == "disk":
+            size = sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
+            files += [disk_file_bytes(size)] * (2 * cfg.num_layers)
+    for piece in split_rows(policy.gpu_batch_size, policy.activations):
+        if piece.tier == "disk":
+            files.append(disk_file_bytes((piece.stop - piece.start) * prompt_len * cfg.hidden_size * itemsize))
+    return files * policy.num_gpu_batches
+
+
+def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
+                pinned: bool = False) -> dict[str, int]:
+    """KV cache, activations and working memory of one full block, per tier. ``pinned``: host
+    memory is pinned, so its figure is the slabs the block's allocations take."""
+    sizes = kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize)
+    rows = policy.gpu_batch_size
+    hidden_per_row = prompt_len * cfg.hidden_size * itemsize
+    for piece in split_rows(rows, policy.activations):
+        tier = "cpu" if piece.tier == "disk" else piece.tier  # disk rows are staged through host memory
+        sizes[tier] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
+        if piece.tier == "disk":
+            sizes["disk"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
+    if pinned:
+        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize))
+    # Working memory of the largest step, one batch at a time: the prefill's MLP intermediate,
+    # q/k/v, and fp32 logits of the last position.
+    working = rows * prompt_len * (cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize
+    working += rows * cfg.vocab_size * 4 * 2
+    sizes["gpu"] += working
+    # The host worker's queued prefill jobs each keep one batch's new keys and values of the rows
+    # they store in host memory on the GPU until copied, through two pinned chunks.
+    off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
+    if off_gpu:
+        per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+        sizes["gpu"] += HOST_JOBS_IN_FLIGHT * per_job
+        sizes["cpu"] += 2 * HOST_CHUNK
+    return sizes

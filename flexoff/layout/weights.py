@@ -1,0 +1,139 @@
+"""The weights of a policy, in bytes: each stage's pieces per tier at their stored size, the GPU
+buffers streamed stages are assembled in, the dequantization scratch, and the host allocations in
+the order the runtime's weight store makes them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..compression.packing import packed_row_bytes
+from ..models import ModelConfig, Stage, WeightSpec, stage_specs, stages
+from ..policy import TIERS, CompressionConfig, Policy
+from .host import disk_file_bytes, registered_bytes
+from .placement import TensorPlacement, place_stage
+
+
+def compressible(spec: WeightSpec) -> bool:
+    """Matrices are compressed; norms and biases are too small to matter."""
+    return len(spec.shape) == 2
+
+
+def buffer_copies(cfg: ModelConfig, kind: str) -> int:
+    """Assembly buffer sets of a stage kind: decoder layers share a ring of two (one computing, one
+    loading), the embedding and the head have one each."""
+    return 2 if kind == "layer" and cfg.num_layers > 1 else 1
+
+
+def largest_matrix_numel(cfg: ModelConfig) -> int:
+    """Elements of the model's biggest 2-D weight."""
+    return max((spec.numel for stage in stages(cfg) for spec in stage_specs(cfg, stage) if compressible(spec)),
+               default=0)
+
+
+def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None) -> int:
+    """Elements of the one buffer compressed matrices are dequantized into: the largest of them."""
+    return 0 if compression is None else largest_matrix_numel(cfg)
+
+
+def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int) -> list[int]:
+    """Bytes of each tensor a stored weight or KV buffer of ``shape`` (``itemsize``-byte values) is
+    allocated as: itself, or once compressed group-wise along its last dimension, its packed codes,
+    scales and minimums (the scales and minimums take the values' dtype)."""
+    if compression is None:
+        return [math.prod(shape) * itemsize]
+    rows = math.prod(shape[:-1])
+    groups = -(-shape[-1] // compression.group_size)
+    meta = rows * groups * itemsize
+    return [rows * packed_row_bytes(shape[-1], compression.bits), meta, meta]
+
+
+def stage_placements(cfg: ModelConfig, policy: Policy) -> dict[Stage, list[TensorPlacement]]:
+    """Which rows of each stage's tensors live on which tier."""
+    return {stage: place_stage(stage_specs(cfg, stage), policy.weights) for stage in stages(cfg)}
+
+
+@dataclass(frozen=True)
+class WeightLayout:
+    """Every weight allocation of a policy, in bytes.
+
+    ``stage_tiers``: each stage's stored bytes per tier (disk bytes are its file's content);
+    ``buffers``: GPU bytes of each stage kind's assembly buffer sets, all copies; ``staging``: host
+    bytes of one buffer set's staging for the kind's disk pieces; ``scratch``: GPU bytes compressed
+    matrices are dequantized into; ``host_requests``: the weight store's host allocations in its order.
+    """
+
+    stage_tiers: dict[Stage, dict[str, int]]
+    buffers: dict[str, int]
+    staging: dict[str, int]
+    scratch: int
+    host_requests: list[int]
+
+    def tier_bytes(self, pinned: bool = False) -> dict[str, int]:
+        """Bytes per tier, with the GPU buffers and scratch. ``pinned``: host memory is pinned, so
+        the CPU figure is the whole pages each allocation is registered in (disk stages' host
+        staging included)."""
+        sizes = {tier: sum(stage[tier] for stage in self.stage_tiers.values()) for tier in TIERS}
+        sizes["gpu"] += self.buffer_bytes
+        sizes["cpu"] = registered_bytes(self.host_requests) if pinned else sum(self.host_requests)
+        return sizes
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(self.buffers.values()) + self.scratch
+
+    def disk_files(self) -> dict[str, int]:
+        """Size of each stage's offload file, by the file's name (the stage's)."""
+        return {stage.name: disk_file_bytes(sizes["disk"]) for stage, sizes in self.stage_tiers.items()
+                if sizes["disk"]}
+
+
+def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> WeightLayout:
+    stage_tiers: dict[Stage, dict[str, int]] = {}
+    buffers: dict[str, int] = {}
+    staging: dict[str, int] = {}
+    requests: list[int] = []
+    compression = policy.compress_weight
+    for stage, placed in stage_placements(cfg, policy).items():
+        sizes = dict.fromkeys(TIERS, 0)
+        streamed = 0
+        for placement in placed:
+            spec = placement.spec
+            compressed = compression if compression is not None and compressible(spec) else None
+            for piece in placement.pieces:
+                parts = stored_parts((piece.stop - piece.start, *spec.shape[1:]), compressed, dtype.itemsize)
+                sizes[piece.tier] += sum(parts)
+                if piece.tier == "cpu":
+                    requests += parts
+            if placement.only_tier != "gpu":  # assembled whole, compressed or not
+                streamed += sum(stored_parts(spec.shape, compressed, dtype.itemsize))
+        stage_tiers[stage] = sizes
+        copies = buffer_copies(cfg, stage.kind)
+        buffers[stage.kind] = max(buffers.get(stage.kind, 0), copies * streamed)
+        staging[stage.kind] = max(staging.get(stage.kind, 0), sizes["disk"])
+    # Each buffer set has its host staging for disk pieces, made after every stage's pieces.
+    for kind, disk in staging.items():
+        if disk and buffers[kind]:
+            requests += [disk] * buffer_copies(cfg, kind)
+    scratch = dequantize_scratch_numel(cfg, compression) * dtype.itemsize
+    return WeightLayout(stage_tiers, buffers, staging, scratch, requests)
+
+
+def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, pinned: bool = False) -> dict[str, int]:
+    """Bytes of weights per tier (compressed where the policy says), plus the GPU buffers that
+    streamed stages are assembled and compressed matrices dequantized in (see WeightLayout)."""
+    return weight_layout(cfg, policy, dtype).tier_bytes(pinned)
+
+
+def weight_host_requests(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> list[int]:
+    """The weight store's host allocations, in the order it makes them."""
+    return weight_layout(cfg, policy, dtype).host_requests
+
+
+def weight_buffer_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> int:
+    """GPU bytes of the buffers streamed stages are assembled in (a layer's ring of two, and one each
+    for the embedding and the head where they stream), and of the scratch compressed matrices are
+    dequantized into. A tensor with any rows off the GPU is assembled whole, compressed or not."""
+    return weight_layout(cfg, policy, dtype).buffer_bytes

@@ -1,0 +1,129 @@
+"""The layout's figures are what the runtime allocates: the tensors an engine holds, its host
+allocations and its offload files, under policies that use every tier, compression and CPU
+attention; and the runtime accepts exactly the jobs the layout says fit."""
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy, SamplingParams, TierFractions
+from flexoff.compression import CompressedTensor
+from flexoff.errors import PolicyError
+from flexoff.layout import block_disk_files, job_bytes, weight_layout, workspace_layout
+from flexoff.planner.cost_model import Workload
+from flexoff.policy import CompressionConfig
+from flexoff.runtime.kv import KVWorkspace
+from flexoff.runtime.offload_dir import OWNER_FILE
+from flexoff.runtime.tiers import HostMemory
+
+FOUR_BIT = CompressionConfig(4, 4)
+POLICIES = {
+    "device": Policy(2, 2),
+    "every tier": Policy(2, 2, TierFractions(0.3, 0.3, 0.4), TierFractions(0.5, 0.5, 0), TierFractions(0.5, 0.5, 0)),
+    "compressed on disk": Policy(4, 2, TierFractions(0, 0.5, 0.5), TierFractions(0.25, 0.5, 0.25),
+                                 TierFractions(0.5, 0, 0.5), compress_weight=FOUR_BIT, compress_cache=FOUR_BIT),
+    "cpu attention": Policy(4, 1, TierFractions(0.5, 0, 0.5), TierFractions(0, 0.5, 0.5), TierFractions(1, 0, 0),
+                            cpu_attention=True, compress_weight=FOUR_BIT),
+}
+PROMPT, NEW = 5, 3
+
+
+def held_tensor_bytes(root, device: torch.device) -> int:
+    """Bytes of every tensor on ``device`` reachable from ``root`` through flexoff objects,
+    containers and compressed tensors, each tensor object once. Host memory pools are not entered:
+    their allocations are reached as the views handed out."""
+    seen, total, stack = set(), 0, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, HostMemory):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.device == device:
+                total += obj.numel() * obj.element_size()
+        elif isinstance(obj, CompressedTensor):
+            stack += [obj.data, obj.scale, obj.minimum]
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+        elif type(obj).__module__.startswith("flexoff") and hasattr(obj, "__dict__"):
+            stack += list(vars(obj).values())
+    return total
+
+
+def offload_files(base: Path) -> dict[str, int]:
+    return {path.name: path.stat().st_size for path in base.rglob("*") if path.is_file() and path.name != OWNER_FILE}
+
+
+def _check_allocations(path, tmp_path, policy, device, monkeypatch):
+    workspaces = []
+    make = KVWorkspace.for_block.__func__
+
+    def recording(cls, *args, **kwargs):
+        workspaces.append(make(cls, *args, **kwargs))
+        return workspaces[-1]
+
+    monkeypatch.setattr(KVWorkspace, "for_block", classmethod(recording))
+    with LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float32", device=device) as llm:
+        cfg, dtype, weights = llm.config, llm.dtype, llm.engine.weights
+        layout = weight_layout(cfg, policy, dtype)
+        planned = layout.tier_bytes()
+        assert weights.bytes == {tier: sum(s[tier] for s in layout.stage_tiers.values()) for tier in planned}
+        assert weights.host.nbytes == planned["cpu"] == sum(layout.host_requests)
+        host = held_tensor_bytes(weights, torch.device("cpu"))
+        if llm.device.type == "cpu":  # one RAM: what the store holds beyond its host allocations is the device's
+            assert host - weights.host.nbytes == planned["gpu"]
+        else:
+            assert host == planned["cpu"]
+            assert held_tensor_bytes(weights, llm.device) == planned["gpu"]
+        llm.generate([[7] * PROMPT] * policy.block_size, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        # The GPU workspace the block's batches share.
+        planned_workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, PROMPT + NEW, dtype.itemsize)
+        assert [held_tensor_bytes(w, llm.device) if w is not None else None for w in workspaces] == [
+            planned_workspace.nbytes(dtype.itemsize) if planned_workspace is not None else None]
+        files = offload_files(tmp_path)
+        block = block_disk_files(cfg, policy, PROMPT, PROMPT + NEW, dtype.itemsize)
+        # The stages' files keep their names; every other file is the block's cache or activations.
+        assert set(layout.disk_files()) <= {"embed", "head", *(f"layer.{i}" for i in range(cfg.num_layers))}
+        assert {name: files[name] for name in layout.disk_files()} == layout.disk_files()
+        others = Counter(size for name, size in files.items() if name not in layout.disk_files())
+        assert others == Counter(block)
+        assert (planned["disk"] > 0) == bool(layout.disk_files())
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_engine_allocates_what_the_layout_lists(tiny_model_dir, tmp_path, monkeypatch, name):
+    path, _ = tiny_model_dir("opt-post-proj")
+    _check_allocations(path, tmp_path, POLICIES[name], "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", POLICIES)
+def test_the_engine_allocates_what_the_layout_lists_on_cuda(tiny_model_dir, tmp_path, monkeypatch, name):
+    path, _ = tiny_model_dir("opt-post-proj")
+    _check_allocations(path, tmp_path, POLICIES[name], "cuda", monkeypatch)
+
+
+@pytest.mark.parametrize("short", [None, "device (cpu)", "cpu"])
+def test_the_runtime_accepts_exactly_what_the_layout_says_fits(tiny_model_dir, tmp_path, short):
+    """On the CPU the device tier takes its share of the RAM the cpu tier leaves: a byte less than
+    the layout's figure for either is refused before anything loads."""
+    path, _ = tiny_model_dir("opt-post-proj")
+    policy = POLICIES["every tier"]
+    with LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float32", device="cpu") as probe:
+        need = job_bytes(probe.config, policy, probe.dtype, PROMPT, NEW)
+    gpu_mem = need["gpu"] - (short == "device (cpu)")
+    cpu_mem = need["cpu"] - 1 if short == "cpu" else need["cpu"] + need["gpu"]
+    build = lambda: LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float32",  # noqa: E731
+                        device="cpu", gpu_mem=gpu_mem, cpu_mem=cpu_mem, workload=Workload(PROMPT, NEW))
+    if short is not None:
+        with pytest.raises(PolicyError, match=rf"on the {re.escape(short)} tier.*short by 1 B"):
+            build()
+        return
+    with build() as llm:
+        out = llm.generate([[7] * PROMPT] * policy.block_size, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert len(out) == policy.block_size

@@ -1,0 +1,89 @@
+"""The planner plans from the layout and a hardware profile: it never reaches into the runtime or
+the profiler that measures it, neither at module level nor inside a function."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import flexoff
+
+PACKAGE = Path(flexoff.__file__).parent
+# A command line, which runs the profiler for `flexoff profile`; it is no part of the planning.
+COMMANDS = {"flexoff.planner.cli"}
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, package: Path) -> set[str]:
+    """Every module ``path`` imports, anywhere in it, as absolute names; ``from X import name`` also
+    counts ``X.name``, which may be a module."""
+    name = module_name(path, package)
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")
+                base = base[:len(base) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            found.add(source)
+            found.update(f"{source}.{alias.name}" for alias in node.names)
+    return found
+
+
+def within(target: str, modules: tuple[str, ...]) -> bool:
+    return any(target == module or target.startswith(module + ".") for module in modules)
+
+
+def imports_into(package: Path, part: str, banned: tuple[str, ...]) -> list[str]:
+    """'source imports target' for each import from ``part`` of ``package`` into ``banned`` modules."""
+    bad = []
+    for path in sorted((package / part).rglob("*.py")):
+        source = module_name(path, package)
+        if source in COMMANDS:
+            continue
+        bad += [f"{source} imports {target}" for target in sorted(imports(path, package)) if within(target, banned)]
+    return bad
+
+
+def planner_imports_of_the_runtime(package: Path) -> list[str]:
+    return imports_into(package, "planner", ("flexoff.runtime", "flexoff.profiler"))
+
+
+def test_the_planner_imports_neither_the_runtime_nor_the_profiler():
+    assert planner_imports_of_the_runtime(PACKAGE) == []
+
+
+def test_the_layout_sits_below_the_runtime_and_the_planner():
+    assert imports_into(PACKAGE, "layout", ("flexoff.runtime", "flexoff.profiler", "flexoff.planner",
+                                            "flexoff.api")) == []
+
+
+def test_the_walk_finds_module_and_function_level_imports(tmp_path):
+    planner = tmp_path / "flexoff" / "planner"
+    planner.mkdir(parents=True)
+    (tmp_path / "flexoff" / "__init__.py").write_text("")
+    (planner / "__init__.py").write_text("from ..runtime import kv\n")
+    (planner / "late.py").write_text("def f():\n    from .. import profiler\n    import flexoff.runtime.tiers\n")
+    (planner / "fine.py").write_text("from ..layout import job_bytes\nfrom .sizes import FP16_BYTES\n")
+    assert planner_imports_of_the_runtime(tmp_path / "flexoff") == [
+        "flexoff.planner imports flexoff.runtime", "flexoff.planner imports flexoff.runtime.kv",
+        "flexoff.planner.late imports flexoff.profiler", "flexoff.planner.late imports flexoff.runtime.tiers",
+    ]
+
+
+def test_importing_the_planner_loads_no_runtime_module_and_no_cuda_state():
+    code = ("import sys, flexoff.planner, torch\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('flexoff.runtime', 'flexoff.profiler'))))\n"
+            "print(torch.cuda.is_initialized())\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            cwd=PACKAGE.parent)
+    assert result.stdout.split("\n")[:2] == ["[]", "False"]
