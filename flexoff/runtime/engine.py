@@ -18,12 +18,11 @@ from .memory import Capacity, check_fits, job_bytes, weight_bytes
 from .metrics import MemoryMeter, Metrics
 from ..policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
+from .stopping import Decode, StopCondition
 from .schedule import COMPUTE, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, STORE_ACTIVATION, block_schedule
 from .tiers import DiskTier, HostMemory, HostWorker, Streams, pins_host_memory
 from .weight_store import TieredWeights
 
-# Decides after each token whether a sequence has hit a stop string; returns True to stop.
-StopCheck = Callable[[Sequence], bool]
 HeadHook = Callable[[GpuBatch, dict], None]
 
 
@@ -175,9 +174,11 @@ class Engine:
                         return
             # STORE_CACHE needs no action: attention writes each new slot to its tier as it runs.
 
-    def generate_block(self, seqs: list[Sequence], stop_check: StopCheck | None = None,
+    def generate_block(self, seqs: list[Sequence], decode: Decode | None = None,
                        on_step: Callable[[int], None] | None = None) -> Metrics:
         """Generate for every sequence of one block; fills each Sequence in place.
+
+        ``decode`` (token ids to text) lets stop strings be matched; without it they are not.
 
         ``on_step`` receives the number of tokens each batch's step produced, for progress bars.
         """
@@ -186,7 +187,7 @@ class Engine:
         self.memory.reset()
         batches = self._make_batches(seqs, max_new)
         metrics = Metrics(num_sequences=len(seqs))
-        eos = set(self.cfg.eos_token_ids)
+        stops = {id(seq): StopCondition(seq.params, self.cfg.eos_token_ids, decode) for seq in seqs}
         clock = {"start": time.perf_counter(), "prefill_end": None, "heads": 0}
         failed: list[Sequence] = []
 
@@ -205,12 +206,7 @@ class Engine:
                 seq.token_ids.append(token)
                 seq.logprobs.append(logprob)
                 produced += 1
-                if token in eos and not seq.params.ignore_eos:
-                    seq.finish_reason = "stop"
-                elif stop_check is not None and seq.params.stop and stop_check(seq):
-                    seq.finish_reason = "stop"
-                elif len(seq.token_ids) >= seq.params.max_new_tokens:
-                    seq.finish_reason = "length"
+                seq.finish_reason = stops[id(seq)].add(token)
             metrics.padded_generated_tokens += len(batch.seqs)
             batch.active = not all(s.finished for s in batch.seqs)
             clock["heads"] += 1
