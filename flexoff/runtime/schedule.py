@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 LOAD_WEIGHTS = "load_weights"
 LOAD_CACHE = "load_cache"
@@ -48,8 +49,7 @@ HEAD = "head"
 SYNC = "sync"
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):  # a tuple: made for every step of every block, it must be cheap
     kind: str
     token: int = -1
     stage: int = -1
@@ -163,8 +163,10 @@ def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> I
                 yield step
         elif step.kind == COMPUTE:
             i, j = step.token, step.stage
-            yield from finish(k)
-            yield from issue_loads()
+            if k in pending:
+                yield from finish(k)
+            if deferred:
+                yield from issue_loads()
             if i > 0 and j in shape.cache_stages and k in shape.cpu_attention:
                 pending[k] = (i, j)
                 yield Step(START_ATTENTION, i, j, k)
@@ -172,9 +174,10 @@ def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> I
                 yield step
                 yield Step(RELEASE_WEIGHTS, i, j, k)
             for other in batches:  # their CPU attention overlapped this batch's enqueued GPU work
-                if other != k:
+                if other != k and other in pending:
                     yield from finish(other)
-            yield from issue_loads()
+            if deferred:
+                yield from issue_loads()
             if j == last:
                 yield Step(HEAD, i, j, k)
                 if not any(active):
