@@ -192,3 +192,28 @@ def test_the_engine_runs_the_schedules_steps(tiny_model_dir, tmp_path, case):
         stages = 2 + llm.config.num_layers
     expected = list(block_schedule(shape(3, stages, policy.num_gpu_batches, **placement)))
     assert ran == expected
+
+
+@pytest.mark.parametrize("case", ["gpu", "cpu-attention"])
+def test_the_engine_runs_the_schedules_steps_as_batches_finish(tiny_model_dir, tmp_path, case):
+    """Batches that finish early leave the schedule at their HEAD; the engine's steps are those of
+    the schedule told the same (the token at which each batch's HEAD was its last)."""
+    policy, placement = ENGINE_CASES[case]
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts = [[5, 6, 7][:1 + n % 3] for n in range(policy.block_size)]
+    budgets = [1, 1, 4, 4][:policy.block_size]  # the first batch stops after its prefill
+    with LLM(str(path), policy=policy, offload_dir=str(tmp_path)) as llm:
+        ran = []
+        llm.engine.observer = ran.append
+        llm.generate(prompts, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets])
+        stages = 2 + llm.config.num_layers
+    heads = [s for s in ran if s.kind == HEAD]
+    ends = {k: max(s.token for s in heads if s.batch == k) for k in range(policy.num_gpu_batches)}
+    assert sorted(ends.values()) == [0, 3]
+    active = [True] * policy.num_gpu_batches
+    expected = []
+    for step in block_schedule(shape(4, stages, policy.num_gpu_batches, **placement), active):
+        expected.append(step)
+        if step.kind == HEAD and step.token == ends[step.batch]:
+            active[step.batch] = False
+    assert ran == expected
