@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexoff.runtime.kv as kv_module  # noqa: E402
 from flexoff import LLM, Policy, SamplingParams  # noqa: E402
 from flexoff.models.config import resolve_model_config  # noqa: E402
-from flexoff.runtime.batch import GpuBatch  # noqa: E402
+from flexoff.runtime.interpreter import BlockInterpreter  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
 from flexoff.policy import TierFractions  # noqa: E402
@@ -80,7 +80,7 @@ class EventLog:
 
         def wrapped(*args, **kwargs):
             text = label(*args)
-            if text is None:  # nothing worth a line (a resolve with nothing pending)
+            if text is None:  # nothing worth a line
                 return inner(*args, **kwargs)
             self._mark(f"{text} begin")
             try:
@@ -95,8 +95,8 @@ class EventLog:
         engine = self.llm.engine
         store, worker = engine.weights, engine.worker
         self._wrap(store, "prefetch", lambda stage: f"prefetch {stage}")
-        self._wrap(GpuBatch, "run_stage", lambda b, stage, w: f"run {id(b) % 997} {stage}")
-        self._wrap(GpuBatch, "resolve", lambda b: f"resolve {id(b) % 997} {b.pending[0]}" if b.pending else None)
+        for kind in ("compute", "start_attention", "finish_attention"):
+            self._wrap(BlockInterpreter, kind, lambda run, step: f"{step.kind} b{step.batch} stage {step.stage}")
         self._wrap(worker, "_run", lambda fn, ready: "job")
         inner_load = store._load
 

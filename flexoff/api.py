@@ -249,10 +249,6 @@ class LLM:
             raise TokenizerError("stop strings need a tokenizer, and this model has none")
 
     # Generation
-    def _stop_check(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.token_ids)
-        return any(stop in text for stop in seq.params.stop)
-
     def _finish(self, seq: Sequence, prompt) -> RequestOutput:
         prompt_text = prompt if isinstance(prompt, str) else None
         if seq.finish_reason == "error":
@@ -292,7 +288,7 @@ class LLM:
                 seqs = [Sequence(i, ids[i], params[i], SequenceSampler(params[i], self.seed + i)) for i in block]
                 budget = sum(s.params.max_new_tokens for s in seqs)
                 metrics = self.engine.generate_block(
-                    seqs, self._stop_check if self.tokenizer is not None else None, on_step=bar.update)
+                    seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=bar.update)
                 # Sequences that stopped early leave part of their budget unused; count it as done.
                 bar.update(budget - metrics.generated_tokens)
                 block_outputs = [self._finish(seq, prompts[seq.index]) for seq in seqs]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..models import ModelConfig, Stage, architecture
+from ..models import ModelConfig, architecture
 from ..models.common import attention_mask
 from .activations import BatchActivations
 from .kv import BatchKV
@@ -38,18 +38,17 @@ class Sequence:
 
 
 class GpuBatch:
-    """One GPU batch of a block: left-padded inputs, its cache and activations, and step state.
+    """One GPU batch of a block: left-padded inputs, its cache and activations, and the state of the
+    token in flight.
 
-    The cache has a slot per prompt position (padding included) and per generated token.
-
-    With CPU attention, a decode step's layer is left *pending* half way: attention runs on the
-    host worker while the engine enqueues other batches' GPU work, and ``resolve`` enqueues the
-    rest of the layer once something needs this batch's hidden state.
+    The cache has a slot per prompt position (padding included) and per generated token. The
+    block schedule says which of these methods run, and when.
     """
 
     def __init__(self, cfg: ModelConfig, seqs: list[Sequence], device: torch.device, dtype: torch.dtype,
                  extra_slots: int, make_kv, make_activations):
         self.cfg = cfg
+        self.arch = architecture(cfg)
         self.seqs = seqs
         self.device = device
         self.dtype = dtype
@@ -64,10 +63,16 @@ class GpuBatch:
         self.valid = slot[None, :] >= (self.prompt_len - self.lengths)[:, None]
         self.kv: BatchKV = make_kv(len(seqs), self.slots)
         self.activations: BatchActivations = make_activations(len(seqs), self.prompt_len)
-        self.hidden: torch.Tensor | None = None
         self.active = True
-        self.pending: tuple[Stage, Callable[[], torch.Tensor]] | None = None  # (stage, finish) of a half-run layer
-        self._store_on_resolve = False
+        # The token in flight (set by begin_token): its inputs, first cache slot, mask and the
+        # architecture's per-step context; the hidden state between stages.
+        self.input_ids: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.start = 0
+        self.mask: torch.Tensor | None = None
+        self.context = None
+        self.hidden: torch.Tensor | None = None
+        self._finish: Callable[[], torch.Tensor] | None = None  # the rest of a layer whose attention runs on the host
 
     def slot_start(self, token: int) -> int:
         """First cache slot written at ``token`` (0 is the prefill)."""
@@ -85,46 +90,34 @@ class GpuBatch:
             self.positions = (self.lengths + token - 1)[:, None]
         self.start = self.slot_start(token)
         self.mask = attention_mask(self.valid, self.start, self.input_ids.shape[1])
-        self.context = architecture(self.cfg).step_context(self.cfg, self.positions, self.dtype)
+        self.context = self.arch.step_context(self.cfg, self.positions, self.dtype)
 
-    def run_stage(self, stage: Stage, weights: dict) -> None:
-        """Compute one stage for this batch; the head is left to the caller (it samples or scores)."""
-        arch = architecture(self.cfg)
-        if stage.kind == "embed":
-            self.hidden = arch.embed(self.cfg, weights, self.input_ids, self.positions)
-        elif stage.is_layer:
-            layer = stage.index
-            if not self.kv.attends_on_cpu(self.start):
-                attend = self.kv.attender(layer, self.start, self.mask)
-                self.hidden = arch.layer(self.cfg, weights, self.hidden, self.context, attend)
-                return
-            hidden, self.hidden = self.hidden, None
-            q, k, v = arch.attention_inputs(self.cfg, weights, hidden, self.context)
-            attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
-            self.pending = (stage, lambda: arch.after_attention(self.cfg, weights, hidden, attended()))
+    def embed(self, weights: dict) -> None:
+        self.hidden = self.arch.embed(self.cfg, weights, self.input_ids, self.positions)
 
-    def resolve(self) -> Stage | None:
-        """Finish a pending layer (waiting for its CPU attention); returns its stage, or None if none was pending."""
-        if self.pending is None:
-            return None
-        stage, finish = self.pending
-        self.pending = None
+    def layer(self, layer: int, weights: dict) -> None:
+        """Decoder layer ``layer``, attention included (on the GPU, or waited for)."""
+        attend = self.kv.attender(layer, self.start, self.mask)
+        self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend)
+
+    def start_attention(self, layer: int, weights: dict) -> None:
+        """Decoder layer ``layer`` up to attention, which the host worker runs meanwhile; the rest
+        is left to ``finish_attention``."""
+        hidden, self.hidden = self.hidden, None
+        q, k, v = self.arch.attention_inputs(self.cfg, weights, hidden, self.context)
+        attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
+        self._finish = lambda: self.arch.after_attention(self.cfg, weights, hidden, attended())
+
+    def finish_attention(self) -> None:
+        """Wait for the layer's attention, then enqueue the rest of it."""
+        finish, self._finish = self._finish, None
         self.hidden = finish()
-        if self._store_on_resolve:
-            self._store_on_resolve = False
-            self.store_activation()
-        return stage
 
     def store_activation(self) -> None:
-        """Send the hidden state to its tiers. A pending layer's is sent once it resolves: waiting
-        for its CPU attention here would keep the next batch's GPU work from being enqueued while
-        that attention runs."""
-        if self.pending is not None:
-            self._store_on_resolve = True
-            return
+        """Send the hidden state to its tiers."""
         self.activations.put(self.hidden)
         self.hidden = None
 
     def load_activation(self) -> None:
-        """Bring the hidden state back to the compute device; the caller has resolved the batch."""
+        """Bring the hidden state back to the compute device."""
         self.hidden = self.activations.get()

@@ -1,6 +1,6 @@
-"""The engine: places the model on its tiers, then runs blocks of sequences by walking the block
-schedule — each stage's weights serve every GPU batch of the block before the next stage's
-(prefetched meanwhile) take over."""
+"""The engine: places the model on its tiers, then runs blocks of sequences: it forms a block's GPU
+batches and has the block schedule (schedule.py) run over them (interpreter.py); sampling, scoring
+and stopping happen at each HEAD step."""
 
 from __future__ import annotations
 
@@ -13,18 +13,15 @@ from ..errors import PolicyError
 from ..models import ModelConfig, architecture, stages
 from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
-from .kv import BatchKV, KVWorkspace
+from .interpreter import BlockInterpreter, HeadHook, Observer
+from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, check_fits, job_bytes, pins_host_memory, weight_bytes
 from .metrics import MemoryMeter, Metrics
 from ..policy import TIERS, Policy
 from .sampling import SamplingParams, SequenceSampler, choose_tokens
-from .schedule import COMPUTE, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, STORE_ACTIVATION, block_schedule
+from .stopping import Decode, StopCondition
 from .tiers import DiskTier, HostMemory, HostWorker, Streams
 from .weight_store import TieredWeights
-
-# Decides after each token whether a sequence has hit a stop string; returns True to stop.
-StopCheck = Callable[[Sequence], bool]
-HeadHook = Callable[[GpuBatch, dict], None]
 
 
 class Engine:
@@ -45,6 +42,7 @@ class Engine:
         self.weights: TieredWeights | None = None
         self.pins_host = pins_host_memory(policy.pin_cpu_memory)
         self._non_finite_cause: str | None = None
+        self.observer: Observer | None = None  # sees every step of the block schedule as it runs
         self._weight_bytes = weight_bytes(cfg, policy, dtype, self.pins_host)
         check_fits(self._weight_bytes, self.capacity, "placing the weights")
         if policy.uses_disk:
@@ -92,13 +90,14 @@ class Engine:
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
                                           self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
+        shared = BlockKV(self.cfg, policy, self.device, self.dtype, self.streams, host, self.disk, self.worker,
+                         workspace)
         batches = []
         for number, start in enumerate(range(0, len(seqs), size)):
             name = f"b{number}"
 
             def make_kv(count, slots, name=name):
-                return BatchKV(self.cfg, count, slots, policy, self.device, self.dtype, self.streams, self.disk,
-                               workspace, host, name, self.worker)
+                return BatchKV(shared, count, slots, name)
 
             def make_activations(count, length, name=name):
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,
@@ -109,75 +108,14 @@ class Engine:
         return batches
 
     def _execute(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
-        """Walk the block schedule; stop early once every batch has finished."""
-        try:
-            self._walk(batches, num_tokens, on_head)
-        finally:
-            self.worker.drain()  # no host job may outlive the block's cache (or hide its error)
+        """Run the block schedule; it ends early once every batch has finished."""
+        BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer).run(num_tokens)
 
-    def _walk(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
-        """The steps, in order. With CPU attention a batch's decode layer is left pending (see
-        GpuBatch) and resolved when the batch is next needed: at its next compute or activation
-        copy, or at the latest right after the next batch's compute is enqueued, so that each
-        batch's CPU attention runs while the GPU works on its neighbours. A stage's weights are
-        released only once every compute reading them is enqueued; since the ring of layer buffers
-        is then reloaded, a prefetch waits while a batch is pending at a stage it may overwrite.
-        """
-        last = len(self.stages) - 1
-        cache_stages = frozenset(range(1, last))
-        deferred: list[int] = []  # stages to prefetch once no pending batch holds their buffers
-
-        def resolve(batch: GpuBatch) -> None:
-            stage = batch.resolve()
-            if stage is not None:
-                self.weights.release(stage)
-
-        def prefetch_deferred() -> None:
-            # A prefetch may reuse any stage's buffers but those of the stage just before it.
-            while deferred and all(b.pending is None or b.pending[0] == self.stages[deferred[0] - 1]
-                                   for b in batches):
-                self.weights.prefetch(self.stages[deferred.pop(0)])
-
-        for step in block_schedule(num_tokens, len(self.stages), len(batches), cache_stages):
-            stage = self.stages[step.stage]
-            if step.kind == LOAD_WEIGHTS:
-                deferred.append(step.stage)
-                prefetch_deferred()
-                continue
-            batch = batches[step.batch]
-            if not batch.active:
-                continue
-            # Activations kept on the GPU need no copy: the hidden state (maybe still pending) stays
-            # with the batch, so resolving it can wait.
-            if step.kind == LOAD_CACHE:
-                batch.kv.prefetch(step.stage - 1, batch.slot_start(step.token))
-            elif step.kind == LOAD_ACTIVATION and batch.activations.offloaded:
-                resolve(batch)  # sends a deferred store first
-                batch.load_activation()
-            elif step.kind == STORE_ACTIVATION and batch.activations.offloaded:
-                batch.store_activation()
-            elif step.kind == COMPUTE:
-                resolve(batch)
-                prefetch_deferred()
-                if step.stage == 0:
-                    batch.begin_token(step.token)
-                weights = self.weights.get(stage)
-                batch.run_stage(stage, weights)
-                if batch.pending is None:
-                    self.weights.release(stage)
-                for other in batches:  # their CPU attention overlapped this batch's enqueued GPU work
-                    if other is not batch:
-                        resolve(other)
-                prefetch_deferred()
-                if step.stage == last:
-                    on_head(batch, weights)
-                    if not any(b.active for b in batches):
-                        return
-            # STORE_CACHE needs no action: attention writes each new slot to its tier as it runs.
-
-    def generate_block(self, seqs: list[Sequence], stop_check: StopCheck | None = None,
+    def generate_block(self, seqs: list[Sequence], decode: Decode | None = None,
                        on_step: Callable[[int], None] | None = None) -> Metrics:
         """Generate for every sequence of one block; fills each Sequence in place.
+
+        ``decode`` (token ids to text) lets stop strings be matched; without it they are not.
 
         ``on_step`` receives the number of tokens each batch's step produced, for progress bars.
         """
@@ -186,7 +124,7 @@ class Engine:
         self.memory.reset()
         batches = self._make_batches(seqs, max_new)
         metrics = Metrics(num_sequences=len(seqs))
-        eos = set(self.cfg.eos_token_ids)
+        stops = {id(seq): StopCondition(seq.params, self.cfg.eos_token_ids, decode) for seq in seqs}
         clock = {"start": time.perf_counter(), "prefill_end": None, "heads": 0}
         failed: list[Sequence] = []
 
@@ -205,12 +143,7 @@ class Engine:
                 seq.token_ids.append(token)
                 seq.logprobs.append(logprob)
                 produced += 1
-                if token in eos and not seq.params.ignore_eos:
-                    seq.finish_reason = "stop"
-                elif stop_check is not None and seq.params.stop and stop_check(seq):
-                    seq.finish_reason = "stop"
-                elif len(seq.token_ids) >= seq.params.max_new_tokens:
-                    seq.finish_reason = "length"
+                seq.finish_reason = stops[id(seq)].add(token)
             metrics.padded_generated_tokens += len(batch.seqs)
             batch.active = not all(s.finished for s in batch.seqs)
             clock["heads"] += 1

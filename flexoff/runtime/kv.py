@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -150,27 +151,58 @@ class _Group:
         return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store for buffer in pair)}
 
 
-class BatchKV:
-    """The cache of one GPU batch; ``attend`` is what a layer calls to store and attend."""
+@dataclass(frozen=True)
+class BlockKV:
+    """What the caches of one block's GPU batches share: the model, policy and device, the streams,
+    the block's host memory and offload tier, the host worker and the GPU workspace."""
 
-    def __init__(self, cfg: ModelConfig, rows: int, slots: int, policy: Policy, device: torch.device,
-                 dtype: torch.dtype, streams: Streams, disk: DiskTier | None, workspace: KVWorkspace | None,
-                 host: HostMemory, name: str, worker: HostWorker):
-        self.cfg = cfg
+    cfg: ModelConfig
+    policy: Policy
+    device: torch.device
+    dtype: torch.dtype
+    streams: Streams
+    host: HostMemory
+    disk: DiskTier | None
+    worker: HostWorker
+    workspace: KVWorkspace | None
+
+
+class BatchKV:
+    """The cache of one GPU batch; ``attend`` is what a layer calls to store and attend.
+
+    Its host work runs on the block's worker thread; the state read there (a layer's storage, the
+    output landing buffer) is handed over by the jobs themselves, and the main thread waits for a
+    job (``_written``, ``finish``) before it touches what that job writes.
+    """
+
+    def __init__(self, block: BlockKV, rows: int, slots: int, name: str):
+        policy = block.policy
+        self.cfg = block.cfg
         self.cpu_attention = policy.cpu_attention
-        self.streams = streams
-        self.worker = worker
-        self.host = host
-        self.device = device
-        self.dtype = dtype
-        self.workspace = workspace
-        self.fmt = kv_format(policy.compress_cache, dtype)
-        self.groups = [_Group(p, cfg, slots, self.fmt, device, host, disk, policy.cpu_attention, f"{name}.{p.tier}")
+        self.streams = block.streams
+        self.worker = block.worker
+        self.host = block.host
+        self.device = block.device
+        self.dtype = block.dtype
+        self.workspace = block.workspace
+        self.fmt = kv_format(policy.compress_cache, block.dtype)
+        self.groups = [_Group(p, block.cfg, slots, self.fmt, block.device, block.host, block.disk,
+                              policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
         self._loaded: dict[int, tuple] = {}  # layer -> (workspace set, event marking its load done)
         self._staging_copied = None  # the last copy out of disk rows' staging (CUDA only)
         self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
         self._cpu_output: torch.Tensor | None = None  # (offloaded rows, heads, 1, head_dim), pinned
+
+    @property
+    def decodes_on_host(self) -> bool:
+        """Whether decode attention runs on the host worker (CPU attention, with rows off the GPU)."""
+        return self.cpu_attention and bool(self._offloaded())
+
+    @property
+    def travels(self) -> bool:
+        """Whether off-GPU rows are loaded to the GPU workspace for each decode layer."""
+        return not self.cpu_attention and bool(self._offloaded())
 
     def _offloaded(self) -> list[_Group]:
         return [g for g in self.groups if g.tier != "gpu"]
@@ -273,7 +305,7 @@ class BatchKV:
 
     def attends_on_cpu(self, start: int) -> bool:
         """Whether a step from slot ``start`` runs attention on the CPU (decode, with rows off the GPU)."""
-        return self.cpu_attention and start > 0 and bool(self._offloaded())
+        return start > 0 and self.decodes_on_host
 
     def attend_later(self, layer: int, start: int, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> Callable[[], torch.Tensor]:

@@ -1,74 +1,111 @@
-"""The block schedule: FlexGen's zig-zag order as a pure generator of steps.
+"""The block schedule: every step the engine takes to run one block, in the order it takes them.
 
-For each generated token, each stage (embedding, decoder layers, head), each GPU batch:
-prefetch the next stage's weights (once per stage, shared by all GPU batches of the block), store
-the previous batch's cache and activations, load the next batch's, and compute this batch. Being
-pure, the order can be checked without any device.
+The order is FlexGen's zig-zag: for each generated token, each stage (embedding, decoder layers,
+head), each GPU batch, compute that batch while the next batch's cache and activations load and the
+next stage's weights (shared by every GPU batch of the block) load. On top of that order come the
+rules that make it overlap:
+
+- A stage's weights load into a ring of two buffers, so loading stage j + 1 may overwrite stage
+  j - 1. Its LOAD_WEIGHTS is issued as soon as no batch still has a half-run layer other than j (see
+  below); until then it waits, in order, behind the loads before it.
+- With CPU attention a batch's decode layer runs in two steps: START_ATTENTION (the GPU half
+  before attention, then attention handed to the host worker) and FINISH_ATTENTION (wait for it,
+  then the GPU half after). The finish comes when the batch is next needed (its next compute or
+  activation load), or at the latest right after the next batch's compute, so that each batch's
+  CPU attention runs while the GPU works on its neighbours. A store of its activations waits for
+  the finish, and so does the RELEASE_WEIGHTS of the layer's weights.
+- RELEASE_WEIGHTS follows every compute (the buffers may be reloaded once the last compute reading
+  them is enqueued); the cache's new slot is stored by the compute itself.
+- HEAD (sample or score) comes once the other batches' pending layers are finished; a batch that
+  has finished takes no further step, and once none is left the block ends with SYNC (every host
+  job done).
+
+Being pure, the schedule can be checked without a device, and the engine only interprets it.
+
+Data the schedule depends on comes back through ``active`` (which batches still run), read
+between steps; the generator stays a function of its inputs. Later steps decided by data use the
+same two parts: mixture-of-experts routing is a ROUTE step (the router runs) followed by
+LOAD_WEIGHTS steps that name the stage and a slot of the routing result, not the expert itself,
+so the interpreter resolves the target when it runs the load; pipeline stages are SEND and RECV
+steps of a batch's activations, emitted at the edges of the stages a device owns, with the peer in
+the step. Each new kind is one more handler in the interpreter's table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 LOAD_WEIGHTS = "load_weights"
 LOAD_CACHE = "load_cache"
 LOAD_ACTIVATION = "load_activation"
 COMPUTE = "compute"
-STORE_CACHE = "store_cache"
+START_ATTENTION = "start_attention"
+FINISH_ATTENTION = "finish_attention"
 STORE_ACTIVATION = "store_activation"
+RELEASE_WEIGHTS = "release_weights"
+HEAD = "head"
+SYNC = "sync"
+
+
+class Step(NamedTuple):  # a tuple: made for every step of every block, it must be cheap
+    kind: str
+    token: int = -1
+    stage: int = -1
+    batch: int = -1  # -1 for steps that serve every batch (weight loads, the final sync)
 
 
 @dataclass(frozen=True)
-class Step:
-    kind: str
-    token: int
-    stage: int
-    batch: int = -1  # -1 for weight loads, which serve every batch
+class BlockShape:
+    """What the schedule of one block depends on, as plain numbers and sets of batch indices."""
+
+    num_tokens: int
+    num_stages: int
+    num_batches: int
+    cache_stages: frozenset[int] = frozenset()  # stages that own a KV cache (decoder layers)
+    cpu_attention: frozenset[int] = frozenset()  # batches whose decode attention runs on the host worker
+    travelling_cache: frozenset[int] = frozenset()  # batches whose cache is loaded to the GPU for decode
+    offloaded_activations: frozenset[int] = frozenset()  # batches whose activations leave the GPU between stages
 
 
-def block_schedule(num_tokens: int, num_stages: int, num_batches: int,
-                   cache_stages: frozenset[int] = frozenset()) -> Iterator[Step]:
-    """Steps of one block. ``cache_stages`` are the stages that own a KV cache (decoder layers).
-
-    Activations flow between stages, so stage 0 (the embedding, fed token ids) loads none, and the
-    last stage (the head, which samples) stores none.
-    """
+def zig_zag(shape: BlockShape) -> Iterator[Step]:
+    """The data movement of the zig-zag order, before the overlap rules: weight loads one stage
+    ahead, each batch's cache and activation loads one batch ahead of its compute, and its
+    activation store one batch behind. Stage 0 (fed token ids) loads no activations and the last
+    stage (which samples) stores none; caches load only to decode."""
+    num_tokens, num_stages, num_batches = shape.num_tokens, shape.num_stages, shape.num_batches
     last_stage = num_stages - 1
     order = [(i, j, k) for i in range(num_tokens) for j in range(num_stages) for k in range(num_batches)]
-
     loaded_activations: set[tuple[int, int, int]] = set()
 
     def activation_load(i: int, j: int, k: int) -> Iterator[Step]:
-        if j > 0 and (i, j, k) not in loaded_activations:
+        if j > 0 and k in shape.offloaded_activations and (i, j, k) not in loaded_activations:
             loaded_activations.add((i, j, k))
             yield Step(LOAD_ACTIVATION, i, j, k)
 
-    def loads(i: int, j: int, k: int) -> Iterator[Step]:
-        if j in cache_stages:
+    def cache_load(i: int, j: int, k: int) -> Iterator[Step]:
+        if i > 0 and j in shape.cache_stages and k in shape.travelling_cache:
             yield Step(LOAD_CACHE, i, j, k)
-        yield from activation_load(i, j, k)
 
-    def stores(i: int, j: int, k: int) -> Iterator[Step]:
-        if j in cache_stages:
-            yield Step(STORE_CACHE, i, j, k)
-        if j < last_stage:
+    def store(i: int, j: int, k: int) -> Iterator[Step]:
+        if j < last_stage and k in shape.offloaded_activations:
             yield Step(STORE_ACTIVATION, i, j, k)
 
     if order:
         yield Step(LOAD_WEIGHTS, 0, 0)
-        yield from loads(*order[0])
+        yield from cache_load(*order[0])
+        yield from activation_load(*order[0])
     for position, (i, j, k) in enumerate(order):
         if k == 0:
             next_stage = (i, j + 1) if j < last_stage else (i + 1, 0)
             if next_stage[0] < num_tokens:
                 yield Step(LOAD_WEIGHTS, *next_stage)
         if position > 0:
-            yield from stores(*order[position - 1])
+            yield from store(*order[position - 1])
         if position + 1 < len(order):
             ni, nj, nk = order[position + 1]
-            if nj in cache_stages:
-                yield Step(LOAD_CACHE, ni, nj, nk)
+            yield from cache_load(ni, nj, nk)
             # The next batch's input may be the output of this very compute (one GPU batch per
             # block); then it is loaded after the compute instead of before.
             if (ni, nj - 1, nk) != (i, j, k):
@@ -76,4 +113,73 @@ def block_schedule(num_tokens: int, num_stages: int, num_batches: int,
         yield from activation_load(i, j, k)
         yield Step(COMPUTE, i, j, k)
     if order:
-        yield from stores(*order[-1])
+        yield from store(*order[-1])
+
+
+def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> Iterator[Step]:
+    """Every step of one block, in the order the engine runs them (see the module's docstring).
+
+    ``active[k]`` says whether batch k still runs; the interpreter clears it at a HEAD step, and
+    it is read before each of the batch's steps. None: every batch runs to the end.
+    """
+    last = shape.num_stages - 1
+    batches = range(shape.num_batches)
+    active = [True] * shape.num_batches if active is None else active
+    pending: dict[int, tuple[int, int]] = {}  # batch -> (token, stage) of its half-run layer
+    store_on_finish: set[int] = set()  # batches whose activation store waits for their finish
+    deferred: list[Step] = []  # weight loads waiting for the buffers they overwrite
+
+    def finish(k: int) -> Iterator[Step]:
+        if k in pending:
+            token, stage = pending.pop(k)
+            yield Step(FINISH_ATTENTION, token, stage, k)
+            if k in store_on_finish:
+                store_on_finish.discard(k)
+                yield Step(STORE_ACTIVATION, token, stage, k)
+            yield Step(RELEASE_WEIGHTS, token, stage, k)
+
+    def issue_loads() -> Iterator[Step]:
+        # A load may reuse any stage's buffers but those of the stage just before it.
+        while deferred and all(stage == deferred[0].stage - 1 for _, stage in pending.values()):
+            yield deferred.pop(0)
+
+    for step in zig_zag(shape):
+        if step.kind == LOAD_WEIGHTS:
+            deferred.append(step)
+            yield from issue_loads()
+            continue
+        k = step.batch
+        if not active[k]:
+            continue
+        if step.kind == LOAD_CACHE:
+            yield step
+        elif step.kind == LOAD_ACTIVATION:
+            yield from finish(k)
+            yield step
+        elif step.kind == STORE_ACTIVATION:
+            if k in pending:
+                store_on_finish.add(k)
+            else:
+                yield step
+        elif step.kind == COMPUTE:
+            i, j = step.token, step.stage
+            if k in pending:
+                yield from finish(k)
+            if deferred:
+                yield from issue_loads()
+            if i > 0 and j in shape.cache_stages and k in shape.cpu_attention:
+                pending[k] = (i, j)
+                yield Step(START_ATTENTION, i, j, k)
+            else:
+                yield step
+                yield Step(RELEASE_WEIGHTS, i, j, k)
+            for other in batches:  # their CPU attention overlapped this batch's enqueued GPU work
+                if other != k and other in pending:
+                    yield from finish(other)
+            if deferred:
+                yield from issue_loads()
+            if j == last:
+                yield Step(HEAD, i, j, k)
+                if not any(active):
+                    break
+    yield Step(SYNC)

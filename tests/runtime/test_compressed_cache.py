@@ -11,7 +11,7 @@ import torch
 from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.models import ModelConfig
 from flexoff.runtime import engine as engine_module
-from flexoff.runtime.kv import BatchKV, KVWorkspace
+from flexoff.runtime.kv import BatchKV, BlockKV, KVWorkspace
 from flexoff.layout import kv_cache_bytes
 from flexoff.policy import CompressionConfig
 from flexoff.runtime.tiers import DiskTier, HostMemory, HostWorker, Streams
@@ -131,8 +131,8 @@ def batch_caches(policy: Policy, disk: DiskTier, rows: int = 6, slots: int = 40)
     workspace = KVWorkspace.for_block(BIG_HEADS, policy, rows, slots, device, dtype, streams)
     host = HostMemory(pin=False)
     worker = HostWorker(device, streams, pin=False)  # never used here, so it starts no thread
-    return [BatchKV(BIG_HEADS, rows, slots, policy, device, dtype, streams, disk, workspace, host, f"b{n}", worker)
-            for n in range(policy.num_gpu_batches)]
+    block = BlockKV(BIG_HEADS, policy, device, dtype, streams, host, disk, worker, workspace)
+    return [BatchKV(block, rows, slots, f"b{n}") for n in range(policy.num_gpu_batches)]
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from flexoff import Policy, SamplingParams, TierFractions
-from flexoff.runtime import batch as batch_module
 from flexoff.runtime import engine as engine_module
+from flexoff.runtime.interpreter import BlockInterpreter
 from flexoff.runtime import kv as kv_module
 from flexoff.runtime.kv_storage import ROW_MAJOR
 from flexoff.policy import CompressionConfig
@@ -142,13 +142,16 @@ def test_cpu_attention_overlaps_the_next_batches_compute(tiny_model_dir, plain, 
     computes = [0]
     job_start = threading.local()
     waits = []
-    run_stage, submit, attend = batch_module.GpuBatch.run_stage, HostWorker.submit, kv_module.cpu_attention
+    submit, attend = HostWorker.submit, kv_module.cpu_attention
 
-    def counting_run_stage(self, stage, weights):
-        with progress:
-            computes[0] += 1
-            progress.notify_all()
-        return run_stage(self, stage, weights)
+    def counting(handler):  # a step that enqueues GPU work for a batch
+        def count(self, step):
+            with progress:
+                computes[0] += 1
+                progress.notify_all()
+            return handler(self, step)
+
+        return count
 
     def remembering_submit(self, fn, ready):
         submitted = computes[0]
@@ -164,7 +167,8 @@ def test_cpu_attention_overlaps_the_next_batches_compute(tiny_model_dir, plain, 
             waits.append(progress.wait_for(lambda: computes[0] > job_start.computes, timeout=5))
         return attend(*args, **kwargs)
 
-    monkeypatch.setattr(batch_module.GpuBatch, "run_stage", counting_run_stage)
+    for kind in ("compute", "start_attention"):
+        monkeypatch.setattr(BlockInterpreter, kind, counting(getattr(BlockInterpreter, kind)))
     monkeypatch.setattr(HostWorker, "submit", remembering_submit)
     monkeypatch.setattr(kv_module, "cpu_attention", gated_attention)
     outs = run(path, cpu_attention_policy(cache=TierFractions(0, 1, 0), activations=activations, gpu_batch_size=3,

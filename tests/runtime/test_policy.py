@@ -60,10 +60,10 @@ def test_failure_midway_leaves_no_offload_files(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path)) == 1
     from flexoff.runtime import batch
 
-    def explode(self, stage, weights):
+    def explode(self, weights):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(batch.GpuBatch, "run_stage", explode)
+    monkeypatch.setattr(batch.GpuBatch, "embed", explode)
     with pytest.raises(RuntimeError):
         llm.generate([[5, 6, 7]] * 3)
     llm.close()

@@ -1,0 +1,103 @@
+"""Runs the block schedule: one handler per kind of step, over the block's GPU batches."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..models import Stage
+from .batch import GpuBatch
+from .schedule import (COMPUTE, FINISH_ATTENTION, HEAD, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, RELEASE_WEIGHTS,
+                       START_ATTENTION, STORE_ACTIVATION, SYNC, BlockShape, Step, block_schedule)
+from .tiers import HostWorker
+from .weight_store import TieredWeights
+
+HeadHook = Callable[[GpuBatch, dict], None]  # samples or scores a batch from the head's weights
+Observer = Callable[[Step], None]
+
+
+def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int) -> BlockShape:
+    """What the schedule needs to know of the block's batches."""
+
+    def having(fact: Callable[[GpuBatch], bool]) -> frozenset[int]:
+        return frozenset(k for k, batch in enumerate(batches) if fact(batch))
+
+    return BlockShape(num_tokens, num_stages, len(batches), frozenset(range(1, num_stages - 1)),
+                      cpu_attention=having(lambda b: b.kv.decodes_on_host),
+                      travelling_cache=having(lambda b: b.kv.travels),
+                      offloaded_activations=having(lambda b: b.activations.offloaded))
+
+
+class BlockInterpreter:
+    """Takes the schedule's steps one by one; ``observer`` (if any) sees each step before it runs."""
+
+    def __init__(self, batches: list[GpuBatch], stages: list[Stage], weights: TieredWeights, worker: HostWorker,
+                 on_head: HeadHook, observer: Observer | None = None):
+        self.batches = batches
+        self.stages = stages
+        self.weights = weights
+        self.worker = worker
+        self.on_head = on_head
+        self.observer = observer
+        self.active = [True] * len(batches)  # read by the schedule between steps
+        self._head_weights: dict[int, dict] = {}
+        self._handlers: dict[str, Callable[[Step], None]] = {
+            LOAD_WEIGHTS: self.load_weights, LOAD_CACHE: self.load_cache, LOAD_ACTIVATION: self.load_activation,
+            COMPUTE: self.compute, START_ATTENTION: self.start_attention, FINISH_ATTENTION: self.finish_attention,
+            STORE_ACTIVATION: self.store_activation, RELEASE_WEIGHTS: self.release_weights, HEAD: self.head,
+            SYNC: self.sync,
+        }
+
+    def run(self, num_tokens: int) -> None:
+        shape = block_shape(self.batches, num_tokens, len(self.stages))
+        handlers, observer = self._handlers, self.observer
+        try:
+            for step in block_schedule(shape, self.active):
+                if observer is not None:
+                    observer(step)
+                handlers[step.kind](step)
+        except BaseException:
+            self.worker.drain()  # no host job may outlive the block's cache (or hide its error)
+            raise
+
+    def load_weights(self, step: Step) -> None:
+        self.weights.prefetch(self.stages[step.stage])
+
+    def load_cache(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        batch.kv.prefetch(step.stage - 1, batch.slot_start(step.token))
+
+    def load_activation(self, step: Step) -> None:
+        self.batches[step.batch].load_activation()
+
+    def compute(self, step: Step) -> None:
+        """The stage for one batch; the head's weights are kept for the HEAD step, which samples."""
+        batch = self.batches[step.batch]
+        if step.stage == 0:
+            batch.begin_token(step.token)
+        weights = self.weights.get(self.stages[step.stage])
+        if step.stage == 0:
+            batch.embed(weights)
+        elif step.stage < len(self.stages) - 1:
+            batch.layer(step.stage - 1, weights)
+        else:
+            self._head_weights[step.batch] = weights
+
+    def start_attention(self, step: Step) -> None:
+        self.batches[step.batch].start_attention(step.stage - 1, self.weights.get(self.stages[step.stage]))
+
+    def finish_attention(self, step: Step) -> None:
+        self.batches[step.batch].finish_attention()
+
+    def store_activation(self, step: Step) -> None:
+        self.batches[step.batch].store_activation()
+
+    def release_weights(self, step: Step) -> None:
+        self.weights.release(self.stages[step.stage])
+
+    def head(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        self.on_head(batch, self._head_weights.pop(step.batch))
+        self.active[step.batch] = batch.active
+
+    def sync(self, step: Step) -> None:
+        self.worker.drain()
