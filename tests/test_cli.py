@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flexoff.cli import main
+from flexoff.commands.main import main
 from tests.conftest import PROMPTS, untimed_records
 
 DATA = Path(__file__).parent / "harness" / "data"
@@ -16,7 +16,7 @@ DATA = Path(__file__).parent / "harness" / "data"
 
 def run_cli(*argv):
     """Run flexoff in a subprocess, as a user would, and return (code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "flexoff.cli", *argv], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "flexoff", *argv], capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -153,7 +153,7 @@ def _no_model(*args, **kwargs):
     ("--metrics-json", lambda tmp: tmp.joinpath("m").mkdir() or tmp / "m", "is a directory"),
 ])
 def test_run_checks_its_destinations_before_loading_the_model(tmp_path, capsys, monkeypatch, flag, make, needle):
-    from flexoff import cli
+    from flexoff.commands import main as cli
 
     monkeypatch.setattr(cli, "make_llm", _no_model)
     target = make(tmp_path)
@@ -164,7 +164,7 @@ def test_run_checks_its_destinations_before_loading_the_model(tmp_path, capsys, 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_run_refuses_a_read_only_output_and_an_unwritable_folder(tmp_path, capsys, monkeypatch):
-    from flexoff import cli
+    from flexoff.commands import main as cli
 
     monkeypatch.setattr(cli, "make_llm", _no_model)
     read_only = tmp_path / "results.jsonl"

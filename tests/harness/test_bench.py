@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexoff.harness.cli import main
+from flexoff.commands.main import main
 from flexoff.harness.metrics import best_score
 from flexoff.harness.scenarios import build_prompt, choose_examples, get_scenario, load_instances
 
@@ -114,7 +114,7 @@ def test_summary_logprob_is_finite(tiny_opt, tmp_path, capsys):
 
 
 def test_output_dir_on_a_file_is_refused_before_any_work(tiny_opt, tmp_path, capsys, monkeypatch):
-    from flexoff import cli
+    from flexoff.commands import harness as cli
 
     monkeypatch.setattr(cli, "make_llm", lambda *a, **k: pytest.fail("the model was loaded"))
     target = tmp_path / "results"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexoff import LLM
-from flexoff.cli import main
+from flexoff.commands.main import main
 from flexoff.errors import PolicyError
 from flexoff.runtime import memory
 from flexoff.runtime.memory import HOST_HEADROOM, Capacity, check_fits, machine_capacity, tier_name
