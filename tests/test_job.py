@@ -75,3 +75,21 @@ def test_the_batch_harness_runs_a_job_and_prints_nothing(tiny_model_dir, tmp_pat
     assert capsys.readouterr() == ("", "")
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in records) == ["p0", "p1", "p2"]
+
+
+def test_one_prompt_check_for_every_caller():
+    from flexoff.errors import PromptError, TokenizerError
+    from flexoff.models import REGISTRY
+    from flexoff.prompts import check_room, prompt_ids
+
+    cfg = REGISTRY["opt-125m"]
+    assert prompt_ids([5, 6], "prompt 0", cfg, None) == [5, 6]
+    with pytest.raises(TokenizerError, match="^in.jsonl line 2: the prompt is text, but model 'opt-125m' has no"):
+        prompt_ids("hello", "in.jsonl line 2: the prompt", cfg, None)
+    with pytest.raises(PromptError, match="outside the vocabulary"):
+        prompt_ids([cfg.vocab_size], "prompt 0", cfg, None)
+    room = cfg.max_positions - 1000
+    check_room([1] * 1000, room, "prompt 0", cfg)  # exactly the model's positions
+    with pytest.raises(PromptError, match=f"prompt 0 has 1000 tokens; with max_new_tokens={room + 1} it needs "
+                                          f"{cfg.max_positions + 1} positions, but opt-125m has {cfg.max_positions}"):
+        check_room([1] * 1000, room + 1, "prompt 0", cfg)

@@ -35,7 +35,7 @@ from ..errors import PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..job import Job
 from ..models import model_directory
-from ..prompts import PromptLine, check_prompt, prompt_record
+from ..prompts import PromptLine, check_room, prompt_ids, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .runner import GenerationItem, Progress, request_seed, run_generation
@@ -85,20 +85,11 @@ def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, see
                      ) -> list[GenerationItem]:
     """Tokenize and check every line against the model before anything runs."""
     items = []
-    limit = llm.config.max_positions
     for line in lines:
         where = f"{source} line {line.line} (id {line.id!r})"
-        if isinstance(line.prompt, str):
-            if llm.tokenizer is None:
-                raise TokenizerError(f"{where}: the prompt is text, but model {llm.config.name!r} has no "
-                                     "tokenizer; give token ids, or a checkpoint directory with tokenizer files")
-            ids = llm.tokenizer.encode(line.prompt)
-        else:
-            ids = check_prompt(line.prompt, f"{where}: the prompt", llm.config.vocab_size)
+        ids = prompt_ids(line.prompt, f"{where}: the prompt", llm.config, llm.tokenizer)
         budget = line.max_new_tokens or defaults.max_new_tokens
-        if len(ids) + budget > limit:
-            raise PromptError(f"{where}: the prompt has {len(ids)} tokens; with max_new_tokens={budget} it needs "
-                              f"{len(ids) + budget} positions, but {llm.config.name} has {limit}")
+        check_room(ids, budget, f"{where}: the prompt", llm.config)
         stop = tuple(dict.fromkeys(defaults.stop + line.stop))
         if stop and llm.tokenizer is None:
             raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
