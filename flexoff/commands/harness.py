@@ -102,9 +102,6 @@ def run_bench(args) -> int:
     from ..harness.bench import open_bench
 
     job = job_from_args(args)
-    if job.policy.searched:
-        raise FlexoffError("--policy auto works with `flexoff run` and `flexoff batch`, not `flexoff bench`: "
-                           "save a policy with `flexoff search --output FILE` and pass --policy FILE")
     if not args.model:
         raise FlexoffError("bench needs --model (a checkpoint directory with a tokenizer)")
     bench = open_bench(job, args.scenario, args.data, args.output_dir, max_instances=args.max_instances,
