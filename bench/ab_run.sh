@@ -9,7 +9,9 @@ NEW=$(cd "$(dirname "$0")/.." && pwd)
 for round in $(seq "$ROUNDS"); do
   for side in old new; do
     tree=$([ "$side" = old ] && echo "$OLD" || echo "$NEW")
-    total=$(cd "$tree" && PYTHONPATH="$tree:${SITE:-}" python -m flexoff.cli run "$@" 2>/dev/null | grep -E "^total")
+    # An older checkout has no flexoff/__main__.py; its command line is flexoff.cli there.
+    module=$([ -f "$tree/flexoff/__main__.py" ] && echo flexoff || echo flexoff.cli)
+    total=$(cd "$tree" && PYTHONPATH="$tree:${SITE:-}" python -m "$module" run "$@" 2>/dev/null | grep -E "^total")
     echo "round $round $side $total"
   done
 done

@@ -12,7 +12,7 @@ export XDG_CACHE_HOME=${XDG_CACHE_HOME:-$(mktemp -d)}  # no saved profile: the f
 run() {
   local name=$1; shift
   local start=$(date +%s%N)
-  python -m flexoff.cli run "$@" --offload-dir "$OFFLOAD" >"$LOGS/$name.out" 2>"$LOGS/$name.err"
+  python -m flexoff run "$@" --offload-dir "$OFFLOAD" >"$LOGS/$name.out" 2>"$LOGS/$name.err"
   local code=$?
   local ms=$(( ($(date +%s%N) - start) / 1000000 ))
   printf '%-16s exit %s in %d.%03d s\n' "$name" "$code" $((ms / 1000)) $((ms % 1000))

@@ -122,7 +122,7 @@ def run_process(argv: list[str], timeout: int, log: Path) -> tuple[int, str, int
 def run_flexoff(model: str, spec: dict, args, workdir: Path) -> dict:
     metrics_file = workdir / "metrics.json"
     w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = spec["percent"]
-    argv = [sys.executable, "-m", "flexoff.cli", "run", "--model", model, "--dummy", "--ignore-eos", "--quiet",
+    argv = [sys.executable, "-m", "flexoff", "run", "--model", model, "--dummy", "--ignore-eos", "--quiet",
             "--warmup", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
             "--num-prompts", str(spec["gbs"] * spec["ngb"]), "--gpu-batch-size", str(spec["gbs"]),
             "--num-gpu-batches", str(spec["ngb"]), "--percent", *map(str, spec["percent"]),

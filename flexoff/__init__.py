@@ -1,28 +1,40 @@
 """flexoff: high-throughput batch LLM inference on one GPU with too little memory.
 
-The names below load on first use, so that importing a part (the planner, the layout) does not
-load the runtime and its torch state.
+The names below load on first use (PEP 562), so ``import flexoff`` (and the command line's flag
+parsing) does not import torch.
 """
 
-from importlib import import_module
+from __future__ import annotations
 
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+# name -> the module that defines it
 _EXPORTS = {
-    "LLM": "api", "GenerationResult": "api", "RequestOutput": "api", "ScoreOutput": "api",
-    "FlexoffError": "errors", "Metrics": "runtime.metrics", "CompressionConfig": "policy", "Policy": "policy",
-    "TierFractions": "policy", "SamplingParams": "runtime.sampling",
+    "LLM": ".api", "GenerationResult": ".api", "RequestOutput": ".api", "ScoreOutput": ".api",
+    "FlexoffError": ".errors", "Metrics": ".runtime.metrics",
+    "CompressionConfig": ".policy", "Policy": ".policy", "TierFractions": ".policy",
+    "SamplingParams": ".runtime.sampling",
 }
 
 __all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
 
+if TYPE_CHECKING:
+    from .api import LLM, GenerationResult, RequestOutput, ScoreOutput
+    from .errors import FlexoffError
+    from .policy import CompressionConfig, Policy, TierFractions
+    from .runtime.metrics import Metrics
+    from .runtime.sampling import SamplingParams
+
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'flexoff' has no attribute {name!r}")
-    value = getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # later look-ups skip this function
     return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .checks import is_int
-from .errors import PromptError
+from .errors import PromptError, TokenizerError
 from .fileio import jsonl_objects, read_user_text
 from .models import ModelConfig
 
@@ -49,6 +49,28 @@ def check_prompt(prompt, what: str, vocab_size: int | None = None, type_error: t
     if vocab_size is not None and max(prompt) >= vocab_size:
         raise PromptError(f"{what} has token id {max(prompt)}, outside the vocabulary of {vocab_size}")
     return list(prompt)
+
+
+def prompt_ids(prompt, what: str, cfg: ModelConfig, tokenizer) -> list[int]:
+    """A checked prompt as token ids: text is tokenized (and needs a tokenizer), ids are checked
+    against the vocabulary. ``what`` names the prompt in messages."""
+    prompt = check_prompt(prompt, what, cfg.vocab_size)
+    if not isinstance(prompt, str):
+        return prompt
+    if tokenizer is None:
+        raise TokenizerError(f"{what} is text, but model {cfg.name!r} has no tokenizer; give token ids, or a "
+                             "checkpoint directory with tokenizer files")
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise PromptError(f"{what} is empty once tokenized")
+    return ids
+
+
+def check_room(ids: list[int], max_new_tokens: int, what: str, cfg: ModelConfig) -> None:
+    """Refuse a prompt that leaves no room for its generation budget in the model's positions."""
+    if len(ids) + max_new_tokens > cfg.max_positions:
+        raise PromptError(f"{what} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it needs "
+                          f"{len(ids) + max_new_tokens} positions, but {cfg.name} has {cfg.max_positions}")
 
 
 def prompt_record(obj: dict, where: str, line: int = 0, id_required: bool = False) -> PromptLine:
@@ -135,7 +157,6 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None):
     """The planner's workload for a job: its longest prompt in tokens (text tokenized as the model
     will tokenize it; a Hub id's tokenizer files are fetched, not its weights), its largest generation
     budget, and its number of prompts."""
-    from .errors import TokenizerError
     from .planner.cost_model import Workload
     from .tokenizer import Tokenizer
 

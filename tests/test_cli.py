@@ -2,13 +2,14 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from flexoff.cli import main
+from flexoff.commands.main import main
 from tests.conftest import PROMPTS, untimed_records
 
 DATA = Path(__file__).parent / "harness" / "data"
@@ -16,15 +17,55 @@ DATA = Path(__file__).parent / "harness" / "data"
 
 def run_cli(*argv):
     """Run flexoff in a subprocess, as a user would, and return (code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "flexoff.cli", *argv], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "flexoff", *argv], capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def test_default_job_prints_throughput(capsys):
-    assert main(["run", "--quiet", "--num-prompts", "3", "--prompt-len", "8", "--gen-len", "4"]) == 0
-    out = capsys.readouterr().out
-    for word in ("prefill", "decode", "total", "padded", "peak mem"):
-        assert word in out
+def summary_numbers(out: str) -> dict[str, float]:
+    """The figures of the printed run summary, by name."""
+    numbers = {}
+    for phase in ("prefill", "decode", "total"):
+        rate, seconds = re.search(rf"^{phase} +([0-9.]+) token/s  \(([0-9.]+) s\)$", out, re.M).groups()
+        numbers[f"{phase}_throughput"], numbers[f"{phase}_time"] = float(rate), float(seconds)
+    tokens = re.search(r"^tokens +prompt (\d+) actual / (\d+) padded · generated (\d+) actual / (\d+) padded · "
+                       r"efficiency ([0-9.]+)%$", out, re.M).groups()
+    for name, value in zip(("prompt_tokens", "padded_prompt_tokens", "generated_tokens", "padded_generated_tokens",
+                            "efficiency_percent"), tokens):
+        numbers[name] = float(value)
+    return numbers
+
+
+def test_the_run_summary_counts_the_tokens_and_times_that_ran(tmp_path, capsys):
+    """Prompts of three lengths and budgets in one block: the printed counts are the prompts' and the
+    outputs' own, padding is the block's longest times its size, and every rate is tokens over seconds."""
+    lengths, budgets = [10, 3, 6], [2, 5, 3]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": list(range(5, 5 + n)), "max_new_tokens": b}) + "\n"
+                               for n, b in zip(lengths, budgets)))
+    out, metrics_file = tmp_path / "out.jsonl", tmp_path / "metrics.json"
+    assert main(["run", "--quiet", "--ignore-eos", "--prompts", str(prompts), "--output", str(out),
+                 "--metrics-json", str(metrics_file)]) == 0
+    printed = summary_numbers(capsys.readouterr().out)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    generated = sum(len(r["token_ids"]) for r in records)
+    assert generated == sum(budgets)  # --ignore-eos: every budget is spent
+    assert printed["prompt_tokens"] == sum(lengths) and printed["generated_tokens"] == generated
+    assert printed["padded_prompt_tokens"] == len(lengths) * max(lengths)
+    assert printed["padded_generated_tokens"] == len(budgets) * max(budgets)
+    actual = sum(lengths) + generated
+    assert printed["efficiency_percent"] == pytest.approx(100 * actual / (len(lengths) * (max(lengths) + max(budgets))),
+                                                          abs=0.05)
+    rate = lambda tokens, seconds: pytest.approx(tokens / seconds, rel=2e-3, abs=0.05)  # noqa: E731  (print rounding)
+    assert printed["prefill_throughput"] == rate(sum(lengths), printed["prefill_time"])
+    # Each sequence's first token comes from the prefill; decode makes the rest.
+    assert printed["decode_throughput"] == rate(generated - len(lengths), printed["decode_time"])
+    assert printed["total_throughput"] == rate(generated, printed["total_time"])
+    assert printed["total_time"] == pytest.approx(printed["prefill_time"] + printed["decode_time"], abs=2e-3)
+    metrics = json.loads(metrics_file.read_text())
+    for name in ("prompt_tokens", "padded_prompt_tokens", "generated_tokens", "padded_generated_tokens"):
+        assert metrics[name] == printed[name], name
+    for name in ("prefill_time", "decode_time", "total_time"):
+        assert metrics[name] == pytest.approx(printed[name], abs=5e-4), name
 
 
 def test_help_documents_every_run_flag():
@@ -153,7 +194,7 @@ def _no_model(*args, **kwargs):
     ("--metrics-json", lambda tmp: tmp.joinpath("m").mkdir() or tmp / "m", "is a directory"),
 ])
 def test_run_checks_its_destinations_before_loading_the_model(tmp_path, capsys, monkeypatch, flag, make, needle):
-    from flexoff import cli
+    from flexoff.commands import main as cli
 
     monkeypatch.setattr(cli, "make_llm", _no_model)
     target = make(tmp_path)
@@ -164,7 +205,7 @@ def test_run_checks_its_destinations_before_loading_the_model(tmp_path, capsys, 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root may write anywhere")
 def test_run_refuses_a_read_only_output_and_an_unwritable_folder(tmp_path, capsys, monkeypatch):
-    from flexoff import cli
+    from flexoff.commands import main as cli
 
     monkeypatch.setattr(cli, "make_llm", _no_model)
     read_only = tmp_path / "results.jsonl"

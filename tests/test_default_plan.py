@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexoff.api import DEFAULT_POLICY
-from flexoff.cli import main
+from flexoff.commands.main import main
 from flexoff.errors import PolicyError
 from flexoff.models import resolve_model_config
 from flexoff.planner.cost_model import Workload

@@ -2,7 +2,7 @@
 profile files, prompt files, flags), flexoff ends with exit code 0 or 2, never a traceback, at most one line
 on stderr when it refuses, and no file left in the offload directory.
 
-The commands run in-process through ``flexoff.cli.main``, so that hypothesis can try many inputs in CI time.
+The commands run in-process through ``flexoff.commands.main.main``, so that hypothesis can try many inputs in CI time.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from flexoff.cli import main
+from flexoff.commands.main import main
 
 # Deterministic, so that CI runs the same inputs every time; a failure prints the input that caused it.
 FUZZ = settings(max_examples=int(os.environ.get("FLEXOFF_FUZZ_EXAMPLES", "100")), deadline=None, derandomize=True, database=None,

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from flexoff import fileio
-from flexoff.cli import main
+from flexoff.commands.main import main
 from flexoff.errors import ConfigError, PolicyError, PromptError, TokenizerError
 from flexoff.harness.batch import read_batch_input
 from flexoff.planner.hardware import HardwareProfile, resolve_hardware
@@ -253,7 +253,7 @@ def test_lm_eval_adapter_bad_path_is_one_line_and_exit_2(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "flexoff.harness.lm_eval_adapter", "--model", "flexoff",
+    proc = subprocess.run([sys.executable, "-m", "flexoff.commands.lm_eval", "--model", "flexoff",
                            "--model_args", f"pretrained={tmp_path / 'none'}", "--tasks", "hellaswag",
                            "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr

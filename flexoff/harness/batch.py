@@ -28,23 +28,18 @@ and the line's id, so a resumed job draws what an uninterrupted one would have d
 from __future__ import annotations
 
 import hashlib
-import sys
-import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
+from ..job import Job
 from ..models import model_directory
-from ..prompts import PromptLine, check_prompt, prompt_record
+from ..prompts import PromptLine, check_room, prompt_ids, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
-from .runner import GenerationItem, request_seed, run_generation
+from .runner import GenerationItem, Progress, request_seed, run_generation
 from .store import ResultStore, id_key, make_header
-
-# A batch line is a prompts-file record whose id is required (see flexoff.prompts.prompt_record).
-BatchLine = PromptLine
-
 
 def read_batch_input(path: str | Path) -> tuple[list[PromptLine], str]:
     """Parse and check every line; returns the lines and the sha256 of the file's bytes."""
@@ -90,20 +85,11 @@ def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, see
                      ) -> list[GenerationItem]:
     """Tokenize and check every line against the model before anything runs."""
     items = []
-    limit = llm.config.max_positions
     for line in lines:
         where = f"{source} line {line.line} (id {line.id!r})"
-        if isinstance(line.prompt, str):
-            if llm.tokenizer is None:
-                raise TokenizerError(f"{where}: the prompt is text, but model {llm.config.name!r} has no "
-                                     "tokenizer; give token ids, or a checkpoint directory with tokenizer files")
-            ids = llm.tokenizer.encode(line.prompt)
-        else:
-            ids = check_prompt(line.prompt, f"{where}: the prompt", llm.config.vocab_size)
+        ids = prompt_ids(line.prompt, f"{where}: the prompt", llm.config, llm.tokenizer)
         budget = line.max_new_tokens or defaults.max_new_tokens
-        if len(ids) + budget > limit:
-            raise PromptError(f"{where}: the prompt has {len(ids)} tokens; with max_new_tokens={budget} it needs "
-                              f"{len(ids) + budget} positions, but {llm.config.name} has {limit}")
+        check_room(ids, budget, f"{where}: the prompt", llm.config)
         stop = tuple(dict.fromkeys(defaults.stop + line.stop))
         if stop and llm.tokenizer is None:
             raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
@@ -114,70 +100,63 @@ def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, see
     return items
 
 
-def run_batch(args, make_llm, format_summary, out=None) -> int:
-    """The ``batch`` command, given the CLI's shared LLM builder and summary formatter."""
-    out = out or sys.stdout
-    from ..api import resolve_device, resolve_dtype
-    from ..errors import FlexoffError
+@dataclass
+class BatchJob:
+    """A batch job with its output open: what is done, what is left, and how to run the rest.
 
-    if not args.model:
-        raise FlexoffError("batch needs --model (a registry name with --dummy, or a checkpoint directory)")
-    lines, digest = read_batch_input(args.input)
-    defaults = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-    )
-    dtype = resolve_dtype(args.dtype, resolve_device(args.device))
+    The caller makes the LLM (its planner may want :meth:`workload` first), calls :meth:`run`, and
+    closes the job; nothing here prints."""
+
+    job: Job
+    source: str
+    lines: list[PromptLine]
+    defaults: SamplingParams
+    store: ResultStore
+    already: int  # prompts already in the output when it was opened
+
+    @property
+    def pending(self) -> list[PromptLine]:
+        return [line for line in self.lines if id_key(line.id) not in self.store.done]
+
+    @property
+    def done(self) -> int:
+        return sum(id_key(line.id) in self.store.done for line in self.lines)
+
+    def workload(self):
+        """The planner's workload of the prompts still to run (for a policy searched for them)."""
+        from ..prompts import prompt_workload
+
+        pending = self.pending
+        return prompt_workload([line.prompt for line in pending],
+                               [line.max_new_tokens or self.defaults.max_new_tokens for line in pending],
+                               self.job.model, self.job.tokenizer)
+
+    def run(self, llm, progress: Progress | None = None):
+        """Generate every prompt not yet in the output; the run's Metrics, or None if none was left."""
+        items = generation_items(llm, self.lines, self.defaults, self.job.seed, self.source)
+        return run_generation(llm, self.store, items, progress=progress)
+
+    def failures(self) -> str | None:
+        """'N of M sequences failed', or None when no result is an error."""
+        return failure_line(self.store.done[id_key(line.id)] for line in self.lines)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens: int) -> BatchJob:
+    """Read and check the input, and open (or resume) the output; the model is not loaded yet."""
+    from ..api import resolve_device, resolve_dtype
+
+    lines, digest = read_batch_input(source)
+    defaults = job.sampling(max_new_tokens)
+    dtype = resolve_dtype(job.dtype, resolve_device(job.device))
     identity = {
-        "model": model_identity(args.model, args.dummy, args.seed), "dtype": str(dtype).removeprefix("torch."),
-        "input_sha256": digest, "sampling": sampling_identity(defaults, args.seed),
+        "model": model_identity(job.model, job.dummy, job.seed), "dtype": str(dtype).removeprefix("torch."),
+        "input_sha256": digest, "sampling": sampling_identity(defaults, job.seed),
     }
     # Check the output before loading the model: a mismatch should fail in a second, not a minute.
-    store = ResultStore.open(args.output, make_header("batch", identity), fresh_hint="choose another --output",
+    store = ResultStore.open(output, make_header("batch", identity), fresh_hint="choose another --output",
                              flag="--output")
-    try:
-        if store.dropped_bytes:
-            print(f"dropped a torn last line ({store.dropped_bytes} bytes) left by an interrupted run",
-                  file=sys.stderr)
-        already = sum(id_key(line.id) in store.done for line in lines)
-        if already == len(lines):
-            print(f"all {len(lines)} prompts are already in {args.output}; nothing to do", file=out)
-            return _failures(store, lines)
-        started = time.perf_counter()
-        pending = [line for line in lines if id_key(line.id) not in store.done]
-
-        def workload():  # for --policy auto: the prompts still to run
-            from ..prompts import prompt_workload
-
-            return prompt_workload([line.prompt for line in pending],
-                                   [line.max_new_tokens or defaults.max_new_tokens for line in pending],
-                                   args.model, args.tokenizer)
-
-        llm = make_llm(args, workload)
-        try:
-            items = generation_items(llm, lines, defaults, args.seed, str(args.input))
-            try:
-                metrics = run_generation(llm, store, items, progress=not args.no_progress)
-            except KeyboardInterrupt:
-                done = sum(id_key(line.id) in store.done for line in lines)
-                print(f"interrupted: {done} of {len(lines)} prompts are in {args.output}; "
-                      "rerun the same command to finish the rest", file=sys.stderr)
-                return 130
-            print(format_summary(llm, metrics), file=out)
-        finally:
-            llm.close()
-        note = f" ({already} from an earlier run)" if already else ""
-        print(f"done       {len(lines)} prompts{note} · wall {time.perf_counter() - started:.1f} s · "
-              f"results in {args.output}", file=out)
-        return _failures(store, lines)
-    finally:
-        store.close()
-
-
-def _failures(store: ResultStore, lines: list[BatchLine]) -> int:
-    """1 after a one-line count on stderr when some results are errors, else 0."""
-    count = failure_line(store.done[id_key(line.id)] for line in lines)
-    if count is None:
-        return 0
-    print(f"flexoff: {count} (their records in {store.path} say why)", file=sys.stderr)
-    return 1
+    already = sum(id_key(line.id) in store.done for line in lines)
+    return BatchJob(job, str(source), lines, defaults, store, already)

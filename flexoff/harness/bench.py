@@ -18,29 +18,30 @@ already written and runs only the new instances.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import OutputError, TokenizerError
+from ..errors import FlexoffError, OutputError, TokenizerError
 from ..fileio import check_destination, check_folder, json_text, write_or_keep
+from ..job import Job
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .batch import model_identity
 from .metrics import best_score
-from .runner import GenerationItem, ScoreItem, request_seed, run_generation, run_scoring
+from .runner import GenerationItem, Progress, ScoreItem, request_seed, run_generation, run_scoring
 from .scenarios import (EVAL_SPLITS, Scenario, choose_examples, default_subject, fit_prompt, get_scenario,
                         load_instances, reference_continuation)
 from .store import ResultStore, id_key, make_header
 
 
-def bench_identity(scenario: Scenario, args, data_digest: str | None, dtype: str, subject: str, k: int) -> dict:
+def bench_identity(scenario: Scenario, job: Job, data_digest: str | None, dtype: str, subject: str, k: int) -> dict:
     return {
         "scenario": scenario.name,
         # The definition itself: a changed template or setting must not mix with old results.
         "definition_sha256": hashlib.sha256(repr(scenario).encode()).hexdigest(),
-        "data_sha256": data_digest, "model": model_identity(args.model, args.dummy, args.seed), "dtype": dtype,
-        "settings": {"num_in_context": k, "seed": args.seed, "subject": subject},
+        "data_sha256": data_digest, "model": model_identity(job.model, job.dummy, job.seed), "dtype": dtype,
+        "settings": {"num_in_context": k, "seed": job.seed, "subject": subject},
     }
 
 
@@ -101,103 +102,100 @@ def summarize(scenario: Scenario, rows: list[dict], metrics, wall: float, model:
     }
 
 
-def format_table(summary: dict) -> str:
-    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
-    k = summary["in_context_examples"]
-    lines = [f"scenario   {summary['scenario']} · {summary['instances']} instances · model {summary['model']} · "
-             f"in-context examples {k['min']}" + (f"–{k['max']}" if k["max"] != k["min"] else ""),
-             f"{'metric':<24}{'mean':>12}"]
-    lines += [f"{name:<24}{fmt(value):>12}" for name, value in summary["metrics"].items()]
-    lines.append(f"{'ref_logprob':<24}{fmt(summary['ref_logprob']):>12}   (sum over the reference's tokens)")
-    if summary["truncated_prompts"]:
-        lines.append(f"truncated prompts       {summary['truncated_prompts']:>12}")
-    gen = summary["generation"]
-    if gen is None:
-        lines.append("throughput: nothing was generated in this run (every result was already written)")
-    else:
-        lines.append(f"throughput  actual {gen['actual_throughput']:.1f} token/s · padded "
-                     f"{gen['padded_throughput']:.1f} token/s · efficiency {100 * gen['efficiency']:.1f}% · "
-                     f"generated {gen['total_throughput']:.1f} token/s")
-    lines.append(f"wall time   {summary['wall_seconds']:.1f} s")
-    return "\n".join(lines)
+@dataclass
+class BenchRun:
+    """A bench run with its output open. The caller makes the LLM, calls :meth:`run`, closes the LLM,
+    then calls :meth:`finish`; nothing here prints."""
+
+    job: Job
+    scenario: Scenario
+    output_dir: Path
+    evaluated: list
+    examples: list
+    subject: str
+    store: ResultStore
+    started: float
+    prepared: list = field(default_factory=list)
+    gen_items: list = field(default_factory=list)
+
+    def run(self, llm, progress: Progress | None = None):
+        """Generate the samples and score the references not yet in the output; the Metrics of the
+        generation, or None if none was left."""
+        scenario = self.scenario
+        if llm.tokenizer is None:
+            raise TokenizerError(f"scenarios are text; model {llm.config.name!r} has no tokenizer")
+        cfg = llm.config
+        self.prepared = [fit_prompt(scenario, self.examples, inst, llm.tokenizer, cfg.max_positions, self.subject,
+                                    cfg.bos_token_id) for inst in self.evaluated]
+        gen_items, score_items = [], []
+        stride = scenario.num_outputs + 1  # an instance's samples, then its reference score
+        for position, item in enumerate(self.prepared):
+            for j in range(scenario.num_outputs):
+                sample_id = [item.instance.id, j]
+                seed = request_seed(self.job.seed, sample_id) if scenario.temperature > 0 else None
+                params = SamplingParams(max_new_tokens=scenario.max_new_tokens, temperature=scenario.temperature,
+                                        stop=scenario.stop, seed=seed)
+                gen_items.append(GenerationItem(sample_id, item.prompt, params, index=position * stride + j))
+            continuation = reference_continuation(scenario, item.instance.references[0])
+            fitted = _score_prompt(item, continuation, llm.tokenizer, cfg.bos_token_id, cfg.max_positions)
+            if fitted is not None:
+                score_items.append(ScoreItem([item.instance.id, "ref"], fitted[0], continuation, fitted[1],
+                                             index=position * stride + scenario.num_outputs))
+        self.gen_items = gen_items
+        metrics = run_generation(llm, self.store, gen_items, progress=progress, desc=scenario.name)
+        run_scoring(llm, self.store, score_items, chunk_size=4 * llm.policy.block_size, progress=progress)
+        return metrics
+
+    def finish(self, metrics, model_name: str) -> "BenchResult":
+        """Score every instance, close the output, and write instances.jsonl and summary.json."""
+        try:
+            rows = evaluate(self.scenario, self.prepared, self.store.done)
+            samples = [self.store.done[id_key(item.id)] for item in self.gen_items]
+        finally:
+            self.store.close()
+        summary = summarize(self.scenario, rows, metrics, time.perf_counter() - self.started, model_name)
+        problems = [write_or_keep(self.output_dir / "instances.jsonl", "".join(json_text(r) + "\n" for r in rows),
+                                  "the per-instance results"),
+                    write_or_keep(self.output_dir / "summary.json", json_text(summary, indent=2) + "\n",
+                                  "the summary")]
+        return BenchResult(rows, summary, [p for p in problems if p], failure_line(samples))
+
+    def close(self) -> None:
+        self.store.close()
 
 
-def run_bench(args, make_llm, out=None) -> int:
-    out = out or sys.stdout
+@dataclass(frozen=True)
+class BenchResult:
+    rows: list[dict]  # per instance, as written to instances.jsonl
+    summary: dict  # as written to summary.json
+    problems: list[str]  # writes that failed, and where their text was kept instead
+    failures: str | None  # 'N of M sequences failed', or None
+
+
+def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str | Path | None, *,
+               max_instances: int | None = None, num_in_context: int | None = None,
+               subject: str | None = None) -> BenchRun:
+    """Check the output directory, load the instances and open (or resume) the results."""
     from ..api import resolve_device, resolve_dtype
-    from ..errors import FlexoffError
 
     started = time.perf_counter()
-    scenario = get_scenario(args.scenario)
-    output_dir = _check_output_dir(Path(args.output_dir or Path("flexoff-bench") / scenario.name))
-    if not args.model:
-        raise FlexoffError("bench needs --model (a checkpoint directory with a tokenizer)")
-    if args.max_instances is not None and args.max_instances < 1:
-        raise FlexoffError(f"--max-instances must be >= 1, got {args.max_instances}")
-    instances = load_instances(scenario, args.data, seed=args.seed, max_instances=args.max_instances)
-    evaluated = [i for i in instances if i.split in EVAL_SPLITS][:args.max_instances]
-    k = scenario.num_in_context if args.num_in_context is None else args.num_in_context
+    scenario = get_scenario(scenario_name)
+    output_dir = _check_output_dir(Path(output_dir or Path("flexoff-bench") / scenario.name))
+    if max_instances is not None and max_instances < 1:
+        raise FlexoffError(f"--max-instances must be >= 1, got {max_instances}")
+    instances = load_instances(scenario, data, seed=job.seed, max_instances=max_instances)
+    evaluated = [i for i in instances if i.split in EVAL_SPLITS][:max_instances]
+    k = scenario.num_in_context if num_in_context is None else num_in_context
     if k < 0:
         raise FlexoffError(f"--num-in-context must be >= 0, got {k}")
-    examples = choose_examples([i for i in instances if i.split == "train"], k, args.seed)
-    subject = args.subject or (default_subject(args.data) if scenario.multiple_choice else "")
-    digest = hashlib.sha256(Path(args.data).read_bytes()).hexdigest() if args.data else None
-    dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
-    header = make_header("bench", bench_identity(scenario, args, digest, dtype, subject, k))
+    examples = choose_examples([i for i in instances if i.split == "train"], k, job.seed)
+    subject = subject or (default_subject(data) if scenario.multiple_choice else "")
+    digest = hashlib.sha256(Path(data).read_bytes()).hexdigest() if data else None
+    dtype = str(resolve_dtype(job.dtype, resolve_device(job.device))).removeprefix("torch.")
+    header = make_header("bench", bench_identity(scenario, job, digest, dtype, subject, k))
     store = ResultStore.open(output_dir / "results.jsonl", header, fresh_hint="choose another --output-dir",
                              flag="--output-dir")
-    try:
-        if store.dropped_bytes:
-            print(f"dropped a torn last line ({store.dropped_bytes} bytes) left by an interrupted run", file=sys.stderr)
-        llm = make_llm(args)
-        try:
-            if llm.tokenizer is None:
-                raise TokenizerError(f"scenarios are text; model {llm.config.name!r} has no tokenizer")
-            cfg = llm.config
-            prepared = [fit_prompt(scenario, examples, inst, llm.tokenizer, cfg.max_positions, subject,
-                                   cfg.bos_token_id) for inst in evaluated]
-            gen_items, score_items = [], []
-            stride = scenario.num_outputs + 1  # an instance's samples, then its reference score
-            for position, item in enumerate(prepared):
-                for j in range(scenario.num_outputs):
-                    sample_id = [item.instance.id, j]
-                    seed = request_seed(args.seed, sample_id) if scenario.temperature > 0 else None
-                    params = SamplingParams(max_new_tokens=scenario.max_new_tokens, temperature=scenario.temperature,
-                                            stop=scenario.stop, seed=seed)
-                    gen_items.append(GenerationItem(sample_id, item.prompt, params, index=position * stride + j))
-                continuation = reference_continuation(scenario, item.instance.references[0])
-                fitted = _score_prompt(item, continuation, llm.tokenizer, cfg.bos_token_id, cfg.max_positions)
-                if fitted is not None:
-                    score_items.append(ScoreItem([item.instance.id, "ref"], fitted[0], continuation, fitted[1],
-                                                 index=position * stride + scenario.num_outputs))
-            progress = not args.no_progress
-            try:
-                metrics = run_generation(llm, store, gen_items, progress=progress, desc=scenario.name)
-                run_scoring(llm, store, score_items, chunk_size=4 * llm.policy.block_size, progress=progress)
-            except KeyboardInterrupt:
-                print(f"interrupted: results so far are in {store.path}; rerun the same command to finish",
-                      file=sys.stderr)
-                return 130
-        finally:
-            llm.close()
-        rows = evaluate(scenario, prepared, store.done)
-        samples = [store.done[id_key(item.id)] for item in gen_items]
-    finally:
-        store.close()
-    summary = summarize(scenario, rows, metrics, time.perf_counter() - started, cfg.name)
-    problems = [write_or_keep(output_dir / "instances.jsonl", "".join(json_text(r) + "\n" for r in rows),
-                              "the per-instance results"),
-                write_or_keep(output_dir / "summary.json", json_text(summary, indent=2) + "\n", "the summary")]
-    print(format_table(summary), file=out)
-    problems = [p for p in problems if p]
-    if problems:
-        raise OutputError("; ".join(problems))
-    print(f"wrote {output_dir / 'instances.jsonl'} and {output_dir / 'summary.json'}", file=out)
-    failures = failure_line(samples)
-    if failures:
-        print(f"flexoff: {failures} (their records in {output_dir / 'results.jsonl'} say why)", file=sys.stderr)
-        return 1
-    return 0
+    return BenchRun(job, scenario, output_dir, evaluated, examples, subject, store, started)
 
 
 def _check_output_dir(output_dir: Path) -> Path:

@@ -1,9 +1,9 @@
 """lm-evaluation-harness model ``flexoff``: evaluate any flexoff model with ``lm_eval`` tasks.
 
 lm_eval finds models in its registry, and this module registers ``flexoff`` when imported.
-lm_eval has no plugin discovery of its own, so run its command line through this module::
+lm_eval has no plugin discovery of its own, so run its command line through flexoff's::
 
-    python -m flexoff.harness.lm_eval_adapter --model flexoff \\
+    python -m flexoff.commands.lm_eval --model flexoff \\
         --model_args pretrained=/models/opt-30b,policy=opt30b.json --tasks hellaswag
 
 or, from Python, ``import flexoff.harness.lm_eval_adapter`` before ``lm_eval.simple_evaluate(
@@ -23,10 +23,10 @@ and ``generate_until`` (``until``, ``max_gen_toks``, ``do_sample``, ``temperatur
 
 from __future__ import annotations
 
-import sys
+import warnings
 
 from ..checks import MAX_SEED, is_int
-from ..errors import ConfigError, FlexoffError, error_line
+from ..errors import ConfigError, FlexoffError
 
 try:
     import lm_eval.models  # noqa: F401  (register lm_eval's own models before ours; see get_model)
@@ -72,7 +72,7 @@ class FlexoffLM(LM):
 
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm_eval's command line asks for cuda:0 unless told otherwise, even on machines without it.
-            print(f"flexoff: device {device!r} is not available here; running on the CPU", file=sys.stderr)
+            warnings.warn(f"flexoff: device {device!r} is not available here; running on the CPU", stacklevel=2)
             device = "cpu"
         seed = _seed(seed)
         self.greedy_check = _flag(greedy_check, "greedy_check")
@@ -178,18 +178,3 @@ class FlexoffLM(LM):
             texts.append(text)
         return texts
 
-
-def main() -> None:
-    """lm_eval's command line, with the ``flexoff`` model registered."""
-    from lm_eval.__main__ import cli_evaluate
-
-    sys.argv[0] = "lm_eval"
-    try:
-        cli_evaluate()
-    except FlexoffError as exc:  # a bad model_args value or path: one line, as the flexoff command says it
-        print(error_line(exc), file=sys.stderr)
-        raise SystemExit(2) from None
-
-
-if __name__ == "__main__":
-    main()

@@ -8,10 +8,9 @@ the list, so a resumed job draws the same tokens as an uninterrupted one.
 from __future__ import annotations
 
 import hashlib
-import sys
 import time
 from dataclasses import dataclass, field, replace
-from tqdm import tqdm
+from typing import Protocol
 
 from ..records import Block, generation_record, score_record
 from ..runtime.metrics import Metrics
@@ -23,6 +22,27 @@ def request_seed(base_seed: int, request_id, sample: int = 0) -> int:
     """A per-request sampling seed that depends only on the job seed and the request's id."""
     digest = hashlib.sha256(f"{base_seed}\x00{id_key(request_id)}\x00{sample}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+class Progress(Protocol):
+    """Where a long job reports how far it is (the command shows it, e.g. as a progress bar)."""
+
+    def start(self, desc: str, unit: str, total: int, done: int) -> None: ...
+
+    def advance(self, count: int, note: str = "") -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class _Silent:
+    def start(self, desc: str, unit: str, total: int, done: int) -> None:
+        pass
+
+    def advance(self, count: int, note: str = "") -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
 
 @dataclass
@@ -45,15 +65,15 @@ class ScoreItem:
     extra: dict = field(default_factory=dict)
 
 
-def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, progress: bool = True,
+def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, progress: Progress | None = None,
                    desc: str = "prompts") -> Metrics | None:
     """Generate for every item not yet in ``store``; None when there was nothing left to do."""
     pending = [item if item.index is not None else replace(item, index=i)
                for i, item in enumerate(items) if id_key(item.id) not in store.done]
     if not pending:
         return None
-    bar = tqdm(total=len(items), initial=len(items) - len(pending), unit="prompt", desc=desc,
-               disable=not progress, dynamic_ncols=True, file=sys.stderr)
+    bar = progress or _Silent()
+    bar.start(desc, "prompt", len(items), len(items) - len(pending))
     started = time.perf_counter()
     generated = [0]
 
@@ -66,25 +86,24 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
                                              extra=item.extra))
         store.append(records)
         generated[0] += metrics.generated_tokens
-        bar.update(len(outputs))
-        bar.set_postfix_str(f"{generated[0] / max(time.perf_counter() - started, 1e-9):.1f} tok/s")
+        bar.advance(len(outputs), f"{generated[0] / max(time.perf_counter() - started, 1e-9):.1f} tok/s")
 
     try:
         result = llm.generate([item.prompt for item in pending], [item.params for item in pending],
                               on_block=on_block)
     finally:
-        bar.close()
+        bar.finish()
     return result.metrics
 
 
 def run_scoring(llm, store: ResultStore, items: list[ScoreItem], *, chunk_size: int = 256,
-                progress: bool = True, desc: str = "scoring") -> int:
+                progress: Progress | None = None, desc: str = "scoring") -> int:
     """Score every item not yet in ``store``, a chunk at a time; returns how many were scored."""
     pending = [item for item in items if id_key(item.id) not in store.done]
     # Like lengths together, so each chunk's blocks carry little padding.
     pending.sort(key=lambda item: len(item.prompt) + len(item.continuation))
-    bar = tqdm(total=len(items), initial=len(items) - len(pending), unit="seq", desc=desc,
-               disable=not progress or not pending, dynamic_ncols=True, file=sys.stderr)
+    bar = progress if progress is not None and pending else _Silent()
+    bar.start(desc, "seq", len(items), len(items) - len(pending))
     try:
         for start in range(0, len(pending), chunk_size):
             chunk = pending[start:start + chunk_size]
@@ -96,7 +115,7 @@ def run_scoring(llm, store: ResultStore, items: list[ScoreItem], *, chunk_size: 
                              prompt_tokens=item.prompt_tokens, continuation=item.continuation, extra=item.extra)
                 for item, out in zip(chunk, outputs)
             ])
-            bar.update(len(chunk))
+            bar.advance(len(chunk))
     finally:
-        bar.close()
+        bar.finish()
     return len(pending)

@@ -7,18 +7,47 @@ has weight specs and a pure forward over a weight dict; the runtime decides wher
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Any, Protocol, cast
+
+import torch
 
 from . import llama, opt
-from .common import WeightSpec
+from .common import Attend, WeightSpec
 from .config import (REGISTRY, ModelConfig, config_from_dir, known_model_names, model_directory, resolve_model,
                      resolve_model_config)
 
-_ARCHITECTURES: dict[str, ModuleType] = {"opt": opt, "llama": llama}
+class Architecture(Protocol):
+    """A model family's math, as the runtime calls it: one module of pure functions (``opt``,
+    ``llama``). ``w`` is a stage's weights by spec name; ``context`` is what ``step_context`` made
+    for this step (positions' rotary tables, or None)."""
+
+    def embed_specs(self, cfg: ModelConfig) -> list[WeightSpec]: ...
+
+    def layer_specs(self, cfg: ModelConfig, index: int) -> list[WeightSpec]: ...
+
+    def head_specs(self, cfg: ModelConfig) -> list[WeightSpec]: ...
+
+    def step_context(self, cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> Any: ...
+
+    def embed(self, cfg: ModelConfig, w: dict, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def layer(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, context: Any, attend: Attend) -> torch.Tensor: ...
+
+    # A layer in two halves, for attention that runs elsewhere (on the CPU) between them.
+    def attention_inputs(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, context: Any
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def after_attention(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
+
+    def head(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-def architecture(cfg: ModelConfig) -> ModuleType:
-    """The module holding ``cfg``'s layer math (embed, layer, head, *_specs, step_context)."""
+# A module satisfies the protocol by its functions; tests check that both do.
+_ARCHITECTURES: dict[str, Architecture] = {"opt": cast(Architecture, opt), "llama": cast(Architecture, llama)}
+
+
+def architecture(cfg: ModelConfig) -> Architecture:
+    """The module holding ``cfg``'s layer math."""
     return _ARCHITECTURES[cfg.family]
 
 
@@ -58,6 +87,6 @@ def stage_specs(cfg: ModelConfig, stage: Stage) -> list[WeightSpec]:
 
 
 __all__ = [
-    "REGISTRY", "ModelConfig", "WeightSpec", "architecture", "config_from_dir", "known_model_names",
+    "REGISTRY", "Architecture", "ModelConfig", "WeightSpec", "architecture", "config_from_dir", "known_model_names",
     "model_directory", "resolve_model", "resolve_model_config", "Stage", "stage_specs", "stages",
 ]

@@ -1,6 +1,6 @@
 """The reference policies in ``policies/`` and the FlexGen paper's hand-tuned T4 policies.
 
-``python -m flexoff.planner.reference [DIR]`` regenerates ``policies/`` (default: ./policies);
+``python -m flexoff.commands.reference [DIR]`` regenerates ``policies/`` (default: ./policies);
 a test checks that the checked-in files still match what the search finds.
 """
 
@@ -77,7 +77,7 @@ def write_reference_policies(directory: str | Path) -> dict[str, SearchResult]:
     lines = [
         "# Reference policies",
         "",
-        "Searched by `python -m flexoff.planner.reference` for prompt 512, generate 32, on the packaged",
+        "Searched by `python -m flexoff.commands.reference` for prompt 512, generate 32, on the packaged",
         "hardware profiles (`t4`: the FlexGen paper's machine; `h100`: the lent H100 machine).",
         "Use one with `flexoff run --policy policies/FILE`. The figures are the cost model's predictions.",
         "",
@@ -94,13 +94,3 @@ def write_reference_policies(directory: str | Path) -> dict[str, SearchResult]:
     write_text_atomic(directory / "README.md", "\n".join(lines) + "\n")
     return results
 
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m flexoff.planner.reference",
-                                     description="Search the reference policies again and write them as JSON.")
-    parser.add_argument("directory", nargs="?", default="policies", help="where to write them (default: policies)")
-    target = parser.parse_args().directory
-    for name, found in write_reference_policies(target).items():
-        print(f"{name}: {policy_summary(found.policy)}, {found.throughput:.4g} token/s")

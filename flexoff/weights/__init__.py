@@ -1,6 +1,29 @@
 """Weight sources: where a stage's tensors come from (seeded dummy values or a local checkpoint)."""
 
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..models import WeightSpec
 from .checkpoint import CheckpointWeights
 from .dummy import DummyWeights
 
-__all__ = ["CheckpointWeights", "DummyWeights"]
+
+@runtime_checkable
+class WeightSource(Protocol):
+    """What the runtime reads weights through, one tensor at a time."""
+
+    def check(self, stages: dict[str, list[WeightSpec]]) -> None:
+        """Refuse, before anything is loaded, a source whose tensors do not match the stages' specs."""
+
+    def load_tensor(self, stage: str, spec: WeightSpec, device: torch.device, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor on ``device``, written into ``out`` (e.g. pinned memory) when given."""
+
+    def close(self) -> None:
+        """Let go of open files and caches."""
+
+
+__all__ = ["CheckpointWeights", "DummyWeights", "WeightSource"]

@@ -83,9 +83,9 @@ def tiny_llm(tiny_opt):
 
 
 def run_cli(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
-    """``python -m flexoff.harness.cli ARGS`` in a subprocess, from the repository root."""
+    """``python -m flexoff ARGS`` in a subprocess, from the repository root."""
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "flexoff.harness.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "flexoff", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout, **popen)
 
 

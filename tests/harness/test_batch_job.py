@@ -10,7 +10,7 @@ import time
 import pytest
 
 from flexoff import SamplingParams
-from flexoff.harness.cli import main
+from flexoff.commands.main import main
 from flexoff.harness.store import read_records
 
 from .conftest import REPO, failing, write_jsonl
@@ -23,13 +23,7 @@ def prompts(count):
 
 
 def cli_command():
-    """The real ``flexoff`` entry point once it has the batch command, else this package's own."""
-    from flexoff import cli
-
-    parser = cli.build_parser()
-    commands = next(a for a in parser._actions if a.dest == "command").choices
-    module = "flexoff.cli" if "batch" in commands else "flexoff.harness.cli"
-    return [sys.executable, "-m", module]
+    return [sys.executable, "-m", "flexoff"]
 
 
 def batch_args(model, source, output, *extra):

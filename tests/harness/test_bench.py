@@ -2,12 +2,12 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
 
-from flexoff.harness.cli import main
-from flexoff.harness.metrics import best_score
+from flexoff.commands.main import main
 from flexoff.harness.scenarios import build_prompt, choose_examples, get_scenario, load_instances
 
 from .conftest import DATA
@@ -34,25 +34,66 @@ def read_outputs(output_dir):
     return summary, rows
 
 
+def table_values(table: str) -> dict[str, float]:
+    """The numbers of the printed summary table, by the label before each."""
+    values = {}
+    for line in table.splitlines():
+        words = line.split()
+        if len(words) >= 2 and words[0] in ("exact_match", "quasi_exact_match", "f1_set_match", "iou_set_match",
+                                            "exact_set_match", "rouge_l", "f1", "ref_logprob"):
+            values[words[0]] = float(words[1])
+        elif line.startswith("throughput"):
+            numbers = re.findall(r"(\w+) ([0-9.]+)(?: token/s|%)", line)
+            values.update((f"throughput {name}", float(number)) for name, number in numbers)
+        elif line.startswith("wall time"):
+            values["wall"] = float(words[2])
+    return values
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_scenario_runs_end_to_end(tiny_opt, tmp_path, capsys, name):
+    """The summary file and the printed table agree with the per-instance rows and the raw results,
+    each recomputed here by its plain definition."""
     scenario = get_scenario(name)
     output_dir = tmp_path / name
     assert main(bench_args(tiny_opt[0], name, output_dir)) == 0
-    table = capsys.readouterr().out
+    table = table_values(capsys.readouterr().out)
     summary, rows = read_outputs(output_dir)
+    records = [json.loads(line) for line in (output_dir / "results.jsonl").read_text().splitlines()]
+    samples = {(r["id"][0], r["id"][1]): r for r in records if r["kind"] != "score"}
+    scores = {r["id"][0]: r for r in records if r["kind"] == "score"}
     assert summary["instances"] == len(rows) == CASES[name][1]
     for row in rows:
-        assert len(row["predictions"]) == scenario.num_outputs
-        for metric in scenario.metrics:
-            assert row[metric] == best_score(metric, row["references"], row["predictions"])
-        assert row["ref_logprob"] < 0 and row["ref_tokens"] >= 1
+        # The predictions are the generated texts, and the reference's log-probability their sum.
+        assert row["predictions"] == [samples[(row["id"], j)]["text"] for j in range(scenario.num_outputs)]
+        assert row["ref_logprob"] == pytest.approx(sum(scores[row["id"]]["logprobs"]))
+        assert row["ref_tokens"] == len(scores[row["id"]]["logprobs"]) >= 1 and row["ref_logprob"] < 0
+        if "exact_match" in scenario.metrics:
+            assert row["exact_match"] == float(any(p.strip() == r.strip() for p in row["predictions"]
+                                                   for r in row["references"]))
+        assert all(0 <= row[metric] <= 1 for metric in scenario.metrics)
     for metric in scenario.metrics:
-        assert summary["metrics"][metric] == pytest.approx(sum(r[metric] for r in rows) / len(rows))
-        assert metric in table
+        mean = sum(r[metric] for r in rows) / len(rows)
+        assert summary["metrics"][metric] == pytest.approx(mean)
+        assert table[metric] == pytest.approx(mean, abs=5e-5)
+    assert summary["ref_logprob"] == pytest.approx(sum(r["ref_logprob"] for r in rows) / len(rows))
+    assert summary["ref_logprob_per_token"] == pytest.approx(sum(r["ref_logprob"] for r in rows)
+                                                             / sum(r["ref_tokens"] for r in rows))
+    assert table["ref_logprob"] == pytest.approx(summary["ref_logprob"], abs=5e-5)
+    assert summary["in_context_examples"] == {"min": min(r["num_in_context"] for r in rows),
+                                              "max": max(r["num_in_context"] for r in rows)}
+    assert summary["truncated_prompts"] == sum(r["truncated"] for r in rows)
     generation = summary["generation"]
-    assert generation["num_sequences"] == len(rows) * scenario.num_outputs
-    assert 0 < generation["efficiency"] <= 1 and "efficiency" in table and "wall time" in table
+    assert generation["num_sequences"] == len(samples) == len(rows) * scenario.num_outputs
+    assert generation["generated_tokens"] == sum(len(r["token_ids"]) for r in samples.values())
+    actual = generation["prompt_tokens"] + generation["generated_tokens"]
+    padded = generation["padded_prompt_tokens"] + generation["padded_generated_tokens"]
+    assert generation["efficiency"] == pytest.approx(actual / padded) and actual <= padded
+    assert table["throughput efficiency"] == pytest.approx(100 * actual / padded, abs=0.05)
+    assert table["throughput actual"] == pytest.approx(actual / generation["total_time"], abs=0.05)
+    assert table["throughput padded"] == pytest.approx(padded / generation["total_time"], abs=0.05)
+    assert table["wall"] == pytest.approx(summary["wall_seconds"], abs=0.05)
+    assert summary["wall_seconds"] >= generation["total_time"]
 
 
 def test_reference_logprob_matches_transformers(tiny_opt, tmp_path, capsys):
@@ -114,7 +155,7 @@ def test_summary_logprob_is_finite(tiny_opt, tmp_path, capsys):
 
 
 def test_output_dir_on_a_file_is_refused_before_any_work(tiny_opt, tmp_path, capsys, monkeypatch):
-    from flexoff import cli
+    from flexoff.commands import harness as cli
 
     monkeypatch.setattr(cli, "make_llm", lambda *a, **k: pytest.fail("the model was loaded"))
     target = tmp_path / "results"

@@ -8,7 +8,7 @@ import subprocess
 import pandas
 import pytest
 
-from flexoff.cli import main
+from flexoff.commands.main import main
 from flexoff.records import RECORD_FIELDS
 
 from .conftest import DATA, write_jsonl

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from flexoff.cli import main
+from flexoff.commands.main import main
 from flexoff.errors import ConfigError
 from flexoff.models import ModelConfig
 from flexoff.models.config import RopeScaling

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from flexoff.errors import ConfigError, PolicyError, UnknownModelError
-from flexoff.planner import cli
+from flexoff.commands import main as cli
 from flexoff.planner.hardware import HardwareProfile
 from flexoff.policy import Policy
 

@@ -9,7 +9,7 @@ from flexoff.planner.reference import REFERENCE_SEARCHES, run_reference_search
 from flexoff.policy import Policy
 
 POLICIES = Path(__file__).resolve().parents[2] / "policies"
-REGENERATE = "regenerate with `python -m flexoff.planner.reference policies`"
+REGENERATE = "regenerate with `python -m flexoff.commands.reference policies`"
 
 
 @pytest.mark.parametrize("spec", REFERENCE_SEARCHES, ids=lambda spec: spec.filename)

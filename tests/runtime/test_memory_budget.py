@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexoff import LLM
-from flexoff.cli import main
+from flexoff.commands.main import main
 from flexoff.errors import PolicyError
 from flexoff.runtime import memory
 from flexoff.layout import Capacity, check_fits, tier_name

@@ -17,7 +17,7 @@ import huggingface_hub
 from huggingface_hub import errors as hub_errors
 
 from flexoff import LLM, SamplingParams
-from flexoff.cli import main
+from flexoff.commands.main import main
 from flexoff.errors import HubError, UnknownModelError
 from flexoff.models import resolve_model
 from flexoff.tokenizer import Tokenizer

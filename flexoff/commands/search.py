@@ -1,18 +1,17 @@
-"""The ``search`` and ``profile`` subcommands; the main CLI adds them with ``register``."""
+"""The ``search`` and ``profile`` commands; the ``flexoff`` parser adds them with ``register``."""
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from ..cli_args import COUNT, SIZE, Parser, number
-from ..errors import ConfigError, error_line
+from ..errors import ConfigError
 from ..models.config import resolve_model_config
+from ..planner.cost_model import Workload
+from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
+from ..planner.search import CHOICES, pareto_frontier, search_policy
 from ..units import parse_size
-from .cost_model import Workload
-from .hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
+from .args import COUNT, SIZE, number
 from .report import describe_hardware, format_frontier, format_prediction, plot_frontier, write_frontier_csv
-from .search import CHOICES, pareto_frontier, search_policy
 
 
 def register(subparsers) -> None:
@@ -143,29 +142,3 @@ def run_profile(args) -> int:
           f"quantizing a prefill's cache {profile.kv_quant_throughput / 1e9:.3g} G elements/s")
     print(f"wrote {output} in {time.perf_counter() - started:.1f} s")
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """A parser with only these subcommands, for tests and ``python -m flexoff.planner.cli``."""
-    parser = Parser(prog="flexoff")
-    register(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
-def main(argv=None) -> int:
-    from ..errors import FlexoffError
-    import sys
-
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help, or a usage error the parser printed as one line
-        return exc.code or 0
-    try:
-        return args.handler(args)
-    except FlexoffError as exc:
-        print(error_line(exc), file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

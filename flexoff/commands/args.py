@@ -1,0 +1,168 @@
+"""The flags commands share, flag types that check values at parse time, a parser whose errors are
+one line, and the Job the flags describe.
+
+Each type turns a flag's text into its value or refuses it with the rule it breaks; argparse adds
+the flag's name ("argument --top-p: must be a number in (0, 1], got 1.5").
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from ..checks import MAX_SEED, check_device_name, in_range, requirement
+from ..errors import FlexoffError
+from ..job import DEFAULT_MODEL, Job, PolicySource, check_dtype_name
+from ..policy import SUPPORTED_BITS, CompressionConfig
+from ..units import parse_size
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, ``flexoff: error: ...``, and exit code 2
+    (argparse's own print the usage first). Subcommand parsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"flexoff: error: {message} (see `{self.prog} --help`)\n")
+
+
+def integer(minimum: int | None = None, maximum: int | None = None):
+    need = requirement("an integer", minimum, maximum)
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {need}, got {text!r}") from None
+        if not in_range(value, minimum, maximum):
+            raise argparse.ArgumentTypeError(f"must be {need}, got {value}")
+        return value
+
+    return parse
+
+
+def number(minimum: float | None = None, maximum: float | None = None, above: float | None = None):
+    """A finite float in range (NaN and infinity are refused)."""
+    need = requirement("a number", minimum, maximum, above)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {need}, got {text!r}") from None
+        if not math.isfinite(value) or not in_range(value, minimum, maximum, above):
+            raise argparse.ArgumentTypeError(f"must be {need}, got {text}")
+        return value
+
+    return parse
+
+
+def _checked(check):
+    """A flag type from a check that raises FlexoffError; the check returns the flag's value."""
+
+    def parse(text: str):
+        try:
+            return check(text)
+        except FlexoffError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
+def _size(text: str) -> str:
+    if parse_size(text) <= 0:
+        raise FlexoffError(f"must be a positive size, got {text!r}")
+    return text  # consumers parse it again, as they parse sizes given in Python
+
+
+def _text(text: str) -> str:
+    if not text:
+        raise FlexoffError("must not be empty")
+    return text
+
+
+COUNT = integer(1)  # a positive count: prompts, tokens, batch sizes, instances
+SEED = integer(0, MAX_SEED)
+SIZE = _checked(_size)
+NONEMPTY = _checked(_text)
+DEVICE = _checked(check_device_name)
+DTYPE = _checked(check_dtype_name)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model",
+                       help="registry name (e.g. opt-30b, llama-3-8b; needs --dummy), a local Hugging Face "
+                            "checkpoint directory, or a Hugging Face Hub id (e.g. facebook/opt-1.3b: taken from the "
+                            "Hub cache or downloaded; with --dummy only its config.json) "
+                            f"(`flexoff run` alone runs {DEFAULT_MODEL} with dummy weights)")
+    group.add_argument("--dummy", action="store_true",
+                       help="seeded random weights instead of a checkpoint (no download; for benchmarks)")
+    group.add_argument("--dtype", default="auto", type=DTYPE,
+                       help="float16, bfloat16, float32, or auto (float16 on CUDA, float32 on CPU)")
+    group.add_argument("--device", default="auto", type=DEVICE, help="compute device: cuda, cuda:N, cpu, or auto")
+    group.add_argument("--tokenizer", help="directory with tokenizer files, if not the checkpoint's")
+
+
+def add_policy_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "policy", "Where weights, KV cache and activations live, and how blocks are batched. Flags given "
+                  "here override the --policy file; without either, everything stays on the GPU.")
+    group.add_argument("--policy", help="policy JSON file (see `flexoff search --output`), or auto: search the best "
+                                        "policy for this job first (see --hardware)")
+    group.add_argument("--hardware", metavar="NAME|FILE",
+                       help="hardware profile --policy auto plans for: t4, h100, h200 or a `flexoff profile` JSON "
+                            "(default: the one `flexoff profile` saved for this machine)")
+    group.add_argument("--percent", type=number(0, 100), nargs=6, metavar=("W_GPU", "W_CPU", "C_GPU", "C_CPU", "A_GPU", "A_CPU"),
+                       help="percent of weights, KV cache and activations on gpu and cpu (each pair at most 100 "
+                            "together); the rest goes to disk")
+    group.add_argument("--gpu-batch-size", type=COUNT, help="sequences per GPU batch")
+    group.add_argument("--num-gpu-batches", type=COUNT, help="GPU batches per block (they share one weight load)")
+    group.add_argument("--cpu-attention", action="store_true", default=None,
+                       help="run decode attention on the CPU for cache rows held off the GPU")
+    group.add_argument("--no-overlap", dest="overlap", action="store_false", default=None,
+                       help="run loads, stores and compute one after another (for measuring)")
+    group.add_argument("--no-pin", dest="pin_cpu_memory", action="store_false", default=None,
+                       help="do not pin host memory (slower copies, but no page-locked RAM)")
+    group.add_argument("--compress-weight", action="store_true", default=None,
+                       help="store weights 4-bit group-quantized on every tier (dequantized on the GPU before use)")
+    group.add_argument("--weight-bits", type=int, default=4, choices=SUPPORTED_BITS,
+                       help="bits per weight when compressed (2, 3, 4 or 8)")
+    group.add_argument("--weight-group", type=integer(2), default=64, help="group size for weight compression (>= 2)")
+    group.add_argument("--compress-cache", action="store_true", default=None,
+                       help="store the KV cache group-quantized on every tier")
+    group.add_argument("--cache-bits", type=int, default=4, choices=SUPPORTED_BITS,
+                       help="bits per cache value when compressed (2, 3, 4 or 8)")
+    group.add_argument("--cache-group", type=integer(2), default=64, help="group size for cache compression (>= 2)")
+    group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR); "
+                                             "flexoff makes a private folder inside it and removes it on exit")
+    group.add_argument("--gpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card)")
+    group.add_argument("--cpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's host memory, e.g. 200GiB")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=number(0), default=0.0, help="0 (default) is greedy")
+    group.add_argument("--top-k", type=integer(0), default=0, help="keep the k most likely tokens (0: all)")
+    group.add_argument("--top-p", type=number(maximum=1, above=0), default=1.0,
+                       help="nucleus sampling mass, in (0, 1] (1: all)")
+    group.add_argument("--seed", type=SEED, default=0, help=f"seed for sampling and dummy weights (0 to {MAX_SEED})")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", type=NONEMPTY,
+                       help="stop a sequence when its text contains TEXT (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def job_from_args(args) -> Job:
+    """The job the model, policy and sampling flags describe (those a command lacks keep Job's defaults).
+    Without --model the job runs the default model with dummy weights."""
+    model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
+    flag = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    policy = PolicySource.build(
+        flag("policy"), flag("hardware"), percent=flag("percent"),
+        compress_weight=CompressionConfig(args.weight_bits, args.weight_group) if flag("compress_weight") else None,
+        compress_cache=CompressionConfig(args.cache_bits, args.cache_group) if flag("compress_cache") else None,
+        gpu_batch_size=flag("gpu_batch_size"), num_gpu_batches=flag("num_gpu_batches"),
+        cpu_attention=flag("cpu_attention"), overlap=flag("overlap"), pin_cpu_memory=flag("pin_cpu_memory"))
+    return Job(model=model, dummy=dummy, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
+               seed=args.seed, policy=policy, temperature=flag("temperature", 0.0), top_k=flag("top_k", 0),
+               top_p=flag("top_p", 1.0), stop=tuple(flag("stop", ())), ignore_eos=flag("ignore_eos", False),
+               offload_dir=flag("offload_dir"), gpu_mem=flag("gpu_mem"), cpu_mem=flag("cpu_mem"))

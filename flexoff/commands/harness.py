@@ -1,0 +1,182 @@
+"""The ``flexoff batch`` and ``flexoff bench`` commands: they build the Job, make the LLM, hand both
+to the harness (flexoff.harness.batch, flexoff.harness.bench) and print what it returns.
+
+``register(subparsers)`` adds both to the ``flexoff`` parser; each sets ``args.handler``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ..errors import FlexoffError, OutputError
+from .args import COUNT, SEED, add_model_args, add_policy_args, add_sampling_args, integer, job_from_args
+from .llm import make_llm
+from .report import format_summary, format_table
+
+
+BATCH_EPILOG = """\
+input: one JSON object per line
+  {"id": "q1", "prompt": "text", "max_new_tokens": 16, "stop": ["\\n"], "meta": {...}}
+  id and prompt are required (prompt may be a list of token ids); the rest are optional.
+output: one JSON record per line, as blocks finish (sort by index for input order):
+  index, id, kind, prompt, prompt_tokens, text, token_ids, logprobs, generated_tokens,
+  finish_reason, error, block_size, block_seconds, finished_at (and meta);
+  OUTPUT.job.json beside it names the job. One job at a time may write an output.
+resume: rerun the same command; finished ids are skipped. An output of another job
+  (other model, input or sampling flags) is refused: delete or move it to start fresh.
+exit: 0 done; 1 done, but some sequences failed (their records carry the error);
+  2 an error in the input, the flags or the output; 130 interrupted."""
+
+BENCH_EPILOG = """\
+data (--data): one JSON object per line
+  {"id": "q1", "input": "text", "references": ["answer", ...], "split": "test"}
+  mmlu: {"input": "question", "choices": ["a", "b", "c", "d"], "answer": "B"}
+  split "train" marks in-context examples; synthetic_reasoning needs no file.
+output (--output-dir): results.jsonl (resumable raw generations and reference scores, one
+  record a line as `flexoff batch` writes them), instances.jsonl (per-instance metrics) and
+  summary.json."""
+
+
+class TqdmProgress:
+    """A harness job's progress as a tqdm bar on stderr, or nothing when ``enabled`` is false."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.bar = None
+
+    def start(self, desc: str, unit: str, total: int, done: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=done, unit=unit, desc=desc, disable=not self.enabled,
+                        dynamic_ncols=True, file=sys.stderr)
+
+    def advance(self, count: int, note: str = "") -> None:
+        self.bar.update(count)
+        if note:
+            self.bar.set_postfix_str(note)
+
+    def finish(self) -> None:
+        self.bar.close()
+
+
+def _dropped(store) -> None:
+    if store.dropped_bytes:
+        print(f"dropped a torn last line ({store.dropped_bytes} bytes) left by an interrupted run", file=sys.stderr)
+
+
+def run_batch(args) -> int:
+    from ..harness.batch import open_batch
+
+    if not args.model:
+        raise FlexoffError("batch needs --model (a registry name with --dummy, or a checkpoint directory)")
+    batch = open_batch(job_from_args(args), args.input, args.output, args.max_new_tokens)
+    try:
+        _dropped(batch.store)
+        total = len(batch.lines)
+        if batch.already == total:
+            print(f"all {total} prompts are already in {args.output}; nothing to do")
+            return _failures(batch.failures(), batch.store.path)
+        started = time.perf_counter()
+        llm = make_llm(batch.job, batch.workload)
+        try:
+            try:
+                metrics = batch.run(llm, TqdmProgress(not args.no_progress))
+            except KeyboardInterrupt:
+                print(f"interrupted: {batch.done} of {total} prompts are in {args.output}; "
+                      "rerun the same command to finish the rest", file=sys.stderr)
+                return 130
+            print(format_summary(llm, metrics))
+        finally:
+            llm.close()
+        note = f" ({batch.already} from an earlier run)" if batch.already else ""
+        print(f"done       {total} prompts{note} · wall {time.perf_counter() - started:.1f} s · "
+              f"results in {args.output}")
+        return _failures(batch.failures(), batch.store.path)
+    finally:
+        batch.close()
+
+
+def run_bench(args) -> int:
+    from ..harness.bench import open_bench
+
+    job = job_from_args(args)
+    if not args.model:
+        raise FlexoffError("bench needs --model (a checkpoint directory with a tokenizer)")
+    bench = open_bench(job, args.scenario, args.data, args.output_dir, max_instances=args.max_instances,
+                       num_in_context=args.num_in_context, subject=args.subject)
+    try:
+        _dropped(bench.store)
+        llm = make_llm(job)
+        try:
+            metrics = bench.run(llm, TqdmProgress(not args.no_progress))
+        except KeyboardInterrupt:
+            print(f"interrupted: results so far are in {bench.store.path}; rerun the same command to finish",
+                  file=sys.stderr)
+            return 130
+        finally:
+            llm.close()
+        result = bench.finish(metrics, llm.config.name)
+    finally:
+        bench.close()
+    print(format_table(result.summary))
+    if result.problems:
+        raise OutputError("; ".join(result.problems))
+    print(f"wrote {bench.output_dir / 'instances.jsonl'} and {bench.output_dir / 'summary.json'}")
+    return _failures(result.failures, bench.output_dir / "results.jsonl")
+
+
+def _failures(failures: str | None, path) -> int:
+    """1 after a one-line count on stderr when some results are errors, else 0."""
+    if failures is None:
+        return 0
+    print(f"flexoff: {failures} (their records in {path} say why)", file=sys.stderr)
+    return 1
+
+
+def register(subparsers) -> None:
+    """Add ``batch`` and ``bench`` to a subparsers object of the ``flexoff`` parser."""
+    from ..harness.scenarios import SCENARIOS
+
+    batch = subparsers.add_parser(
+        "batch", help="resumable generation over a JSONL file of prompts",
+        description="Generate for every prompt of a JSONL file, appending results to a JSONL output as "
+                    "blocks finish. Rerunning the same command after a crash or Ctrl-C finishes the rest.",
+        epilog=BATCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    files = batch.add_argument_group("files")
+    files.add_argument("--input", required=True, metavar="FILE.jsonl", help="prompts, one JSON object per line")
+    files.add_argument("--output", required=True, metavar="FILE.jsonl",
+                       help="results; created, or resumed if it holds results of this same job")
+    add_model_args(batch)
+    add_policy_args(batch)
+    add_sampling_args(batch)
+    batch.add_argument("--max-new-tokens", type=COUNT, default=32, metavar="N",
+                       help="tokens to generate per prompt, unless its line says otherwise (default 32)")
+    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    batch.set_defaults(handler=run_batch)
+
+    bench = subparsers.add_parser(
+        "bench", help="run a HELM-style scenario and report accuracy and throughput",
+        description="Run a scenario (" + ", ".join(SCENARIOS) + ") on a model: build HELM-style few-shot prompts, "
+                    "generate, score the references, and write per-instance results and a summary table.",
+        epilog=BENCH_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("--scenario", required=True, metavar="NAME",
+                       help="one of: " + ", ".join(SCENARIOS))
+    bench.add_argument("--data", metavar="FILE.jsonl",
+                       help="the scenario's instances (required except for synthetic_reasoning, which generates them)")
+    bench.add_argument("--max-instances", type=COUNT, metavar="N",
+                       help="evaluate the first N instances (default: all; synthetic_reasoning generates 1000)")
+    bench.add_argument("--num-in-context", type=integer(0), metavar="K",
+                       help="in-context examples per prompt (default: the scenario's, 3 or 5)")
+    bench.add_argument("--subject", help="mmlu: the subject named in the instructions (default: from the data file name)")
+    bench.add_argument("--seed", type=SEED, default=0,
+                       help="seed for example choice, sampling, generated data and dummy weights (default 0)")
+    bench.add_argument("--output-dir", metavar="DIR", help="where results go (default flexoff-bench/NAME)")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_model_args(bench)
+    add_policy_args(bench)
+    bench.set_defaults(handler=run_bench)
+

@@ -1,0 +1,93 @@
+"""The LLM a job describes, made through the API; what planning does on the way is printed on stderr."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from functools import cache
+from typing import TYPE_CHECKING
+
+from ..errors import FlexoffError, TokenizerError
+from ..job import Job
+
+if TYPE_CHECKING:
+    from ..planner.cost_model import Workload
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def policy_of(job: Job, workload: Callable[[], Workload] | None):
+    """The job's policy: its file (or a search, for auto), then its overrides on top; None for the default."""
+    from ..api import DEFAULT_POLICY
+    from ..policy import Policy
+
+    source = job.policy
+    if source.searched:
+        policy = searched_policy(job, workload)
+    else:
+        policy = Policy.load(source.file) if source.file else None
+    if source.overrides:
+        policy = replace(policy or DEFAULT_POLICY, **dict(source.overrides))
+    return policy
+
+
+def searched_policy(job: Job, workload: Callable[[], Workload] | None):
+    """The planner's best policy for this job on its hardware profile, within its memory caps."""
+    from ..api import resolve_device, resolve_dtype
+    from ..models import resolve_model_config
+    from ..planner.report import policy_summary
+    from ..planner.search import search_policy
+    from ..units import parse_size
+
+    if workload is None:
+        raise FlexoffError("--policy auto works with `flexoff run` and `flexoff batch`, not `flexoff bench`: "
+                           "save a policy with `flexoff search --output FILE` and pass --policy FILE")
+    device = resolve_device(job.device)
+    if resolve_dtype(job.dtype, device).itemsize != 2:
+        raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16")
+    config = resolve_model_config(job.model)
+    caps = [parse_size(value) if value else None for value in (job.gpu_mem, job.cpu_mem)]
+    hardware = hardware_profile(job, device).with_memory(*caps)
+    wanted = workload()
+    result = search_policy(config, wanted, hardware)
+    _log(f"searched   {policy_summary(result.policy)} for prompt {wanted.prompt_len}, generate {wanted.gen_len} on "
+         f"{hardware.name}: {result.throughput:.4g} token/s predicted")
+    return result.policy
+
+
+def hardware_profile(job: Job, device):
+    """The profile planning uses: the job's, else this machine's saved one, measured quickly (and
+    saved) the first time."""
+    from ..profiler import saved_or_measured_profile
+    from ..planner.hardware import resolve_hardware
+
+    if job.policy.hardware:
+        return resolve_hardware(job.policy.hardware)
+    return saved_or_measured_profile(device, job.offload_root, lambda message: _log(f"profile    {message}"))
+
+
+def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
+    """The LLM the job describes. ``workload`` (a callable giving the planner's Workload) serves
+    --policy auto, lets a job that cannot fit be refused before anything is allocated, and, with no
+    policy given, plans a policy when the job does not fit the device (the plan is printed)."""
+    from ..api import LLM, resolve_device
+
+    workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
+
+    def measured_workload():
+        try:
+            return workload()
+        except TokenizerError:  # text without a tokenizer: the prompts' own check names the line at fault
+            return None
+
+    llm = LLM(job.model, dummy=job.dummy, policy=policy_of(job, workload), dtype=job.dtype, device=job.device,
+              seed=job.seed, tokenizer=job.tokenizer, offload_dir=job.offload_root,
+              gpu_mem=job.gpu_mem, cpu_mem=job.cpu_mem,
+              workload=measured_workload if workload is not None else None,
+              hardware=lambda: hardware_profile(job, resolve_device(job.device)))
+    if llm.plan is not None and llm.plan.message:
+        _log(llm.plan.message)
+    return llm

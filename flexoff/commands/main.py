@@ -1,0 +1,156 @@
+"""The ``flexoff`` command line and its ``run`` command. Thin: it parses flags into a Job, calls the
+API, and prints.
+
+Every user error ends as one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+
+from ..errors import FlexoffError, OutputError, error_line
+from ..fileio import check_destination, json_text, write_or_keep
+from ..job import DEFAULT_MODEL
+from . import harness, search
+from .args import COUNT, Parser, add_model_args, add_policy_args, add_sampling_args, job_from_args
+from .llm import make_llm
+from .report import format_summary
+
+def cmd_run(args) -> int:
+    from ..planner.cost_model import Workload
+    from ..prompts import prompt_workload, read_prompts, synthetic_prompts
+    from ..records import Block
+
+    # Destinations first: a path that cannot be written should fail now, not after generating.
+    for path, flag in ((args.output, "--output"), (args.metrics_json, "--metrics-json")):
+        if path:
+            check_destination(path, flag)
+    job = job_from_args(args)
+    lines = read_prompts(args.prompts) if args.prompts else None
+
+    def workload() -> Workload:
+        if lines is None:
+            return Workload(args.prompt_len, args.gen_len, args.num_prompts)
+        return prompt_workload([line.prompt for line in lines], [line.max_new_tokens or args.gen_len for line in lines],
+                               job.model, job.tokenizer)
+
+    llm = make_llm(job, workload)
+    blocks: dict[int, Block] = {}  # each output's block, for its record
+
+    def on_block(outputs, metrics) -> None:
+        block = Block.now(len(outputs), metrics.total_time)
+        blocks.update((out.index, block) for out in outputs)
+
+    try:
+        if lines is not None:
+            prompts = [line.prompt for line in lines]
+            params = [job.sampling(line.max_new_tokens or args.gen_len, line.stop, job.seed) for line in lines]
+            ids = [line.id for line in lines]
+        else:
+            prompts = synthetic_prompts(llm.config, args.num_prompts, args.prompt_len, job.seed)
+            params = [job.sampling(args.gen_len, seed=job.seed)] * len(prompts)
+            ids = [None] * len(prompts)
+        if args.warmup:
+            # A short pass first, so one-time costs (kernel selection, allocator growth) stay out of the timing.
+            llm.generate([p[:32] if isinstance(p, list) else p for p in prompts],
+                         job.sampling(1, seed=job.seed))
+        result = llm.generate(prompts, params, progress=not args.quiet, on_block=on_block)
+    finally:
+        llm.close()
+    return _write_run_outputs(args, llm, result, ids, blocks)
+
+
+def _write_run_outputs(args, llm, result, ids, blocks) -> int:
+    """Write the results and metrics; a write that fails keeps its text elsewhere and ends the run
+    with one line naming where. Exit code 1 when some sequences failed, 0 otherwise."""
+    from ..records import failure_line, generation_record, record_line
+
+    records = [generation_record(out, blocks[out.index], id=line_id) for out, line_id in zip(result, ids)]
+    problems = []
+    if args.output:
+        problems.append(write_or_keep(args.output, "".join(record_line(r) + "\n" for r in records),
+                                      f"the {len(records)} results"))
+    if args.metrics_json:
+        problems.append(write_or_keep(args.metrics_json, json_text(result.metrics.to_dict(), indent=2) + "\n",
+                                      "the metrics"))
+    print(format_summary(llm, result.metrics))
+    problems = [p for p in problems if p]
+    if problems:
+        raise OutputError("; ".join(problems))
+    if args.output:
+        print(f"wrote {len(result)} results to {args.output}")
+    failures = failure_line(records)
+    if failures:
+        where = f" (their records in {args.output} say why)" if args.output else ""
+        print(f"flexoff: {failures}{where}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def register_run(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "run", help="generate for a batch of prompts and report throughput",
+        description="Generate for prompts from a file, or for synthetic prompts of a fixed length, and print "
+                    "prefill / decode / total throughput, padding and peak memory. With no flags it runs "
+                    f"{DEFAULT_MODEL} with dummy weights on synthetic prompts.",
+    )
+    add_model_args(parser)
+    source = parser.add_argument_group("prompts")
+    source.add_argument("--prompts", metavar="FILE",
+                        help="by extension, in any case: .jsonl (one object per line with \"prompt\", text or "
+                             "token ids, and optional \"id\", \"max_new_tokens\", \"stop\", \"meta\"), .json (one "
+                             "list of such objects or of bare prompts), else text with one prompt per line")
+    source.add_argument("--prompt-len", type=COUNT, default=64, help="synthetic prompt length in tokens (default 64)")
+    source.add_argument("--num-prompts", type=COUNT, default=16, help="number of synthetic prompts (default 16)")
+    source.add_argument("--gen-len", "--max-new-tokens", dest="gen_len", type=COUNT, default=32,
+                        help="tokens to generate per prompt (default 32)")
+    add_policy_args(parser)
+    add_sampling_args(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--output", metavar="FILE.jsonl", help="write one JSON result per prompt (atomically)")
+    out.add_argument("--metrics-json", metavar="FILE", help="write the metrics record as JSON")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument("--warmup", action="store_true",
+                     help="run a short untimed pass first (for benchmarks: keeps one-time costs out of the figures)")
+    parser.set_defaults(handler=cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="flexoff",
+        description="High-throughput batch LLM inference on one GPU with too little memory.",
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    register_run(subparsers)
+    search.register(subparsers)
+    harness.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error the parser printed as one line
+        return exc.code or 0
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return args.handler(args)
+    except FlexoffError as exc:
+        print(error_line(exc), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("flexoff: interrupted", file=sys.stderr)
+        return 130
+
+
+def _terminate(signum, frame):
+    # Unwinding through the handlers' finally blocks removes offload files on SIGTERM too.
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""What the commands show: predictions as tables, CSV and a frontier plot, and a run's summary."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..planner.cost_model import Prediction
+from ..planner.hardware import HardwareProfile
+from ..planner.report import policy_summary
+from ..policy import TIERS, Policy
+from ..units import format_size
+
+
+def _percent(fractions) -> str:
+    return " / ".join(f"{100 * v:.4g}%" for v in fractions.as_tuple())
+
+
+def _compression(policy: Policy) -> str:
+    parts = []
+    for what, config in (("weights", policy.compress_weight), ("cache", policy.compress_cache)):
+        if config is not None:
+            parts.append(f"{what} {config.bits}-bit g{config.group_size}")
+    return ", ".join(parts) or "off"
+
+
+def format_prediction(prediction: Prediction, title: str = "") -> str:
+    policy = prediction.policy
+    rows = [
+        ("policy", ""),
+        ("  gpu batch size x batches", f"{policy.gpu_batch_size} x {policy.num_gpu_batches} "
+                                       f"(block of {policy.block_size})"),
+        ("  weights gpu/cpu/disk", _percent(policy.weights)),
+        ("  kv cache gpu/cpu/disk", _percent(policy.cache)),
+        ("  activations gpu/cpu/disk", _percent(policy.activations)),
+        ("  compression", _compression(policy)),
+        ("  cpu attention", "on" if policy.cpu_attention else "off"),
+        ("  overlap", "on" if policy.overlap else "off"),
+        ("prediction", ""),
+        ("  throughput", f"{prediction.total_throughput:.4g} token/s generated "
+                         f"(prefill {prediction.prefill_throughput:.4g}, "
+                         f"decode {prediction.decode_throughput:.4g} token/s)"),
+        ("  block latency", f"{prediction.block_latency:.4g} s (prefill {prediction.prefill_seconds:.4g} s, "
+                            f"decode {prediction.decode_seconds:.4g} s)"),
+        ("  prefill bound by", prediction.prefill.bound),
+        ("  decode bound by", prediction.decode.bound),
+    ]
+    width = max(len(label) for label, _ in rows) + 2
+    lines = [title] if title else []
+    lines += [f"{label:<{width}}{value}".rstrip() for label, value in rows]
+    lines.append(f"{'memory':<{width}}{'peak':>12}  {'usable':>12}  {'used':>5}")
+    for tier in TIERS:
+        peak, usable = prediction.peak_memory[tier], prediction.capacity[tier]
+        share = f"{100 * peak / usable:.0f}%" if usable else "-"
+        lines.append(f"{'  ' + tier:<{width}}{format_size(peak):>12}  {format_size(usable):>12}  {share:>5}")
+    return "\n".join(lines)
+
+
+FRONTIER_COLUMNS = ("block_latency_s", "throughput_token_per_s", "gpu_batch_size", "num_gpu_batches",
+                    "weights_gpu", "weights_cpu", "weights_disk", "cache_gpu", "cache_cpu", "cache_disk",
+                    "activations_gpu", "activations_cpu", "activations_disk", "compression", "cpu_attention",
+                    "decode_bound")
+
+
+def frontier_rows(predictions: list[Prediction]) -> list[dict]:
+    rows = []
+    for prediction in predictions:
+        policy = prediction.policy
+        row = {"block_latency_s": prediction.block_latency, "throughput_token_per_s": prediction.total_throughput,
+               "gpu_batch_size": policy.gpu_batch_size, "num_gpu_batches": policy.num_gpu_batches}
+        for what in ("weights", "cache", "activations"):
+            for tier, value in zip(TIERS, getattr(policy, what).as_tuple()):
+                row[f"{what}_{tier}"] = value
+        row["compression"] = _compression(policy)
+        row["cpu_attention"] = policy.cpu_attention
+        row["decode_bound"] = prediction.decode.bound
+        rows.append(row)
+    return rows
+
+
+def format_frontier(predictions: list[Prediction]) -> str:
+    lines = [f"{'latency (s)':>12}  {'token/s':>10}  policy (gbs x batches, w/c/a gpu/cpu/disk %)  decode bound"]
+    for prediction in predictions:
+        lines.append(f"{prediction.block_latency:>12.4g}  {prediction.total_throughput:>10.4g}  "
+                     f"{policy_summary(prediction.policy)}  {prediction.decode.bound}")
+    return "\n".join(lines)
+
+
+def write_frontier_csv(predictions: list[Prediction], path: str | Path) -> None:
+    try:
+        with open(path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=FRONTIER_COLUMNS)
+            writer.writeheader()
+            writer.writerows(frontier_rows(predictions))
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def plot_frontier(predictions: list[Prediction], path: str | Path, title: str = "") -> None:
+    """Save the latency-throughput frontier as an image (matplotlib is imported only here)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("plotting needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    draw_frontier(ax, predictions, title)
+    fig.tight_layout()
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot write plot {path}: {exc}") from None
+    finally:
+        plt.close(fig)
+
+
+def draw_frontier(ax, predictions: list[Prediction], title: str = "", label: str | None = None) -> None:
+    latencies = [p.block_latency for p in predictions]
+    throughputs = [p.total_throughput for p in predictions]
+    ax.plot(latencies, throughputs, marker="o", drawstyle="steps-post", label=label)
+    # Label about ten points, always including the fastest and the highest-throughput ones.
+    step = max(1, len(predictions) // 10)
+    for i, p in enumerate(predictions):
+        if i % step == 0 or i == len(predictions) - 1:
+            ax.annotate(f"{p.policy.gpu_batch_size}x{p.policy.num_gpu_batches}",
+                        (p.block_latency, p.total_throughput), textcoords="offset points", xytext=(4, -10),
+                        fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("block latency (s)")
+    ax.set_ylabel("generation throughput (token/s)")
+    if title:
+        ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def describe_hardware(hardware: HardwareProfile) -> str:
+    caps = ", ".join(f"{t} {format_size(hardware.capacity(t))}" for t in TIERS)
+    return f"{hardware.name} ({caps} usable)"
+
+
+def _split(fractions) -> str:
+    return "/".join(f"{100 * value:.1f}" for value in fractions)
+
+
+def format_summary(llm, metrics) -> str:
+    """A run's summary: the model and policy, where the weights are, throughput, tokens and peak memory."""
+    from ..layout import tier_name
+
+    policy = llm.policy
+    placement = llm.engine.placement_report
+    peaks = dict(metrics.peak_memory)
+    peaks.pop("cpu_weights", None)  # the weights line says where every weight is
+    ram = f"ram {format_size(peaks.pop('cpu_rss', 0))} (process rss"
+    ram += f": the {tier_name('gpu', llm.device)} and cpu tiers)" if llm.device.type != "cuda" else ": the cpu tier)"
+    memory = [f"{tier_name('gpu', llm.device)} {format_size(peaks.pop('gpu'))}"] if "gpu" in peaks else []
+    memory += [ram] + [f"{key} {format_size(value)}" for key, value in peaks.items()]
+    lines = [
+        f"model      {llm.config.name} · {str(llm.dtype).removeprefix('torch.')} on {llm.device} · "
+        f"{metrics.num_sequences} prompts · gpu batch {policy.gpu_batch_size} × {policy.num_gpu_batches}",
+        f"policy     % on {'/'.join(tier_name(t, llm.device) for t in TIERS)}: weights requested "
+        f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
+        f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
+        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}",
+        "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
+        f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
+        f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",
+        f"total      {metrics.total_throughput:12.1f} token/s  ({metrics.total_time:.3f} s)",
+        f"tokens     prompt {metrics.prompt_tokens} actual / {metrics.padded_prompt_tokens} padded · "
+        f"generated {metrics.generated_tokens} actual / {metrics.padded_generated_tokens} padded · "
+        f"efficiency {100 * metrics.efficiency:.1f}%",
+        "peak mem   " + " · ".join(memory),
+    ]
+    return "\n".join(lines)
+
+
+def format_table(summary: dict) -> str:
+    """A bench summary (see flexoff.harness.bench.summarize) as the terminal shows it."""
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
+    k = summary["in_context_examples"]
+    lines = [f"scenario   {summary['scenario']} · {summary['instances']} instances · model {summary['model']} · "
+             f"in-context examples {k['min']}" + (f"–{k['max']}" if k["max"] != k["min"] else ""),
+             f"{'metric':<24}{'mean':>12}"]
+    lines += [f"{name:<24}{fmt(value):>12}" for name, value in summary["metrics"].items()]
+    lines.append(f"{'ref_logprob':<24}{fmt(summary['ref_logprob']):>12}   (sum over the reference's tokens)")
+    if summary["truncated_prompts"]:
+        lines.append(f"truncated prompts       {summary['truncated_prompts']:>12}")
+    gen = summary["generation"]
+    if gen is None:
+        lines.append("throughput: nothing was generated in this run (every result was already written)")
+    else:
+        lines.append(f"throughput  actual {gen['actual_throughput']:.1f} token/s · padded "
+                     f"{gen['padded_throughput']:.1f} token/s · efficiency {100 * gen['efficiency']:.1f}% · "
+                     f"generated {gen['total_throughput']:.1f} token/s")
+    lines.append(f"wall time   {summary['wall_seconds']:.1f} s")
+    return "\n".join(lines)

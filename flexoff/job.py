@@ -1,0 +1,115 @@
+"""A job as the commands describe it: the model, where it runs, its policy and its sampling defaults.
+
+Built once (from the command line, or in Python) and checked when built, so that whatever runs it
+(``flexoff run``, the batch and bench harness) reads values that are already valid. Importing this
+module loads no torch: a job can be described and refused before any model code is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .checks import check_bool, check_device_name, check_int, check_real, check_seed
+from .errors import ConfigError, PolicyError
+from .policy import CompressionConfig, TierFractions, placement_from_percent
+from .units import parse_size
+
+DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
+# The names the API resolves (flexoff.api.resolve_dtype); checked here so that a job is refused
+# before torch is imported.
+DTYPES = ("auto", "float16", "fp16", "half", "bfloat16", "bf16", "float32", "fp32")
+POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "cpu_attention", "overlap", "pin_cpu_memory")
+
+
+def check_dtype_name(name: str) -> str:
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}; use auto, float16, bfloat16 or float32")
+    return name
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """Where the run's policy comes from: a file, ``"auto"`` (searched for the job on ``hardware``),
+    or None (the library's default), with ``overrides`` (Policy fields) set on top."""
+
+    file: str | None = None
+    hardware: str | None = None  # the profile "auto" plans for: a packaged name or a profile file
+    overrides: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def searched(self) -> bool:
+        return self.file == "auto"
+
+    @classmethod
+    def build(cls, file=None, hardware=None, *, percent=None, compress_weight: CompressionConfig | None = None,
+              compress_cache: CompressionConfig | None = None, **fields) -> "PolicySource":
+        """From the policy flags: ``percent`` (FlexGen's six numbers) and the Policy fields in
+        POLICY_FLAGS; None means not given."""
+        unknown = set(fields) - set(POLICY_FLAGS)
+        if unknown:
+            raise PolicyError(f"unknown policy fields {sorted(unknown)}")
+        overrides: dict[str, object] = {name: value for name, value in fields.items() if value is not None}
+        if percent:
+            overrides.update(placement_from_percent(tuple(percent)))
+        if compress_weight is not None:
+            overrides["compress_weight"] = compress_weight
+        if compress_cache is not None:
+            overrides["compress_cache"] = compress_cache
+        return cls(file, hardware, tuple(overrides.items()))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job's model, device, policy, sampling defaults and memory caps, checked when built."""
+
+    model: str = DEFAULT_MODEL
+    dummy: bool = True
+    dtype: str = "auto"  # one of DTYPES: auto is float16 on CUDA, float32 on the CPU
+    device: str = "auto"
+    tokenizer: str | None = None
+    seed: int = 0  # sampling and dummy weights
+    policy: PolicySource = PolicySource()
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    offload_dir: str | None = None
+    gpu_mem: str | None = None  # sizes as given ("16GiB"); the API parses them
+    cpu_mem: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"model must be a name, a directory or a Hub id, got {self.model!r}")
+        check_bool(self.dummy, "dummy")
+        check_dtype_name(self.dtype)
+        check_device_name(self.device)
+        check_seed(self.seed, "seed", ConfigError)
+        check_real(self.temperature, "temperature", ConfigError, 0)
+        check_int(self.top_k, "top_k", ConfigError, 0)
+        check_real(self.top_p, "top_p", ConfigError, above=0, maximum=1)
+        object.__setattr__(self, "stop", tuple(self.stop))
+        if not all(isinstance(text, str) and text for text in self.stop):
+            raise ConfigError(f"stop strings must be non-empty text, got {list(self.stop)!r}")
+        check_bool(self.ignore_eos, "ignore_eos")
+        for name in ("gpu_mem", "cpu_mem"):
+            value = getattr(self, name)
+            if value is not None and parse_size(value) <= 0:
+                raise ConfigError(f"{name} must be a positive size, got {value!r}")
+        for name, value in self.policy.overrides:
+            if name in ("weights", "cache", "activations") and not isinstance(value, TierFractions):
+                raise PolicyError(f"policy {name} must be TierFractions, got {value!r}")
+
+    @property
+    def offload_root(self) -> str | None:
+        """The folder the disk tier goes in: the job's, else $FLEXOFF_OFFLOAD_DIR."""
+        import os
+
+        return self.offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
+
+    def sampling(self, max_new_tokens: int, stop: tuple[str, ...] = (), seed: int | None = None):
+        """The job's sampling defaults for one prompt: its budget, and stop strings added to the job's."""
+        from .runtime.sampling import SamplingParams
+
+        return SamplingParams(max_new_tokens=max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, seed=seed, stop=self.stop + tuple(stop), ignore_eos=self.ignore_eos)
