@@ -16,7 +16,7 @@ from .checks import check_bool, check_device_name, check_optional_path, check_re
 from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
 from .models import ModelConfig, resolve_model, stage_specs, stages
-from .prompts import check_prompt
+from .prompts import check_room, prompt_ids
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
 from .runtime.engine import Engine
@@ -211,20 +211,8 @@ class LLM:
                                     f"got {type(prompts).__name__}")
         if len(prompts) == 0:
             raise PromptError(f"the {what} list is empty")
-        encoded = []
-        for i, prompt in enumerate(prompts):
-            prompt = check_prompt(prompt, f"{what} {i}", self.config.vocab_size, type_error=ArgumentTypeError)
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise TokenizerError(
-                        f"{what} {i} is text, but model {self.config.name!r} has no tokenizer; "
-                        "give token ids, or a checkpoint directory with tokenizer files"
-                    )
-                prompt = self.tokenizer.encode(prompt)
-                if not prompt:
-                    raise PromptError(f"{what} {i} is empty once tokenized")
-            encoded.append(prompt)
-        return encoded
+        return [prompt_ids(prompt, f"{what} {i}", self.config, self.tokenizer, type_error=ArgumentTypeError)
+                for i, prompt in enumerate(prompts)]
 
     def _params(self, params, count: int) -> list[SamplingParams]:
         if params is None:
@@ -238,13 +226,8 @@ class LLM:
         return list(params)
 
     def _check_lengths(self, ids: list[list[int]], params: list[SamplingParams]) -> None:
-        limit = self.config.max_positions
         for i, (prompt, p) in enumerate(zip(ids, params)):
-            if len(prompt) + p.max_new_tokens > limit:
-                raise PromptError(
-                    f"prompt {i} has {len(prompt)} tokens; with max_new_tokens={p.max_new_tokens} it needs "
-                    f"{len(prompt) + p.max_new_tokens} positions, but {self.config.name} has {limit}"
-                )
+            check_room(prompt, p.max_new_tokens, f"prompt {i}", self.config)
         if self.tokenizer is None and any(p.stop for p in params):
             raise TokenizerError("stop strings need a tokenizer, and this model has none")
 

@@ -51,10 +51,11 @@ def check_prompt(prompt, what: str, vocab_size: int | None = None, type_error: t
     return list(prompt)
 
 
-def prompt_ids(prompt, what: str, cfg: ModelConfig, tokenizer) -> list[int]:
+def prompt_ids(prompt, what: str, cfg: ModelConfig, tokenizer, type_error: type[Exception] = PromptError
+               ) -> list[int]:
     """A checked prompt as token ids: text is tokenized (and needs a tokenizer), ids are checked
-    against the vocabulary. ``what`` names the prompt in messages."""
-    prompt = check_prompt(prompt, what, cfg.vocab_size)
+    against the vocabulary. ``what`` names the prompt in messages; see check_prompt for ``type_error``."""
+    prompt = check_prompt(prompt, what, cfg.vocab_size, type_error=type_error)
     if not isinstance(prompt, str):
         return prompt
     if tokenizer is None:
