@@ -9,9 +9,6 @@ from pathlib import Path
 import flexoff
 
 PACKAGE = Path(flexoff.__file__).parent
-# A command line, which runs the profiler for `flexoff profile`; it is no part of the planning.
-COMMANDS = {"flexoff.planner.cli"}
-
 
 def module_name(path: Path, package: Path) -> str:
     parts = path.relative_to(package.parent).with_suffix("").parts
@@ -48,8 +45,6 @@ def imports_into(package: Path, part: str, banned: tuple[str, ...]) -> list[str]
     bad = []
     for path in sorted((package / part).rglob("*.py")):
         source = module_name(path, package)
-        if source in COMMANDS:
-            continue
         bad += [f"{source} imports {target}" for target in sorted(imports(path, package)) if within(target, banned)]
     return bad
 
