@@ -11,6 +11,7 @@ import torch
 
 from ..errors import PolicyError
 from ..models import ModelConfig, architecture, stages
+from ..weights import WeightSource
 from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
 from .interpreter import BlockInterpreter, HeadHook, Observer
@@ -25,7 +26,7 @@ from .weight_store import TieredWeights
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, source, policy: Policy, device: torch.device, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
                  seed: int = 0, offload_dir: str | None = None, capacity: Capacity | None = None):
         self.cfg = cfg
         self.policy = policy

@@ -25,6 +25,7 @@ from ..compression import CompressedTensor, dequantize, quantize
 from ..layout import (TensorPlacement, buffer_copies, compressible, dequantize_scratch_numel, stage_placements,
                       realised_fractions)
 from ..models import ModelConfig, Stage, WeightSpec
+from ..weights import WeightSource
 from ..policy import TIERS, CompressionConfig, Policy
 from .tiers import DiskRegion, DiskTier, HostMemory, Streams, device_allocator
 
@@ -109,7 +110,7 @@ class StageWeights(Mapping):
 
 
 class TieredWeights:
-    def __init__(self, cfg: ModelConfig, source, policy: Policy, device: torch.device, dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
                  streams: Streams, disk: DiskTier | None):
         self.cfg = cfg
         self.device = device
@@ -135,7 +136,7 @@ class TieredWeights:
         # Groups run along each row, so a piece of rows is itself a whole compressed tensor.
         return quantize(tensor, self.compression.bits, self.compression.group_size, dim=-1)
 
-    def _materialise(self, source, stage: Stage, placements: list[TensorPlacement]) -> _StagePieces:
+    def _materialise(self, source: WeightSource, stage: Stage, placements: list[TensorPlacement]) -> _StagePieces:
         pieces = _StagePieces()
         on_disk: list[tuple[Stored, _OnDisk]] = []
         for placement in placements:
