@@ -134,6 +134,15 @@ def read_user_text(path: str | Path, what: str, error: type[Exception]) -> str:
     return decode_utf8(read_user_bytes(path, what, error), path, error)
 
 
+def read_user_json(path: str | Path, what: str, error: type[Exception]):
+    """A JSON file the user named (a policy, a profile): its value, or ``error`` saying why not."""
+    text = read_user_text(path, what, error)
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise error(f"{what} {path} is not valid JSON: {exc}") from None
+
+
 def decode_utf8(data: bytes, path: str | Path, error: type[Exception]) -> str:
     """``data`` as UTF-8; bad UTF-8 is refused naming its line."""
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .checks import check_bool, check_int, check_real
 from .errors import ArgumentTypeError, PolicyError
-from .fileio import read_user_text, write_text_atomic
+from .fileio import read_user_json, write_text_atomic
 
 TIERS = ("gpu", "cpu", "disk")
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -144,10 +144,7 @@ class Policy:
     def from_dict(cls, data: dict, source: str = "policy") -> "Policy":
         if not isinstance(data, dict):
             raise PolicyError(f"{source}: a policy must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PolicyError(f"{source}: unknown policy field {unknown[0]!r}; known fields: {', '.join(sorted(known))}")
+        _refuse_unknown(cls, data, f"{source}: unknown policy field")
         kwargs = dict(data)
         try:
             for name in ("weights", "cache", "activations"):
@@ -163,22 +160,22 @@ class Policy:
 
     @classmethod
     def load(cls, path: str | Path) -> "Policy":
-        text = read_user_text(path, "policy file", PolicyError)
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise PolicyError(f"policy file {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(read_user_json(path, "policy file", PolicyError), source=str(path))
 
 
 def _sub(kind, value, name: str):
     if not isinstance(value, dict):
         raise PolicyError(f"{name} must be a JSON object, got {value!r}")
-    allowed = {f.name for f in fields(kind)}
-    unknown = sorted(set(value) - allowed)
-    if unknown:
-        raise PolicyError(f"{name}: unknown field {unknown[0]!r}; known: {', '.join(sorted(allowed))}")
+    _refuse_unknown(kind, value, f"{name}: unknown field")
     try:
         return kind(**value)
     except (ArgumentTypeError, PolicyError) as exc:
         raise PolicyError(f"{name}: {exc}") from None
+
+
+def _refuse_unknown(kind, data: dict, what: str) -> None:
+    """A field ``kind`` does not have is a typo the user should hear about, not a silent default."""
+    known = sorted(f.name for f in fields(kind))
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise PolicyError(f"{what} {unknown[0]!r}; known fields: {', '.join(known)}")

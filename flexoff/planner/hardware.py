@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..fileio import nothing_at, read_user_text, write_text_atomic
+from ..fileio import nothing_at, read_user_json, write_text_atomic
 from ..units import parse_size
 
 FORMAT_TAG = "flexoff-hardware-profile"
@@ -203,12 +203,7 @@ class HardwareProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "HardwareProfile":
-        text = read_user_text(path, "hardware profile", ConfigError)
-        try:
-            data = json.loads(text)
-        except ValueError as exc:
-            raise ConfigError(f"hardware profile {path} is not valid JSON: {exc}") from None
-        return _parse_profile(data, str(path))
+        return _parse_profile(read_user_json(path, "hardware profile", ConfigError), str(path))
 
 
 def _positive(value, where: str, source: str) -> float:
