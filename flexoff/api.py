@@ -22,7 +22,7 @@ from .runtime.batch import Sequence
 from .runtime.engine import Engine
 from .runtime.memory import machine_capacity
 from .runtime.metrics import Metrics
-from .policy import Policy
+from .policy import Policy, check_choice
 from .runtime.sampling import SamplingParams, SequenceSampler
 from .tokenizer import Tokenizer
 from .units import parse_size
@@ -111,9 +111,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-def check_llm_args(*, dummy, policy, dtype, device, seed, tokenizer, offload_dir, gpu_mem, cpu_mem) -> None:
+def check_llm_args(*, dummy, policy, dtype, device, seed, tokenizer, offload_dir, gpu_mem, cpu_mem,
+                   compress="off") -> None:
     """LLM's arguments (all but the model), by type and range, before anything is loaded."""
     check_bool(dummy, "dummy")
+    check_choice(compress, "compress")
     if policy is not None and not isinstance(policy, (Policy, str, os.PathLike)):
         raise ArgumentTypeError(f"policy must be a Policy, a policy file's path or None, got {type(policy).__name__}")
     resolve_dtype(dtype, torch.device("cpu"))
@@ -141,14 +143,16 @@ class LLM:
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
                  tokenizer: str | None = None, offload_dir: str | None = None,
                  gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
-                 workload=None, hardware=None):
+                 workload=None, hardware=None, compress: str = "off"):
         """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
         With it, a job that cannot fit the machine is refused before anything is allocated, and with
-        no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a lossless
-        policy planned on ``hardware`` (a HardwareProfile or a callable giving one; default: this
-        machine's saved profile, measured quickly and saved the first time); ``self.plan`` tells."""
+        no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
+        planned on ``hardware`` (a HardwareProfile or a callable giving one; default: this
+        machine's saved profile, measured quickly and saved the first time); ``self.plan`` tells.
+        ``compress`` is what that planning may do with lossy 4-bit compression: "off" (lossless),
+        "auto" (try both) or "on"."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
-                       offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem)
+                       offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress)
         # A local directory, a registry name (dummy only) or a Hugging Face Hub id (fetched as needed).
         self.config: ModelConfig
         self.config, checkpoint = resolve_model(model, dummy)
@@ -177,7 +181,8 @@ class LLM:
 
                 def hardware():
                     return saved_or_measured_profile(device, disk_dir, lambda message: print(message, file=sys.stderr))
-            self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir)
+            self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir,
+                                compress)
             self.policy = self.plan.policy
             if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
                 offload_dir = offload_dir or self.plan.offload_dir

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .checks import check_bool, check_device_name, check_int, check_real, check_seed
 from .errors import ConfigError, PolicyError
-from .policy import CompressionConfig, TierFractions, placement_from_percent
+from .policy import CompressionConfig, TierFractions, check_choice, placement_from_percent
 from .units import parse_size
 
 DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
@@ -30,11 +30,28 @@ def check_dtype_name(name: str) -> str:
 @dataclass(frozen=True)
 class PolicySource:
     """Where the run's policy comes from: a file, ``"auto"`` (searched for the job on ``hardware``),
-    or None (the library's default), with ``overrides`` (Policy fields) set on top."""
+    or None (the library's default), with ``overrides`` (Policy fields) set on top. ``compress`` is
+    what planning may do with lossy compression (one of policy.CHOICES); None means not given,
+    which plans lossless."""
 
     file: str | None = None
     hardware: str | None = None  # the profile "auto" plans for: a packaged name or a profile file
     overrides: tuple[tuple[str, object], ...] = ()
+    compress: str | None = None
+
+    def __post_init__(self):
+        if self.compress is not None:
+            check_choice(self.compress, "compress")
+        forced = [name for name, value in self.overrides
+                  if name in ("compress_weight", "compress_cache") and value is not None]
+        if self.compress == "off" and forced:
+            flags = " and ".join("--" + name.replace("_", "-") for name in forced)
+            raise PolicyError(f"{flags} compresses, which contradicts --compress off; drop one of them")
+
+    @property
+    def planning_compress(self) -> str:
+        """What the planner may do with compression: lossless unless the user said otherwise."""
+        return self.compress or "off"
 
     @property
     def searched(self) -> bool:
@@ -42,9 +59,10 @@ class PolicySource:
 
     @classmethod
     def build(cls, file=None, hardware=None, *, percent=None, compress_weight: CompressionConfig | None = None,
-              compress_cache: CompressionConfig | None = None, **fields) -> "PolicySource":
-        """From the policy flags: ``percent`` (FlexGen's six numbers) and the Policy fields in
-        POLICY_FLAGS; None means not given."""
+              compress_cache: CompressionConfig | None = None, compress: str | None = None,
+              **fields) -> "PolicySource":
+        """From the policy flags: ``percent`` (FlexGen's six numbers), ``compress`` and the Policy
+        fields in POLICY_FLAGS; None means not given."""
         unknown = set(fields) - set(POLICY_FLAGS)
         if unknown:
             raise PolicyError(f"unknown policy fields {sorted(unknown)}")
@@ -55,7 +73,7 @@ class PolicySource:
             overrides["compress_weight"] = compress_weight
         if compress_cache is not None:
             overrides["compress_cache"] = compress_cache
-        return cls(file, hardware, tuple(overrides.items()))
+        return cls(file, hardware, tuple(overrides.items()), compress)
 
 
 @dataclass(frozen=True)

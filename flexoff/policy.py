@@ -16,6 +16,14 @@ from .fileio import read_user_json, write_text_atomic
 
 TIERS = ("gpu", "cpu", "disk")
 SUPPORTED_BITS = (2, 3, 4, 8)
+# What planning may do with an option of the policy (compression, CPU attention): never, try both, always.
+CHOICES = ("off", "auto", "on")
+
+
+def check_choice(value, what: str) -> str:
+    if value not in CHOICES:
+        raise PolicyError(f"{what} must be one of {', '.join(CHOICES)}, got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)

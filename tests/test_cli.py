@@ -99,7 +99,8 @@ def test_policy_auto_searches_for_the_job_and_runs_what_it_found(tiny_model_dir,
     prompts.write_text("\n".join(PROMPTS) + "\n")
     common = ["--model", str(path), "--prompts", str(prompts), "--hardware", "t4", "--dtype", "bfloat16",
               "--gpu-mem", "50KB", "--gen-len", "4", "--quiet", "--ignore-eos"]
-    assert main(["run", *common, "--policy", "auto", "--output", str(tmp_path / "auto.jsonl")]) == 0
+    assert main(["run", *common, "--policy", "auto", "--compress", "auto",
+                 "--output", str(tmp_path / "auto.jsonl")]) == 0
     err = capsys.readouterr().err
     from flexoff.tokenizer import Tokenizer
 
@@ -108,7 +109,8 @@ def test_policy_auto_searches_for_the_job_and_runs_what_it_found(tiny_model_dir,
     assert f"for prompt {longest}, generate 4 on " in err
     searched = tmp_path / "searched.json"
     assert main(["search", "--model", str(path), "--hardware", "t4", "--gpu-mem", "50KB", "--prompt-len",
-                 str(longest), "--gen-len", "4", "--num-prompts", str(len(PROMPTS)), "--output", str(searched)]) == 0
+                 str(longest), "--gen-len", "4", "--num-prompts", str(len(PROMPTS)), "--compress", "auto",
+                 "--output", str(searched)]) == 0
     policy = json.loads(searched.read_text())
     assert policy["compress_weight"] is not None  # 50 KB is tight enough to change the policy
     assert f"searched   {policy['gpu_batch_size']}x{policy['num_gpu_batches']} " in err

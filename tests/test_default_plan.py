@@ -67,7 +67,7 @@ def test_on_a_cpu_without_a_device_cap_planning_cannot_help(tiny):
 def test_when_no_lossless_policy_fits_the_error_says_what_it_needs_and_suggests_compression(tiny):
     _, config = tiny
     with pytest.raises(PolicyError, match=r"needs .* with everything there \(.* available\), and no lossless policy fits either: .*needs at least"
-                                          r".*--compress-weight.*--policy auto"):
+                                          r".*--compress-weight.*--compress auto"):
         plan_default(config, WORKLOAD, Capacity(1000, ROOMY, None, "cuda"), torch.bfloat16, lambda: H100,
                      DEFAULT_POLICY)
 

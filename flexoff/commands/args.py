@@ -13,7 +13,7 @@ import math
 from ..checks import MAX_SEED, check_device_name, in_range, requirement
 from ..errors import FlexoffError
 from ..job import DEFAULT_MODEL, Job, PolicySource, check_dtype_name
-from ..policy import SUPPORTED_BITS, CompressionConfig
+from ..policy import CHOICES, SUPPORTED_BITS, CompressionConfig
 from ..units import parse_size
 
 
@@ -103,7 +103,17 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tokenizer", help="directory with tokenizer files, if not the checkpoint's")
 
 
-def add_policy_args(parser: argparse.ArgumentParser) -> None:
+def add_compress_arg(group, default: str | None) -> None:
+    """``--compress``: what planning may do with lossy 4-bit compression (the same flag on every
+    command that plans, so that they plan alike)."""
+    group.add_argument("--compress", choices=CHOICES, default=default,
+                       help="4-bit group-wise compression of weights and KV cache when planning: never (off, the "
+                            "default: planning is lossless), try both (auto), always (on); compression changes "
+                            "the outputs")
+
+
+def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> None:
+    """The policy flags; ``planning`` adds --compress, for commands that plan a policy for their job."""
     group = parser.add_argument_group(
         "policy", "Where weights, KV cache and activations live, and how blocks are batched. Flags given "
                   "here override the --policy file; without either, everything stays on the GPU.")
@@ -123,6 +133,8 @@ def add_policy_args(parser: argparse.ArgumentParser) -> None:
                        help="run loads, stores and compute one after another (for measuring)")
     group.add_argument("--no-pin", dest="pin_cpu_memory", action="store_false", default=None,
                        help="do not pin host memory (slower copies, but no page-locked RAM)")
+    if planning:
+        add_compress_arg(group, None)  # None: not given, so --compress-weight alone does not contradict it
     group.add_argument("--compress-weight", action="store_true", default=None,
                        help="store weights 4-bit group-quantized on every tier (dequantized on the GPU before use)")
     group.add_argument("--weight-bits", type=int, default=4, choices=SUPPORTED_BITS,
@@ -160,7 +172,7 @@ def job_from_args(args) -> Job:
         flag("policy"), flag("hardware"), percent=flag("percent"),
         compress_weight=CompressionConfig(args.weight_bits, args.weight_group) if flag("compress_weight") else None,
         compress_cache=CompressionConfig(args.cache_bits, args.cache_group) if flag("compress_cache") else None,
-        gpu_batch_size=flag("gpu_batch_size"), num_gpu_batches=flag("num_gpu_batches"),
+        compress=flag("compress"), gpu_batch_size=flag("gpu_batch_size"), num_gpu_batches=flag("num_gpu_batches"),
         cpu_attention=flag("cpu_attention"), overlap=flag("overlap"), pin_cpu_memory=flag("pin_cpu_memory"))
     return Job(model=model, dummy=dummy, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
                seed=args.seed, policy=policy, temperature=flag("temperature", 0.0), top_k=flag("top_k", 0),

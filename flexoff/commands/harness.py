@@ -177,6 +177,6 @@ def register(subparsers) -> None:
     bench.add_argument("--output-dir", metavar="DIR", help="where results go (default flexoff-bench/NAME)")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_model_args(bench)
-    add_policy_args(bench)
+    add_policy_args(bench, planning=False)  # bench runs the policy it is given: it plans nothing
     bench.set_defaults(handler=run_bench)
 

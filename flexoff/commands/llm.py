@@ -8,7 +8,7 @@ from dataclasses import replace
 from functools import cache
 from typing import TYPE_CHECKING
 
-from ..errors import FlexoffError, TokenizerError
+from ..errors import FlexoffError, PolicyError, TokenizerError
 from ..job import Job
 
 if TYPE_CHECKING:
@@ -29,9 +29,17 @@ def policy_of(job: Job, workload: Callable[[], Workload] | None):
         policy = searched_policy(job, workload)
     else:
         policy = Policy.load(source.file) if source.file else None
+    if policy is not None and source.compress == "off" and (policy.compress_weight or policy.compress_cache):
+        raise PolicyError(f"{source.file} compresses the {_compressed_parts(policy)}, which contradicts "
+                          "--compress off; drop --compress off or use a lossless policy")
     if source.overrides:
         policy = replace(policy or DEFAULT_POLICY, **dict(source.overrides))
     return policy
+
+
+def _compressed_parts(policy) -> str:
+    return " and ".join(part for part, config in (("weights", policy.compress_weight),
+                                                  ("cache", policy.compress_cache)) if config is not None)
 
 
 def searched_policy(job: Job, workload: Callable[[], Workload] | None):
@@ -52,7 +60,7 @@ def searched_policy(job: Job, workload: Callable[[], Workload] | None):
     caps = [parse_size(value) if value else None for value in (job.gpu_mem, job.cpu_mem)]
     hardware = hardware_profile(job, device).with_memory(*caps)
     wanted = workload()
-    result = search_policy(config, wanted, hardware)
+    result = search_policy(config, wanted, hardware, compress=job.policy.planning_compress)
     _log(f"searched   {policy_summary(result.policy)} for prompt {wanted.prompt_len}, generate {wanted.gen_len} on "
          f"{hardware.name}: {result.throughput:.4g} token/s predicted")
     return result.policy
@@ -85,7 +93,7 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
 
     llm = LLM(job.model, dummy=job.dummy, policy=policy_of(job, workload), dtype=job.dtype, device=job.device,
               seed=job.seed, tokenizer=job.tokenizer, offload_dir=job.offload_root,
-              gpu_mem=job.gpu_mem, cpu_mem=job.cpu_mem,
+              gpu_mem=job.gpu_mem, cpu_mem=job.cpu_mem, compress=job.policy.planning_compress,
               workload=measured_workload if workload is not None else None,
               hardware=lambda: hardware_profile(job, resolve_device(job.device)))
     if llm.plan is not None and llm.plan.message:

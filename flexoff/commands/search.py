@@ -10,7 +10,7 @@ from ..planner.cost_model import Workload
 from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
 from ..planner.search import CHOICES, pareto_frontier, search_policy
 from ..units import parse_size
-from .args import COUNT, SIZE, number
+from .args import COUNT, SIZE, add_compress_arg, number
 from .report import describe_hardware, format_frontier, format_prediction, plot_frontier, write_frontier_csv
 
 
@@ -36,8 +36,7 @@ def register(subparsers) -> None:
         search.add_argument(f"--{tier}-mem", default=None, metavar="SIZE", type=SIZE,
                             help=f"override the profile's {tier} memory, e.g. 16GiB or 1.5TB "
                                  "(the profile's headroom still applies)")
-    search.add_argument("--compress", choices=CHOICES, default="auto",
-                        help="4-bit group-wise compression of weights and KV cache: try both (auto), always, never")
+    add_compress_arg(search, "off")  # lossless unless asked, as `run --policy auto` plans
     search.add_argument("--cpu-attention", choices=CHOICES, default="auto",
                         help="decode attention on the CPU for the cache that is not on the GPU: auto, on, off")
     search.add_argument("--max-latency", type=number(above=0), default=None, metavar="SECONDS",

@@ -54,10 +54,11 @@ class DefaultPlan:
 
 def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtype: torch.dtype,
             capacity: Capacity, hardware: HardwareProfile | Callable[[], HardwareProfile], default: Policy,
-            offload_dir: str | None) -> DefaultPlan:
+            offload_dir: str | None, compress: str = "off") -> DefaultPlan:
     """The policy a job runs: ``policy`` if given, checked against ``capacity``; else
-    :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None) and
-    ``hardware`` (a profile, or a callable giving one, called only when needed)."""
+    :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None),
+    ``hardware`` (a profile, or a callable giving one, called only when needed) and ``compress``
+    (what planning may do with lossy compression)."""
     # A job past the model's positions is refused later, naming its prompt; sized as it asks, it
     # could overflow the sizing first.
     prompt_len = min(workload.prompt_len, config.max_positions - 1)
@@ -66,16 +67,18 @@ def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtyp
     if policy is not None:
         check_job(config, policy, dtype, workload, capacity)
         return DefaultPlan(policy, None, None)
-    return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir or tempfile.gettempdir())
+    return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir or tempfile.gettempdir(),
+                        compress)
 
 
 def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dtype: torch.dtype,
                  hardware: HardwareProfile | Callable[[], HardwareProfile], default: Policy,
-                 offload_dir: str | None = None) -> DefaultPlan:
-    """``default`` when the job fits the machine under it; otherwise the best lossless policy for
-    the job on ``hardware`` (a profile, or a callable giving one, called only when needed) within
-    ``capacity`` and the free space of ``offload_dir`` (None: no disk). Raises PolicyError when planning cannot help (the device is the CPU, whose RAM
-    the cpu tier shares, and no --gpu-mem sets it apart) or no lossless policy fits."""
+                 offload_dir: str | None = None, compress: str = "off") -> DefaultPlan:
+    """``default`` when the job fits the machine under it; otherwise the best policy for the job on
+    ``hardware`` (a profile, or a callable giving one, called only when needed) within ``capacity``
+    and the free space of ``offload_dir`` (None: no disk), lossless unless ``compress`` ("auto",
+    "on") lets it compress. Raises PolicyError when planning cannot help (the device is the CPU,
+    whose RAM the cpu tier shares, and no --gpu-mem sets it apart) or no policy fits."""
     needed = job_needs(config, default, dtype, workload)
     tier = overflow(needed, capacity)
     if tier is None:
@@ -93,10 +96,12 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     profile = hardware() if callable(hardware) else hardware
     profile = profile.with_memory(*planning_memory(capacity))
     try:
-        result = search_policy(config, workload, profile, compress="off")
+        result = search_policy(config, workload, profile, compress=compress)
     except PolicyError as exc:
+        if compress != "off":
+            raise PolicyError(f"{short}, and no policy fits either: {exc}") from None
         raise PolicyError(f"{short}, and no lossless policy fits either: {exc}; store the weights "
-                          "4-bit (--compress-weight), or let --policy auto plan with compression") from None
+                          "4-bit (--compress-weight), or let planning compress (--compress auto)") from None
     check_job(config, result.policy, dtype, workload, capacity)
     message = (f"planned    {policy_summary(result.policy)} on {profile.name}, "
                f"{result.throughput:.4g} token/s predicted ({short})")

@@ -24,7 +24,7 @@ import pulp
 
 from ..errors import PolicyError
 from ..models.config import ModelConfig
-from ..policy import TIERS, CompressionConfig, Policy
+from ..policy import CHOICES, TIERS, CompressionConfig, Policy, check_choice
 from ..units import format_size
 from .cost_model import PHASES, STREAM_TERMS, CostModel, Placement, PolicyFrame, Prediction, Workload
 from .hardware import HardwareProfile
@@ -35,7 +35,6 @@ DEFAULT_COMPRESSION = CompressionConfig(bits=4, group_size=64)
 GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192,
                    224, 256, 320, 384, 448, 512, 640, 768, 1024)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 64)
-CHOICES = ("auto", "on", "off")
 # The LP keeps this share of each tier free so that rounding the fractions cannot overflow it.
 LP_MEMORY_MARGIN = 1e-3
 # Throughputs this close count as equal; the lower latency then wins.
@@ -274,8 +273,7 @@ def round_fractions(fractions, decimals: int = 4) -> list[float]:
 
 
 def _choices(value: str, what: str) -> tuple[bool, ...]:
-    if value not in CHOICES:
-        raise PolicyError(f"{what} must be one of {', '.join(CHOICES)}, got {value!r}")
+    check_choice(value, what)
     return {"auto": (False, True), "on": (True,), "off": (False,)}[value]
 
 
