@@ -91,3 +91,28 @@ def test_a_compressed_policy_file_contradicts_compress_off(tiny, tmp_path, capsy
     # Without --compress off the file is the user's choice and runs.
     assert main(["run", "--model", model, "--prompts", prompts, "--policy", str(path), "--gen-len", "2",
                  "--quiet"]) == 0
+
+
+def test_a_compressed_run_says_lossy_and_records_its_policy(tiny, tmp_path, capsys):
+    model, prompts = tiny
+    metrics = tmp_path / "metrics.json"
+    assert main(["run", "--model", model, "--prompts", prompts, "--gen-len", "2", "--quiet", "--compress-weight",
+                 "--weight-bits", "8", "--metrics-json", str(metrics)]) == 0
+    policy_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("policy"))
+    assert policy_line.endswith(" · weights 8-bit (lossy)")
+    recorded = json.loads(metrics.read_text())["policy"]
+    assert recorded["compress_weight"] == {"bits": 8, "group_size": 64} and recorded["compress_cache"] is None
+    assert main(["run", "--model", model, "--prompts", prompts, "--gen-len", "2", "--quiet",
+                 "--metrics-json", str(metrics)]) == 0
+    assert "lossy" not in capsys.readouterr().out
+    assert json.loads(metrics.read_text())["policy"]["compress_weight"] is None
+
+
+def test_a_batch_job_file_records_the_policy_that_ran(tiny, tmp_path, capsys):
+    model, prompts = tiny
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", "--model", model, "--input", prompts, "--output", str(out), "--max-new-tokens", "2",
+                 "--no-progress", "--compress-cache"]) == 0
+    assert "cache 4-bit (lossy)" in capsys.readouterr().out
+    policy = json.loads((tmp_path / "out.jsonl.job.json").read_text())["policy"]
+    assert policy["compress_cache"] == {"bits": 4, "group_size": 64} and policy["compress_weight"] is None

@@ -74,8 +74,10 @@ def _write_run_outputs(args, llm, result, ids, blocks) -> int:
         problems.append(write_or_keep(args.output, "".join(record_line(r) + "\n" for r in records),
                                       f"the {len(records)} results"))
     if args.metrics_json:
-        problems.append(write_or_keep(args.metrics_json, json_text(result.metrics.to_dict(), indent=2) + "\n",
-                                      "the metrics"))
+        # The policy that ran goes with the figures: they mean nothing without it, and it says
+        # whether the outputs were compressed.
+        metrics = {**result.metrics.to_dict(), "policy": llm.policy.to_dict()}
+        problems.append(write_or_keep(args.metrics_json, json_text(metrics, indent=2) + "\n", "the metrics"))
     print(format_summary(llm, result.metrics))
     problems = [p for p in problems if p]
     if problems:

@@ -145,6 +145,14 @@ def _split(fractions) -> str:
     return "/".join(f"{100 * value:.1f}" for value in fractions)
 
 
+def _lossy(policy: Policy) -> str:
+    """' · weights 4-bit (lossy)' and the like for each compressed part: compression changes the
+    outputs, so a run says so; nothing when lossless."""
+    return "".join(f" · {what} {config.bits}-bit (lossy)"
+                   for what, config in (("weights", policy.compress_weight), ("cache", policy.compress_cache))
+                   if config is not None)
+
+
 def format_summary(llm, metrics) -> str:
     """A run's summary: the model and policy, where the weights are, throughput, tokens and peak memory."""
     from ..layout import tier_name
@@ -163,7 +171,8 @@ def format_summary(llm, metrics) -> str:
         f"policy     % on {'/'.join(tier_name(t, llm.device) for t in TIERS)}: weights requested "
         f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
         f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
-        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}",
+        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}"
+        + _lossy(policy),
         "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
         f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",

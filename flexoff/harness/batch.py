@@ -134,6 +134,7 @@ class BatchJob:
     def run(self, llm, progress: Progress | None = None):
         """Generate every prompt not yet in the output; the run's Metrics, or None if none was left."""
         items = generation_items(llm, self.lines, self.defaults, self.job.seed, self.source)
+        self.store.record_policy(llm.policy.to_dict())
         return run_generation(llm, self.store, items, progress=progress)
 
     def failures(self) -> str | None:

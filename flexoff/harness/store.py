@@ -160,6 +160,13 @@ class ResultStore:
                 os.fsync(handle.fileno())
         return done, len(data) - keep
 
+    def record_policy(self, policy: dict) -> None:
+        """Keep the policy this run uses in the job file (outside the fingerprint: a job may resume
+        under another policy, and the file then names the latest)."""
+        self.header["policy"] = policy
+        if self._fd is not None:  # resumed: the job file is already there
+            write_text_atomic(job_path(self.path), json_text(self.header, indent=2) + "\n")
+
     def append(self, records: list[dict]) -> None:
         """Write whole records durably: one write, then fsync. If the write fails (a full disk), the
         file is cut back to the records before it and the error says so in one line."""
