@@ -116,3 +116,22 @@ def test_a_batch_job_file_records_the_policy_that_ran(tiny, tmp_path, capsys):
     assert "cache 4-bit (lossy)" in capsys.readouterr().out
     policy = json.loads((tmp_path / "out.jsonl.job.json").read_text())["policy"]
     assert policy["compress_cache"] == {"bits": 4, "group_size": 64} and policy["compress_weight"] is None
+
+
+def test_a_batch_job_resumes_only_with_the_compression_it_began_with(tiny, tmp_path, capsys):
+    """Compressed and lossless tokens differ: a half-done compressed job refuses a lossless resume, and
+    finishes under its own compression."""
+    model, prompts = tiny
+    out = tmp_path / "out.jsonl"
+    base = ["batch", "--model", model, "--input", prompts, "--output", str(out), "--max-new-tokens", "2",
+            "--no-progress"]
+    assert main([*base, "--compress-weight"]) == 0
+    first, *rest = out.read_text().splitlines(keepends=True)
+    out.write_text(first)  # as if the job had died after its first result
+    capsys.readouterr()
+    assert main(base) == 2
+    line = one_error_line(capsys)
+    assert str(out) in line and "weights 4-bit" in line and "lossless weights" in line
+    assert out.read_text() == first  # nothing mixed in
+    assert main([*base, "--compress-weight"]) == 0
+    assert len(out.read_text().splitlines()) == 1 + len(rest)

@@ -21,7 +21,8 @@ and the command then exits with 1 after a one-line count on stderr.
 Resuming: rerun the same command. Ids already in the output are skipped; a torn last line from
 a crash is dropped. The job's fingerprint covers the model, the input file's bytes, the
 resolved dtype and the sampling flags, but not the policy: a job may resume under another
-policy, since every policy yields the same tokens. Each line's sample is seeded from ``--seed``
+lossless policy, since every such policy yields the same tokens; a compressed one must compress as
+the first run did (the job file records the policy). Each line's sample is seeded from ``--seed``
 and the line's id, so a resumed job draws what an uninterrupted one would have drawn.
 """
 

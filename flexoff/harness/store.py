@@ -150,6 +150,8 @@ class ResultStore:
                 f"to start fresh, delete or move {path}, or {fresh_hint}"
             )
         done, keep = _parse_records(path, data, start)
+        if "policy" in job:  # the policy its results were generated with, which this run must not contradict
+            header.setdefault("policy", job["policy"])
         if old_header is not None:  # move to the current layout: job file first, then the bare records
             write_text_atomic(job_path(path), json_text(old_header, indent=2) + "\n")
             write_text_atomic(path, data[start:keep].decode("utf-8"))
@@ -162,7 +164,14 @@ class ResultStore:
 
     def record_policy(self, policy: dict) -> None:
         """Keep the policy this run uses in the job file (outside the fingerprint: a job may resume
-        under another policy, and the file then names the latest)."""
+        under another lossless policy, and the file then names the latest). Its compression must be
+        the earlier run's, since compression changes the tokens."""
+        earlier = self.header.get("policy")
+        if self.done and earlier is not None and _lossy_parts(earlier) != _lossy_parts(policy):
+            raise JobMismatchError(
+                f"{self.path} holds results generated with {_describe_lossy(earlier)}, but this run has "
+                f"{_describe_lossy(policy)}; compressed and lossless tokens differ, so they do not mix: rerun "
+                "with the compression of the first run, or choose another --output")
         self.header["policy"] = policy
         if self._fd is not None:  # resumed: the job file is already there
             write_text_atomic(job_path(self.path), json_text(self.header, indent=2) + "\n")
@@ -288,3 +297,15 @@ def read_records(path: str | Path) -> tuple[dict, list[dict]]:
         raise ResultsFileError(f"{path} is not a flexoff results file")
     # Whole lines only: a job still running (or killed) may have left a torn last one.
     return header, [json.loads(line) for line in data[start:].split(b"\n")[:-1] if line.strip()]
+
+
+def _lossy_parts(policy: dict) -> tuple:
+    return policy.get("compress_weight"), policy.get("compress_cache")
+
+
+def _describe_lossy(policy: dict) -> str:
+    """'weights 4-bit and a lossless cache', as the run summary names compression."""
+    weight, cache = _lossy_parts(policy)
+    parts = [f"weights {weight['bits']}-bit" if weight else "lossless weights",
+             f"cache {cache['bits']}-bit" if cache else "a lossless cache"]
+    return " and ".join(parts)
