@@ -12,7 +12,7 @@ import tempfile
 import torch
 from tqdm import tqdm
 
-from .checks import check_bool, check_device_name, check_optional_path, check_real, check_seed
+from .checks import check_bool, check_device_name, check_optional_path, check_seed, check_size
 from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
 from .models import ModelConfig, resolve_model, stage_specs, stages
@@ -124,14 +124,8 @@ def check_llm_args(*, dummy, policy, dtype, device, seed, tokenizer, offload_dir
     check_optional_path(tokenizer, "tokenizer")
     check_optional_path(offload_dir, "offload_dir")
     for name, value in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem)):
-        if value is None:
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            check_real(value, name, ConfigError, above=0)
-        elif not isinstance(value, str):
-            raise ArgumentTypeError(f"{name} must be a size such as '16GiB' or a number of bytes, got {value!r}")
-        elif parse_size(value) <= 0:
-            raise ConfigError(f"{name} must be a positive size, got {value!r}")
+        if value is not None:
+            check_size(value, name)
 
 
 class LLM:

@@ -11,6 +11,7 @@ import os
 import re
 
 from .errors import ArgumentTypeError, ConfigError
+from .units import parse_size
 
 # torch.manual_seed takes up to 2**64 - 1; seeds stop at 2**63 - 1 so that a seed plus a sequence's
 # index (the default per-sequence seed) stays in range.
@@ -68,6 +69,18 @@ def check_real(value, name: str, error: type[Exception], minimum=None, maximum=N
 def check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def check_size(value, name: str | None = None):
+    """A positive size: text such as '16GiB', or a number of bytes. ``name`` leads the message."""
+    what = f"{name} " if name else ""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return check_real(value, name or "size", ConfigError, above=0)
+    if not isinstance(value, str):
+        raise ArgumentTypeError(f"{what}must be a size such as '16GiB' or a number of bytes, got {value!r}")
+    if parse_size(value) <= 0:
+        raise ConfigError(f"{what}must be a positive size, got {value!r}")
     return value
 
 

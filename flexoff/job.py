@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .checks import check_bool, check_device_name, check_int, check_real, check_seed
+from .checks import check_bool, check_device_name, check_int, check_real, check_seed, check_size
 from .errors import ConfigError, PolicyError
 from .policy import CompressionConfig, TierFractions, check_choice, placement_from_percent
-from .units import parse_size
 
 DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
 # The names the API resolves (flexoff.api.resolve_dtype); checked here so that a job is refused
@@ -111,9 +110,8 @@ class Job:
             raise ConfigError(f"stop strings must be non-empty text, got {list(self.stop)!r}")
         check_bool(self.ignore_eos, "ignore_eos")
         for name in ("gpu_mem", "cpu_mem"):
-            value = getattr(self, name)
-            if value is not None and parse_size(value) <= 0:
-                raise ConfigError(f"{name} must be a positive size, got {value!r}")
+            if getattr(self, name) is not None:
+                check_size(getattr(self, name), name)
         for name, value in self.policy.overrides:
             if name in ("weights", "cache", "activations") and not isinstance(value, TierFractions):
                 raise PolicyError(f"policy {name} must be TierFractions, got {value!r}")

@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import math
 
-from ..checks import MAX_SEED, check_device_name, in_range, requirement
+from ..checks import MAX_SEED, check_device_name, check_size, in_range, requirement
 from ..errors import FlexoffError
 from ..job import DEFAULT_MODEL, Job, PolicySource, check_dtype_name
 from ..policy import CHOICES, SUPPORTED_BITS, CompressionConfig
-from ..units import parse_size
 
 
 class Parser(argparse.ArgumentParser):
@@ -69,9 +68,7 @@ def _checked(check):
 
 
 def _size(text: str) -> str:
-    if parse_size(text) <= 0:
-        raise FlexoffError(f"must be a positive size, got {text!r}")
-    return text  # consumers parse it again, as they parse sizes given in Python
+    return check_size(text)  # kept as text: consumers parse it, as they parse sizes given in Python
 
 
 def _text(text: str) -> str:

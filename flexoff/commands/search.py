@@ -8,7 +8,8 @@ from ..errors import ConfigError
 from ..models.config import resolve_model_config
 from ..planner.cost_model import Workload
 from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
-from ..planner.search import CHOICES, pareto_frontier, search_policy
+from ..planner.search import pareto_frontier, search_policy
+from ..policy import CHOICES
 from ..units import parse_size
 from .args import COUNT, SIZE, add_compress_arg, number
 from .report import describe_hardware, format_frontier, format_prediction, plot_frontier, write_frontier_csv
@@ -67,18 +68,9 @@ def register(subparsers) -> None:
     profile.set_defaults(handler=run_profile)
 
 
-def _size_flag(args, tier: str):
-    text = getattr(args, f"{tier}_mem")
-    if text is None:
-        return None
-    try:
-        return parse_size(text)
-    except ConfigError as exc:
-        raise ConfigError(f"--{tier}-mem: {exc}") from None
-
-
 def run_search(args) -> int:
-    sizes = [_size_flag(args, tier) for tier in ("gpu", "cpu", "disk")]  # the flags' own errors first
+    # The flags' type (SIZE) has already checked them.
+    sizes = [parse_size(size) if size else None for size in (args.gpu_mem, args.cpu_mem, args.disk_mem)]
     config = resolve_model_config(args.model)
     workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
     hardware = resolve_hardware(args.hardware).with_memory(*sizes)

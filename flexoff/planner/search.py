@@ -24,7 +24,7 @@ import pulp
 
 from ..errors import PolicyError
 from ..models.config import ModelConfig
-from ..policy import CHOICES, TIERS, CompressionConfig, Policy, check_choice
+from ..policy import TIERS, CompressionConfig, Policy, check_choice
 from ..units import format_size
 from .cost_model import PHASES, STREAM_TERMS, CostModel, Placement, PolicyFrame, Prediction, Workload
 from .hardware import HardwareProfile
