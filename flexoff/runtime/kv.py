@@ -11,7 +11,10 @@ put: only the queries and outputs cross PCIe, and attention runs on the CPU in t
 a few sequences at a time, decompressing only those sequences. The prefill attends on the fresh
 keys and values; the cache only keeps them.
 
-Host work (writing new slots into host caches, CPU attention) runs on the engine's one
+New slots of a travelling CPU cache (slot-major, so a slot is one contiguous run) are stored by
+asynchronous copies on the store stream, enqueued by the main thread; the load of that layer's
+cache for the next token waits for them on the GPU, so no thread waits. Other host work (writing
+new slots into a row-major CPU cache or to disk, CPU attention) runs on the engine's one
 :class:`~.tiers.HostWorker` thread, so the main thread never waits for a device-to-host copy and
 keeps enqueuing GPU work. The worker runs jobs in order, which orders every write to a layer's
 host cache before the next read of it on the worker; the main thread's own reads (loads for GPU
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -32,7 +35,7 @@ from ..models import ModelConfig
 from ..models.common import attention
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
 from ..policy import TIERS, Policy
-from .tiers import DiskTier, HostMemory, HostWorker, Streams, device_allocator, read_pinned
+from .tiers import DiskTier, HostMemory, HostWorker, StoreQueue, Streams, device_allocator, read_pinned
 
 
 def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor,
@@ -151,10 +154,22 @@ class _Group:
         return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store for buffer in pair)}
 
 
+def _own_rows(x: torch.Tensor, group: _Group) -> torch.Tensor:
+    """The group's rows of x, to be kept alive until a host store has copied them. Rows cut out of
+    the batch are copied, or their views would keep the whole layer's keys alive (several GB at
+    prefill for a large batch with few rows off the GPU)."""
+    return x if group.rows == slice(0, x.shape[0]) else x[group.rows].clone()
+
+
+def _copy_async(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class BlockKV:
     """What the caches of one block's GPU batches share: the model, policy and device, the streams,
-    the block's host memory and offload tier, the host worker and the GPU workspace."""
+    the block's host memory and offload tier, the host worker, the GPU workspace and the stores in
+    flight on the store stream."""
 
     cfg: ModelConfig
     policy: Policy
@@ -165,6 +180,7 @@ class BlockKV:
     disk: DiskTier | None
     worker: HostWorker
     workspace: KVWorkspace | None
+    stores: StoreQueue = field(default_factory=StoreQueue)
 
 
 class BatchKV:
@@ -185,6 +201,7 @@ class BatchKV:
         self.device = block.device
         self.dtype = block.dtype
         self.workspace = block.workspace
+        self.stores = block.stores
         self.fmt = kv_format(policy.compress_cache, block.dtype)
         self.groups = [_Group(p, block.cfg, slots, self.fmt, block.device, block.host, block.disk,
                               policy.cpu_attention, f"{name}.{p.tier}")
@@ -192,6 +209,7 @@ class BatchKV:
         self._loaded: dict[int, tuple] = {}  # layer -> (workspace set, event marking its load done)
         self._staging_copied = None  # the last copy out of disk rows' staging (CUDA only)
         self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
+        self._stored: dict[int, object] = {}  # layer -> event: the store stream's last write to its host rows
         self._cpu_output: torch.Tensor | None = None  # (offloaded rows, heads, 1, head_dim), pinned
 
     @property
@@ -209,31 +227,52 @@ class BatchKV:
 
     def _on_worker(self, group: _Group) -> bool:
         # Disk rows that GPU attention loads are written in place instead: the main thread refills
-        # their staging pair, shared by all layers, for each layer's load.
-        return group.tier == "cpu" or (group.tier == "disk" and self.cpu_attention)
+        # their staging pair, shared by all layers, for each layer's load. Slot-major CPU rows are
+        # written by copies on the store stream.
+        if group.tier == "cpu":
+            return group.layout is not SLOT_MAJOR
+        return group.tier == "disk" and self.cpu_attention
+
+    def _on_store_stream(self, group: _Group) -> bool:
+        return group.tier == "cpu" and group.layout is SLOT_MAJOR and self.streams.store is not None
 
     def _store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, groups: list[_Group]) -> None:
         """Store new keys and values (batch, kv_heads, seq, head_dim) at slots [start, start + seq)
-        of ``groups``; host rows' share is written by the worker, after this point of the compute
-        stream (k and v stay referenced by the job until it has copied them)."""
+        of ``groups``; host rows' share is written by the store stream or the worker, after this
+        point of the compute stream (k and v stay referenced until they are copied)."""
         later = [group for group in groups if self._on_worker(group)]
+        streamed = [group for group in groups if self._on_store_stream(group)]
         for group in groups:
-            if group not in later:
+            if group not in later and group not in streamed:
                 group.put(layer, start, k[group.rows], v[group.rows])
+        if streamed:
+            self._store_on_stream(layer, start, k, v, streamed)
         if later:
-            # The job keeps its rows alive until it has copied them. Rows cut out of the batch are
-            # copied first, or their views would keep the whole layer's keys alive (several GB at
-            # prefill for a large batch with few rows off the GPU).
-            def own(x: torch.Tensor, group: _Group) -> torch.Tensor:
-                return x if group.rows == slice(0, x.shape[0]) else x[group.rows].clone()
-
-            rows = [(group, own(k, group), own(v, group)) for group in later]
+            rows = [(group, _own_rows(k, group), _own_rows(v, group)) for group in later]
 
             def write() -> None:
                 for group, keys, values in rows:
                     group.put(layer, start, keys, values, self.worker.copy_to_host)
 
             self._written[layer] = self.worker.submit(write, self.streams.record(self.streams.compute))
+
+    def _store_on_stream(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
+                         groups: list[_Group]) -> None:
+        """Store slot-major CPU rows by asynchronous copies (encoded on the GPU first) on the store
+        stream, after this point of the compute stream. Their inputs are kept alive for the store
+        stream; the next load of the layer waits for the copies (``prefetch``)."""
+        streams = self.streams
+        rows = [(group, _own_rows(k, group), _own_rows(v, group)) for group in groups]
+        streams.wait(streams.store, streams.record(streams.compute))
+        held = 0
+        with streams.on(streams.store):
+            for group, keys, values in rows:
+                for x in (keys, values):
+                    x.record_stream(streams.store)
+                    held += x.numel() * x.element_size()
+                group.put(layer, start, keys, values, _copy_async)
+        self._stored[layer] = streams.record(streams.store)
+        self.stores.add(self._stored[layer], held)
 
     def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.workspace.dequantized if self.workspace is not None else (None, None)
@@ -251,6 +290,7 @@ class BatchKV:
         if written is not None:
             written.result()  # the host rows' last slot, written by the worker
         index = self.workspace.take()
+        self.streams.wait(self.streams.load, self._stored.pop(layer, None))  # ... or by the store stream
         if self._staging_copied is not None:
             # The staging pair is about to be refilled from disk: the host waits until the last
             # copy out of it has finished (on CUDA it runs asynchronously on the load stream).

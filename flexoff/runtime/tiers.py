@@ -162,6 +162,31 @@ class Streams:
             stream.wait_event(event)
 
 
+class StoreQueue:
+    """Device-to-host stores enqueued on the store stream, each keeping its GPU inputs alive until
+    its event has passed.
+
+    The host waits for the oldest once the stores in flight hold more than HOST_JOBS_IN_FLIGHT
+    times the largest store seen: a prefill's, for which the memory estimate reserves that much, as
+    for the host worker's jobs. A decode step's stores are a slot each, so the host never waits on
+    them and runs ahead of the GPU as far as its other limits let it.
+    """
+
+    def __init__(self):
+        self._queue: deque = deque()  # (event, bytes held)
+        self._held = 0
+        self._largest = 0
+
+    def add(self, event, nbytes: int) -> None:
+        self._largest = max(self._largest, nbytes)
+        self._queue.append((event, nbytes))
+        self._held += nbytes
+        while self._queue and (self._held > HOST_JOBS_IN_FLIGHT * self._largest or self._queue[0][0].query()):
+            oldest, size = self._queue.popleft()
+            oldest.synchronize()
+            self._held -= size
+
+
 class _Nothing:
     def __enter__(self):
         return None

@@ -108,3 +108,39 @@ def test_estimates_replay_the_runtimes_host_allocations(tiny_model_dir, tmp_path
     assert weights == weight_host_requests(cfg, policy, dtype)
     expected = block_host_requests(cfg, policy, prompt, prompt + new, dtype.itemsize)
     assert block[:len(expected)] == expected
+
+
+class _Event:
+    """Stands in for a CUDA event: passed once ``done`` is set; ``synchronize`` marks the wait."""
+
+    def __init__(self, log: list, name: str):
+        self.log, self.name, self.done = log, name, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.log.append(self.name)
+        self.done = True
+
+
+def test_store_queue_waits_only_when_stores_hold_more_than_three_prefills():
+    """Prefill-sized stores wait for the oldest beyond three in flight (what the memory estimate
+    reserves); decode-sized ones never make the host wait, and finished ones are let go."""
+    waited: list = []
+    queue = tiers.StoreQueue()
+    prefill = [_Event(waited, f"prefill{i}") for i in range(4)]
+    for event in prefill[:3]:
+        queue.add(event, 1000)
+    assert waited == []
+    queue.add(prefill[3], 1000)
+    assert waited == ["prefill0"]
+    prefill[1].done = prefill[2].done = prefill[3].done = True
+    decode = [_Event(waited, f"decode{i}") for i in range(500)]
+    for event in decode:
+        queue.add(event, 5)
+    assert waited == ["prefill0"]  # 500 slots of 5 bytes stay under 3 x 1000
+    queue.add(_Event(waited, "big"), 1000)
+    # Over 3 x 1000 again: the oldest decode stores are waited for until the rest fit.
+    assert waited == ["prefill0"] + [f"decode{i}" for i in range(100)]
