@@ -33,9 +33,23 @@ def largest_matrix_numel(cfg: ModelConfig) -> int:
                default=0)
 
 
-def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None) -> int:
-    """Elements of the one buffer compressed matrices are dequantized into: the largest of them."""
-    return 0 if compression is None else largest_matrix_numel(cfg)
+def dequantizes_once(policy) -> bool:
+    """Whether a stage's compressed matrices are dequantized once for all the block's GPU batches
+    (into a buffer for the whole stage) rather than per batch, each just before use (into one
+    matrix's scratch). Once, where several batches share the stage and each batch's compute of a
+    stage ends before the next stage's begins: with CPU attention a layer's second half may come
+    after the next layer's first. ``policy``: a Policy or the planner's frame of one."""
+    return policy.compress_weight is not None and policy.num_gpu_batches > 1 and not policy.cpu_attention
+
+
+def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None, per_stage: bool = False) -> int:
+    """Elements of the buffer compressed matrices are dequantized into: the largest matrix, or with
+    ``per_stage`` the largest stage's matrices together."""
+    if compression is None:
+        return 0
+    if not per_stage:
+        return largest_matrix_numel(cfg)
+    return max(sum(spec.numel for spec in stage_specs(cfg, stage) if compressible(spec)) for stage in stages(cfg))
 
 
 def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int) -> list[int]:
@@ -117,7 +131,7 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> Weigh
     for kind, disk in staging.items():
         if disk and buffers[kind]:
             requests += [disk] * buffer_copies(cfg, kind)
-    scratch = dequantize_scratch_numel(cfg, compression) * dtype.itemsize
+    scratch = dequantize_scratch_numel(cfg, compression, dequantizes_once(policy)) * dtype.itemsize
     return WeightLayout(stage_tiers, buffers, staging, scratch, requests)
 
 

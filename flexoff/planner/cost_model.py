@@ -38,7 +38,7 @@ import torch
 
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
-                      largest_matrix_numel, registered_bytes, slab_bytes, weight_buffer_bytes,
+                      dequantizes_once, largest_matrix_numel, registered_bytes, slab_bytes, weight_buffer_bytes,
                       weight_host_requests)
 from ..models.config import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy, TierFractions
@@ -206,13 +206,15 @@ class CostModel:
         The one tensor a fraction splits is assembled whole: up to two of the largest matrix more,
         priced as ``wg`` x that, which is exact with nothing on the GPU, close for a small share
         off it (where it matters), and two matrices too many with everything on it. Compressed
-        weights add one matrix of dequantization scratch (in the layout's figure)."""
-        key = frame.compress_weight
+        weights add their dequantization scratch: one matrix, or one stage where the batches share
+        its dequantization (in the layout's figure)."""
+        key = (frame.compress_weight, dequantizes_once(frame))
         if key not in self._buffer_bytes:
             off_gpu = Policy(1, 1, TierFractions(0, 1, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0),
                              compress_weight=frame.compress_weight)
-            scratch = float(dequantize_scratch_numel(self.config, frame.compress_weight) * FP16_BYTES)
-            streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)) - scratch
+            streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)
+                             - dequantize_scratch_numel(self.config, frame.compress_weight) * FP16_BYTES)
+            scratch = float(dequantize_scratch_numel(self.config, *key) * FP16_BYTES)
             self._buffer_bytes[key] = (streamed, scratch, 2 * self.largest_matrix_numel
                                        * bytes_per_element(frame.compress_weight))
         streamed, scratch, split = self._buffer_bytes[key]
@@ -261,6 +263,7 @@ class CostModel:
         s_avg = s + n / 2  # mean cache length over the decode steps (A.3)
         w_off, c_off, h_off = p.wc + p.wd, p.cc + p.cd, p.hc + p.hd
         cw, cc, cpu_att = frame.compress_weight is not None, frame.compress_cache is not None, frame.cpu_attention
+        dequantized = 1 if dequantizes_once(frame) else nb  # passes over a stage's compressed weights
         # Per layer: every GPU batch's layer, and its share of the step's embedding, head and sampling.
         host = nb * (hw.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers) + 0.0 * w_off
 
@@ -286,8 +289,8 @@ class CostModel:
             "gpu_matmul": 2 * (self.layer_matmul_numel * s + self.head_matmul_numel_per_layer) * bls
             / hw.matmul_flops_at(gbs * s),
             "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
-            # Weights are dequantized for every GPU batch; the new cache is quantized once.
-            "dequantize": (nb * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
+            # Weights are dequantized once or for every GPU batch; the new cache is quantized once.
+            "dequantize": (dequantized * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
             + (bls * s * self.kv_numel / hw.kv_quant_throughput if cc else 0.0),
             "cpu_attention": 0.0 * c_off,
             "activation_copies": activation_copies(s),
@@ -317,7 +320,7 @@ class CostModel:
             "gpu_matmul": 2 * (self.layer_matmul_numel + self.head_matmul_numel_per_layer) * bls
             / hw.matmul_flops_at(gbs),
             "gpu_attention": gpu_att * bls * gpu_attention_seconds,
-            "dequantize": ((nb * self.matrix_numel / hw.gpu_dequant_throughput) if cw else 0.0)
+            "dequantize": ((dequantized * self.matrix_numel / hw.gpu_dequant_throughput) if cw else 0.0)
             + ((gpu_att * bls * s_avg * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0 * gpu_att),
             # The host joins CPU attention's time instead of running beside it: it finishes each
             # batch's layer only once that batch's attention is back, and the worker thread waits for

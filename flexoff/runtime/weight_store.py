@@ -7,11 +7,14 @@ are read by the disk tier's threads into pinned staging, then copied.
 
 With weight compression, matrices are quantized as they are loaded (one tensor at a time) and
 stored compressed on every tier, so their bytes cross PCIe and disk compressed; they are assembled
-compressed and dequantized one matrix at a time, as the layer reads each, on the compute stream
-into one scratch buffer of the largest matrix's size. A stage's weights are therefore a mapping
-(:class:`StageWeights`) whose compressed entries are valid until the next entry is read: the
-layers read each matrix just before the matmul that consumes it. Dequantizing per read costs each
-GPU batch its own pass, but keeps the GPU's weight memory at the compressed size plus one matrix.
+compressed and dequantized on the compute stream as the layer reads each matrix. With one GPU
+batch, or CPU attention, into one scratch buffer of the largest matrix's size: a stage's weights
+are then a mapping (:class:`StageWeights`) whose compressed entries are valid until the next entry
+is read, and the layers read each matrix just before the matmul that consumes it. Otherwise the
+block's GPU batches share one dequantization of the stage: each matrix is dequantized on its first
+read into its own place in a buffer the size of the largest stage, and later batches read it there
+(a pass per batch cost as much GPU time as the copies it overlaps, and a kernel launch per matrix
+and batch on the host).
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compression import CompressedTensor, dequantize, quantize
-from ..layout import (TensorPlacement, buffer_copies, compressible, dequantize_scratch_numel, stage_placements,
-                      realised_fractions)
+from ..layout import (TensorPlacement, buffer_copies, compressible, dequantize_scratch_numel, dequantizes_once,
+                      stage_placements, realised_fractions)
 from ..models import ModelConfig, Stage, WeightSpec
 from ..weights import WeightSource
 from ..policy import TIERS, CompressionConfig, Policy
@@ -88,19 +91,29 @@ class _BufferSet:
 
 class StageWeights(Mapping):
     """One stage's weights on the GPU by name. Compressed matrices are dequantized when read, on
-    the current stream, into a scratch buffer that the next read reuses: read each matrix just
-    before the operation that consumes it, and do not keep it past the next read."""
+    the current stream: without ``dequantized``, into a scratch buffer that the next read reuses
+    (read each matrix just before the operation that consumes it, and do not keep it past the next
+    read); with it (the stage's matrices dequantized so far, by name, shared by the stage's
+    mappings), each into its own place in the scratch on first read, kept for later reads."""
 
-    def __init__(self, tensors: dict[str, Stored], scratch: torch.Tensor | None):
+    def __init__(self, tensors: dict[str, Stored], scratch: torch.Tensor | None,
+                 dequantized: dict[str, torch.Tensor] | None = None):
         self._tensors = tensors
         self._scratch = scratch
+        self._dequantized = dequantized
 
     def __getitem__(self, name: str) -> torch.Tensor:
         value = self._tensors[name]
         if not isinstance(value, CompressedTensor):
             return value
-        out = self._scratch[:value.numel()].view(value.shape)
-        return dequantize(value, out=out)
+        if self._dequantized is None:
+            return dequantize(value, out=self._scratch[:value.numel()].view(value.shape))
+        done = self._dequantized.get(name)
+        if done is None:
+            used = sum(t.numel() for t in self._dequantized.values())
+            done = dequantize(value, out=self._scratch[used:used + value.numel()].view(value.shape))
+            self._dequantized[name] = done
+        return done
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
@@ -126,7 +139,10 @@ class TieredWeights:
             # One stage at a time: the source's copy is dropped before the next stage is read.
             self._stages[stage] = self._materialise(source, stage, placements)
         self._buffers = self._make_buffers()
+        self._per_stage = dequantizes_once(policy)
         self._scratch = self._make_scratch()
+        # The stage whose matrices the scratch holds (with _per_stage), and those read so far.
+        self._dequantized: tuple[Stage | None, dict[str, torch.Tensor]] = (None, {})
 
     # Placing the weights
     def _compressed(self, spec: WeightSpec) -> bool:
@@ -214,7 +230,7 @@ class TieredWeights:
 
     def _make_scratch(self) -> torch.Tensor | None:
         """One dequantization buffer, the size of the largest compressed matrix."""
-        numel = dequantize_scratch_numel(self.cfg, self.compression)
+        numel = dequantize_scratch_numel(self.cfg, self.compression, self._per_stage)
         return torch.empty(numel, device=self.device, dtype=self.dtype) if numel else None
 
     def _set_for(self, stage: Stage) -> _BufferSet | None:
@@ -265,7 +281,7 @@ class TieredWeights:
         buffer = self._set_for(stage)
         pieces = self._stages[stage]
         if buffer is None:
-            return StageWeights(pieces.resident, self._scratch)
+            return StageWeights(pieces.resident, self._scratch, self._dequantized_of(stage))
         if buffer.holder != stage:
             self.prefetch(stage)
         if buffer.pending is not None:
@@ -274,7 +290,16 @@ class TieredWeights:
         self.streams.wait(self.streams.compute, buffer.ready)
         weights = dict(pieces.resident)
         weights.update({name: buffer.tensors[name] for name in pieces.parts})
-        return StageWeights(weights, self._scratch)
+        return StageWeights(weights, self._scratch, self._dequantized_of(stage))
+
+    def _dequantized_of(self, stage: Stage) -> dict[str, torch.Tensor] | None:
+        """The stage's matrices dequantized so far, when they are shared by its batches; reading a
+        new stage starts over (its reads are enqueued after every read of the previous one)."""
+        if not self._per_stage:
+            return None
+        if self._dequantized[0] != stage:
+            self._dequantized = (stage, {})
+        return self._dequantized[1]
 
     def release(self, stage: Stage) -> None:
         """The last compute reading ``stage``'s buffers has been enqueued; they may be reloaded after it."""

@@ -33,11 +33,13 @@ def compressed_reference(tiny_model_dir):
 
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-@pytest.mark.parametrize("batches", [1, 3])
-def test_compressed_placements_match(tiny_model_dir, compressed_reference, tmp_path, kind, placement, batches):
+@pytest.mark.parametrize("batches,cpu_attention", [(1, False), (3, True), (3, False)])
+def test_compressed_placements_match(tiny_model_dir, compressed_reference, tmp_path, kind, placement, batches,
+                                     cpu_attention):
+    """One GPU batch and CPU attention dequantize per read; several batches share a stage's."""
     path, _ = tiny_model_dir(kind)
     policy = Policy(gpu_batch_size=2, num_gpu_batches=batches, weights=PLACEMENTS[placement],
-                    cache=TierFractions(0, 1, 0), cpu_attention=batches == 3, compress_weight=FOUR_BIT)
+                    cache=TierFractions(0, 1, 0), cpu_attention=cpu_attention, compress_weight=FOUR_BIT)
     with LLM(str(path), policy=policy, offload_dir=str(tmp_path)) as llm:
         outs = llm.generate(PROMPTS, PARAMS)
     ref = compressed_reference[kind]
@@ -45,6 +47,27 @@ def test_compressed_placements_match(tiny_model_dir, compressed_reference, tmp_p
     torch.testing.assert_close(torch.tensor([o.logprobs for o in outs]), torch.tensor([o.logprobs for o in ref]),
                                rtol=1e-4, atol=1e-5)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("cpu_attention", [False, True])
+def test_gpu_batches_share_each_stages_dequantization(tiny_model_dir, monkeypatch, cpu_attention):
+    """Three GPU batches in one block dequantize each matrix once per stage and token, as one batch
+    per block does; with CPU attention each batch dequantizes its own."""
+    from flexoff.runtime import weight_store
+
+    calls = []
+    real = weight_store.dequantize
+    monkeypatch.setattr(weight_store, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path, _ = tiny_model_dir("opt-pre")
+    counts = {}
+    for batches in (1, 3):
+        calls.clear()
+        policy = Policy(gpu_batch_size=2, num_gpu_batches=batches, cache=TierFractions(0, 1, 0),
+                        cpu_attention=cpu_attention, compress_weight=FOUR_BIT)
+        LLM(str(path), policy=policy).generate(PROMPTS, PARAMS)  # five prompts: 3 blocks of one batch, or one of three
+        counts[batches] = len(calls)
+    assert counts[1] > 0
+    assert counts[3] == (counts[1] if cpu_attention else counts[1] // 3)
 
 
 def test_compression_changes_logits_but_little_at_8_bits(tiny_model_dir):
