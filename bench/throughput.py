@@ -93,6 +93,17 @@ def policy_of(spec: dict) -> Policy:
                   compress_cache=four_bit if spec.get("compress_cache") else None)
 
 
+def spec_of(policy: Policy) -> dict:
+    """A policy as FlexGen's flags: whole percents (FlexGen takes integers), its 4-bit compression."""
+    percent = []
+    for part in ("weights", "cache", "activations"):
+        gpu, cpu = (round(100 * share) for share in getattr(policy, part).as_tuple()[:2])
+        percent += [gpu, min(cpu, 100 - gpu)]  # rounding must not put more than all of it on gpu and cpu
+    return dict(percent=tuple(percent), gbs=policy.gpu_batch_size, ngb=policy.num_gpu_batches,
+                cpu_attention=policy.cpu_attention, compress_weight=policy.compress_weight is not None,
+                compress_cache=policy.compress_cache is not None)
+
+
 def roofline(model: str, policy: Policy, itemsize: int = 2) -> float:
     """Decode token/s if each step only had to stream the off-GPU weights once (at stored size: 4.5 bits a
     value for 4-bit groups of 64, whose minimum and scale are fp16)."""
@@ -177,6 +188,10 @@ def run_all(args) -> list[dict]:
         # The policy that ran, as flexoff recorded it; the bench's own search where the run failed.
         policy = Policy.from_dict(result["policy"]) if "policy" in result else planned
         rows.append(row("flexoff", f"searched: {policy_summary(policy)}", result, args, policy, n))
+        if args.flexgen_at_searched and "flexgen" in systems:
+            spec = spec_of(policy)
+            label = "flexoff's searched, as --percent " + " ".join(map(str, spec["percent"]))
+            rows.append(row("flexgen", label, in_workdir(run_flexgen, spec), args, policy_of(spec)))
     for name in args.policies:
         spec = POLICIES[name]
         for system in ("flexoff", "flexgen"):
@@ -211,6 +226,9 @@ def table(rows: list[dict], args) -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True, check=True).stdout.strip()
+        # Tracked files changed since that commit: the figures are not that commit's.
+        if subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode:
+            commit += " with local changes"
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     caps = ", ".join(f"{flag} {value}" for flag, value in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem))
@@ -298,6 +316,8 @@ def parse_args(argv=None):
                                                        "default: all of them, unless --policy auto or "
                                                        "--flexgen-policies is given")
     parser.add_argument("--flexgen-policies", type=names, default=[], help="named policies run by FlexGen only")
+    parser.add_argument("--flexgen-at-searched", action="store_true",
+                        help="with --policy auto, FlexGen also runs flexoff's searched policy (whole percents)")
     parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory cap of every system, e.g. 16GiB")
     parser.add_argument("--cpu-mem", metavar="SIZE", help="flexoff's host memory cap, e.g. 64GiB")
     parser.add_argument("--dtype", default="auto", help="flexoff's --dtype (on a CPU, float16 or bfloat16 for auto)")
