@@ -135,20 +135,21 @@ def build_model(cfg, gpu_weight_bytes: int, host_budget: int):
     return dispatch_model(model, device_map=device_map, main_device=0), device_map
 
 
-def generate(model, batch: int, prompt_len: int, gen_len: int, pad_id: int):
+def generate(model, batch: int, prompt_len: int, gen_len: int, pad_id: int, device: str = "cuda:0"):
     """Greedy generation of gen_len tokens for batch prompts of prompt_len; (prefill s, decode s)."""
     import torch
 
-    ids = torch.full((batch, prompt_len), 100, dtype=torch.long, device="cuda:0")
+    ids = torch.full((batch, prompt_len), 100, dtype=torch.long, device=device)
     ids[:, 0] = 2
-    ids[:, 1:] += torch.arange(prompt_len - 1, device="cuda:0") % 997
+    ids[:, 1:] += torch.arange(prompt_len - 1, device=device) % 997
     clock = PrefillClock()
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync()
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len,
                        min_new_tokens=gen_len, do_sample=False, pad_token_id=pad_id, streamer=clock)
-    torch.cuda.synchronize()
+    sync()
     stop = time.perf_counter()
     first = clock.first_token or stop
     return first - start, stop - first
