@@ -5,9 +5,13 @@ fixed prompt to the requested length replaces it, so nothing is downloaded.
 """
 
 import argparse
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import flexgen.flex_opt as flex_opt
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # flexoff, for its size parser
 
 
 class StandInTokenizer:

@@ -1,39 +1,47 @@
-"""flexoff against the published FlexGen package, same model, workload and policies, in one run.
+"""flexoff against the published FlexGen 0.1.8 and HF Accelerate, same model and workload, in one run.
 
-Each run is a separate process, so one that runs out of memory cannot take the others down; its
-peak resident memory comes from the kernel's accounting of that process. For each policy the table
-gives prefill / decode / total token/s of both systems, their ratio, peak memory, and the decode
-roofline: the token/s the policy would reach if decode were bound only by streaming its
-off-GPU weights over PCIe (and disk) at the measured bandwidths.
+Each run is a separate process (bench/throughput_runs.py), so one that runs out of memory cannot take the
+others down; its peak resident memory comes from the kernel's accounting of that process. Rows:
+- flexoff at its own searched policy (--policy auto, with --compress and --hardware), its summary and the
+  planner's predicted prefill / decode / total beside the measured ones;
+- named policies (POLICIES, FlexGen's flags) run by both flexoff and FlexGen (--policies), or by FlexGen
+  alone (--flexgen-policies); the best FlexGen policy is marked, one that fails is "cannot run: <why>";
+- HF transformers + Accelerate with CPU offload at the largest batch that fits (--systems ...,hf).
+--gpu-mem caps every system's GPU memory; --cpu-mem caps flexoff's host memory. The decode roofline is the
+token/s a policy would reach if decode were bound only by streaming its off-GPU weights over PCIe (and disk)
+at the measured bandwidths. The output ends with a markdown table for bench/RESULTS.md.
 
-    python bench/throughput.py --model opt-30b --systems flexoff,flexgen --offload-dir /tmp/offload
+    python bench/throughput.py --model opt-30b --gpu-mem 16GiB --policy auto --systems flexoff,flexgen,hf \\
+        --flexgen-policies "4-bit w+c w 0/100 cache-cpu 64x2,4-bit w+c w 0/100 cache-cpu 64x4" --offload-dir /tmp/o
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import os
-import re
+import shlex
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from flexoff.models import REGISTRY, stage_specs, stages  # noqa: E402
 from flexoff.layout import place_stage  # noqa: E402
-from flexoff.policy import placement_from_percent  # noqa: E402
+from flexoff.policy import CompressionConfig, Policy, placement_from_percent  # noqa: E402
+from throughput_runs import run_flexgen, run_flexoff, run_flexoff_auto, run_hf  # noqa: E402
 
 # Measured on the lent H100 machine (shared/reference/anchors.md): pinned host->GPU copy and
 # O_DIRECT disk reads.
 H2D_BANDWIDTH = 55.3e9
 DISK_READ_BANDWIDTH = 1.9e9
+GiB = 2**30
 
 # percent = weights gpu/cpu, cache gpu/cpu, activations gpu/cpu (the rest on disk), as FlexGen's flag.
 POLICIES = {
@@ -58,31 +66,65 @@ POLICIES = {
     # A FlexGen policy whose peak GPU use stays under 16 GiB, run by both under the same cap.
     "16GiB w0/100 cache-gpu 8x1": dict(percent=(0, 100, 100, 0, 100, 0), gbs=8, ngb=1, cpu_attention=False,
                                       gpu_mem="16GiB"),
+    # FlexGen's policies under a 16 GiB cap (--gpu-mem 16GiB): 4-bit weights and cache, all weights and the
+    # cache on the CPU, at the block sizes 125 GiB of host memory can hold for each model.
+    "4-bit w+c w 0/100 cache-cpu 64x4": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=4,
+                                             cpu_attention=False, compress_weight=True, compress_cache=True),
+    "4-bit w+c w 0/100 cache-cpu 64x8": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=8,
+                                             cpu_attention=False, compress_weight=True, compress_cache=True),
+    "4-bit w+c w 0/100 cache-cpu 32x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=32, ngb=2,
+                                             cpu_attention=False, compress_weight=True, compress_cache=True),
+    "4-bit w+c w 0/100 cache-cpu 64x3": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=3,
+                                             cpu_attention=False, compress_weight=True, compress_cache=True),
+    "4-bit w+c w 0/100 cache-cpu 8x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=8, ngb=2,
+                                            cpu_attention=False, compress_weight=True, compress_cache=True),
+    "4-bit w+c w 0/100 cache-cpu 16x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=16, ngb=2,
+                                             cpu_attention=False, compress_weight=True, compress_cache=True),
+    "4-bit w+c w 0/100 cache-cpu 12x3": dict(percent=(0, 100, 0, 100, 100, 0), gbs=12, ngb=3,
+                                             cpu_attention=False, compress_weight=True, compress_cache=True),
 }
 
 
-def roofline(model: str, spec: dict, gen_len: int, itemsize: int = 2) -> float:
-    """Decode token/s if each step only had to stream the off-GPU weights once (4.5 bits a value
-    when compressed in groups of 64)."""
+def policy_of(spec: dict) -> Policy:
+    four_bit = CompressionConfig(4, 64)
+    return Policy(spec["gbs"], spec["ngb"], **placement_from_percent(spec["percent"]),
+                  cpu_attention=spec["cpu_attention"],
+                  compress_weight=four_bit if spec.get("compress_weight") else None,
+                  compress_cache=four_bit if spec.get("compress_cache") else None)
+
+
+def spec_of(policy: Policy) -> dict:
+    """A policy as FlexGen's flags: whole percents (FlexGen takes integers), its 4-bit compression."""
+    percent = []
+    for part in ("weights", "cache", "activations"):
+        gpu, cpu = (round(100 * share) for share in getattr(policy, part).as_tuple()[:2])
+        percent += [gpu, min(cpu, 100 - gpu)]  # rounding must not put more than all of it on gpu and cpu
+    return dict(percent=tuple(percent), gbs=policy.gpu_batch_size, ngb=policy.num_gpu_batches,
+                cpu_attention=policy.cpu_attention, compress_weight=policy.compress_weight is not None,
+                compress_cache=policy.compress_cache is not None)
+
+
+def roofline(model: str, policy: Policy, itemsize: int = 2) -> float:
+    """Decode token/s if each step only had to stream the off-GPU weights once (at stored size: 4.5 bits a
+    value for 4-bit groups of 64, whose minimum and scale are fp16)."""
     cfg = REGISTRY[model]
-    w = placement_from_percent(spec["percent"])["weights"]
     on = {"cpu": 0, "disk": 0}
     for stage in stages(cfg):
-        for placement in place_stage(stage_specs(cfg, stage), w):
+        for placement in place_stage(stage_specs(cfg, stage), policy.weights):
             for tier in on:
                 on[tier] += placement.numel_on(tier) * itemsize
-    shrink = 4.5 / 16 if spec.get("compress_weight") else 1.0
+    packed = policy.compress_weight
+    shrink = (packed.bits + 32 / packed.group_size) / 16 if packed else 1.0
     seconds = shrink * (on["cpu"] / H2D_BANDWIDTH + on["disk"] / DISK_READ_BANDWIDTH)
-    return spec["gbs"] * spec["ngb"] / seconds if seconds else float("inf")
+    return policy.block_size / seconds if seconds else float("inf")
 
 
-def moved_bytes_per_token(model: str, spec: dict, prompt_len: int, gen_len: int) -> float:
+def moved_bytes_per_token(model: str, policy: Policy, prompt_len: int, gen_len: int) -> float:
     """Bytes that cross PCIe or come from disk per generated token in decode, at stored size (compressed
     where the policy compresses): the cost model's byte counts, which follow the runtime's placement."""
     from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
     from flexoff.planner.hardware import packaged_profile
 
-    policy = policy_of(spec)
     hw = packaged_profile("h200")
     cost = CostModel(REGISTRY[model], Workload(prompt_len, gen_len), hw)
     io, _ = cost.phase_terms(PolicyFrame.of(policy), Placement.of(policy))["decode"]
@@ -91,137 +133,217 @@ def moved_bytes_per_token(model: str, spec: dict, prompt_len: int, gen_len: int)
     return per_layer * cost.num_layers / policy.block_size
 
 
-def policy_of(spec: dict):
-    from flexoff.policy import CompressionConfig, Policy
+def hardware(args):
+    """The profile the planner uses for --policy auto and the predictions, under the bench's caps."""
+    from flexoff.planner.hardware import resolve_hardware
+    from flexoff.units import parse_size
 
-    four_bit = CompressionConfig(4, 64)
-    return Policy(spec["gbs"], spec["ngb"], **placement_from_percent(spec["percent"]),
-                  cpu_attention=spec["cpu_attention"],
-                  compress_weight=four_bit if spec.get("compress_weight") else None,
-                  compress_cache=four_bit if spec.get("compress_cache") else None)
-
-
-def run_process(argv: list[str], timeout: int, log: Path) -> tuple[int, str, int]:
-    """Run argv; return (exit code, output, peak RSS in bytes of that process)."""
-    with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.time() + timeout
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.time() > deadline:
-                proc.kill()
-                pid, status, usage = os.wait4(proc.pid, 0)
-                break
-            time.sleep(0.5)
-    code = os.waitstatus_to_exitcode(status)
-    return code, log.read_text(), usage.ru_maxrss * 1024
+    caps = [parse_size(value) if value else None for value in (args.gpu_mem, args.cpu_mem)]
+    return resolve_hardware(args.hardware).with_memory(*caps)
 
 
-def run_flexoff(model: str, spec: dict, args, workdir: Path) -> dict:
-    metrics_file = workdir / "metrics.json"
-    w_gpu, w_cpu, c_gpu, c_cpu, a_gpu, a_cpu = spec["percent"]
-    argv = [sys.executable, "-m", "flexoff", "run", "--model", model, "--dummy", "--ignore-eos", "--quiet",
-            "--warmup", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
-            "--num-prompts", str(spec["gbs"] * spec["ngb"]), "--gpu-batch-size", str(spec["gbs"]),
-            "--num-gpu-batches", str(spec["ngb"]), "--percent", *map(str, spec["percent"]),
-            "--offload-dir", args.offload_dir, "--metrics-json", str(metrics_file)]
-    if spec["cpu_attention"]:
-        argv.append("--cpu-attention")
-    if spec.get("gpu_mem"):
-        argv += ["--gpu-mem", spec["gpu_mem"]]
-    for flag in ("compress_weight", "compress_cache"):
-        if spec.get(flag):
-            argv.append("--" + flag.replace("_", "-"))
-    code, output, rss = run_process(argv, args.timeout, workdir / "flexoff.log")
-    if code != 0 or not metrics_file.exists():
-        return {"error": output.strip().splitlines()[-1] if output.strip() else f"exit {code}", "rss": rss}
-    metrics = json.loads(metrics_file.read_text())
-    return {"prefill": metrics["prefill_throughput"], "decode": metrics["decode_throughput"],
-            "total": metrics["total_throughput"], "gpu_peak": metrics["peak_memory"].get("gpu", 0), "rss": rss,
-            "summary": output.strip().splitlines()[-8:]}
+def predict(args, policy: Policy, num_prompts: int) -> dict:
+    from flexoff.planner.cost_model import CostModel, Workload
+
+    p = CostModel(REGISTRY[args.model], Workload(args.prompt_len, args.gen_len, num_prompts), hardware(args)) \
+        .predict(policy)
+    return {"prefill": p.prefill_throughput, "decode": p.decode_throughput, "total": p.total_throughput,
+            "gpu_peak": p.peak_memory["gpu"], "cpu_peak": p.peak_memory["cpu"]}
 
 
-def run_flexgen(model: str, spec: dict, args, workdir: Path) -> dict:
-    log_file = workdir / "flexgen.log.txt"
-    argv = [sys.executable, str(ROOT / "bench" / "flexgen_driver.py"), "--model", f"facebook/{model}",
-            "--path", "_DUMMY_", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
-            "--gpu-batch-size", str(spec["gbs"]), "--num-gpu-batches", str(spec["ngb"]),
-            "--percent", *map(str, spec["percent"]), "--offload-dir", args.offload_dir, "--log-file", str(log_file)]
-    if spec["cpu_attention"]:
-        argv.append("--cpu-cache-compute")
-    for flag in ("compress_weight", "compress_cache"):
-        if spec.get(flag):
-            argv.append("--" + flag.replace("_", "-"))
-    if spec.get("gpu_mem"):
-        # FlexGen has no cap of its own; the same allocator limit is set in its process.
-        argv += ["--gpu-mem-cap", spec["gpu_mem"]]
-    if args.flexgen_fewer_batch:
-        argv += ["--debug-mode", "fewer_batch"]
-    code, output, rss = run_process(argv, args.timeout, workdir / "flexgen.out")
-    text = log_file.read_text() if log_file.exists() else ""
-    found = {key: re.search(rf"{key} throughput: ([0-9.]+)", text) for key in ("prefill", "decode", "total")}
-    peak = re.search(r"peak gpu mem: ([0-9.]+) GB", text)
-    if code != 0 or not all(found.values()):
-        reason = "killed (out of host memory?)" if code in (-9, 137) else (
-            output.strip().splitlines()[-1] if output.strip() else f"exit {code}")
-        return {"error": reason, "rss": rss}
-    result = {key: float(match.group(1)) for key, match in found.items()}
-    result.update(gpu_peak=float(peak.group(1)) * 2**30 if peak else 0, rss=rss)
-    return result
+def searched_policy(args) -> Policy:
+    """The policy --policy auto finds for an endless stream of prompts. Running exactly one full block of it
+    leaves the search's choice unchanged (no other policy gains from that) and wastes no padding."""
+    from flexoff.planner.cost_model import Workload
+    from flexoff.planner.search import search_policy
+
+    workload = Workload(args.prompt_len, args.gen_len)
+    return search_policy(REGISTRY[args.model], workload, hardware(args), compress=args.compress).policy
 
 
-def fmt(result: dict | None, key: str) -> str:
-    if not result or "error" in result:
-        return "—"
-    return f"{result[key]:.1f}"
+def row(system: str, label: str, result: dict, args, policy: Policy | None = None, num_prompts: int = 0) -> dict:
+    entry = {"system": system, "policy": label, "result": result}
+    if policy is not None:
+        entry.update(roofline_decode=roofline(args.model, policy),
+                     moved_bytes_per_token=moved_bytes_per_token(args.model, policy, args.prompt_len, args.gen_len))
+        if system == "flexoff":
+            entry["predicted"] = predict(args, policy, num_prompts or policy.block_size)
+    print(f"{label} · {system}: {result}", flush=True)
+    return entry
 
 
-def main() -> None:
+def run_all(args) -> list[dict]:
+    from flexoff.planner.report import policy_summary
+
+    systems, rows = args.systems.split(","), []
+
+    def in_workdir(runner, *extra):
+        with tempfile.TemporaryDirectory() as workdir:
+            return runner(*extra, args, Path(workdir))
+
+    if args.policy == "auto" and "flexoff" in systems:
+        planned = searched_policy(args)
+        n = args.num_prompts or planned.block_size
+        result = in_workdir(lambda a, w: run_flexoff_auto(a, w, n))
+        # The policy that ran, as flexoff recorded it; the bench's own search where the run failed.
+        policy = Policy.from_dict(result["policy"]) if "policy" in result else planned
+        rows.append(row("flexoff", f"searched: {policy_summary(policy)}", result, args, policy, n))
+        if args.flexgen_at_searched and "flexgen" in systems:
+            spec = spec_of(policy)
+            label = "flexoff's searched, as --percent " + " ".join(map(str, spec["percent"]))
+            rows.append(row("flexgen", label, in_workdir(run_flexgen, spec), args, policy_of(spec)))
+    for name in args.policies:
+        spec = POLICIES[name]
+        for system in ("flexoff", "flexgen"):
+            if system in systems:
+                runner = run_flexoff if system == "flexoff" else run_flexgen
+                rows.append(row(system, name, in_workdir(runner, spec), args, policy_of(spec)))
+    for name in args.flexgen_policies:
+        rows.append(row("flexgen", name, in_workdir(run_flexgen, POLICIES[name]), args, policy_of(POLICIES[name])))
+    if "hf" in systems:
+        result = in_workdir(run_hf)
+        label = f"device_map, batch {result['batch']}" if "batch" in result else "device_map"
+        rows.append(row("hf", label, result, args))
+    return rows
+
+
+def fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3g}" if value < 10 else f"{value:.1f}"
+
+
+def ok(entry: dict | None) -> bool:
+    return bool(entry) and "error" not in entry["result"]
+
+
+def best(rows: list[dict], system: str) -> dict | None:
+    ran = [r for r in rows if r["system"] == system and ok(r)]
+    return max(ran, key=lambda r: r["result"]["total"]) if ran else None
+
+
+def table(rows: list[dict], args) -> str:
+    """The markdown for bench/RESULTS.md: a heading, the provenance line, the rows, then the ratios."""
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        # Tracked files changed since that commit: the figures are not that commit's.
+        if subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT).returncode:
+            commit += " with local changes"
+    except (OSError, subprocess.CalledProcessError):
+        commit = "unknown"
+    caps = ", ".join(f"{flag} {value}" for flag, value in (("--gpu-mem", args.gpu_mem), ("--cpu-mem", args.cpu_mem))
+                     if value)
+    command = shlex.join(["python", "bench/throughput.py", *sys.argv[1:]])
+    lines = [f"### {args.model.upper()}, dummy weights, prompt {args.prompt_len}, generate {args.gen_len}"
+             + (f", {caps}" if caps else ""), "",
+             f"{datetime.date.today()}, {card}, commit `{commit}`, `{command}`", "",
+             "| system | policy | prefill | decode | total | predicted prefill / decode / total | peak GPU GiB "
+             "| peak RSS GiB | decode / roofline | MB moved per token | note |",
+             "|" + "---|" * 11]
+    top = best(rows, "flexgen")
+    for entry in rows:
+        res, pred = entry["result"], entry.get("predicted")
+        good = ok(entry)
+        note = res["error"] if not good else ""
+        if good and entry is top:
+            note = "best FlexGen"
+        if good and pred:
+            note = f"measured / predicted total {res['total'] / pred['total']:.2f}"
+        values = [fmt(res.get(k)) if good else "—" for k in ("prefill", "decode", "total")]
+        roof = entry.get("roofline_decode")
+        lines.append("| " + " | ".join([
+            {"hf": "HF Accelerate", "flexgen": "FlexGen 0.1.8"}.get(entry["system"], entry["system"]),
+            entry["policy"], *values,
+            " / ".join(fmt(pred[k]) for k in ("prefill", "decode", "total")) if pred else "—",
+            f"{res['gpu_peak'] / GiB:.1f}" if good and res.get("gpu_peak") else "—",
+            f"{res.get('rss', 0) / GiB:.1f}",
+            f"{res['decode'] / roof:.0%}" if good and roof and roof != float("inf") else "—",
+            f"{entry['moved_bytes_per_token'] / 1e6:.0f}" if "moved_bytes_per_token" in entry else "—",
+            note]) + " |")
+    return "\n".join(lines + [""] + ratio_lines(rows, top))
+
+
+def ratio_lines(rows: list[dict], top: dict | None) -> list[str]:
+    """flexoff (the searched row, else its best) against FlexGen's best, HF, and FlexGen at the same policy."""
+    searched = [r for r in rows if r["system"] == "flexoff" and r["policy"].startswith("searched")]
+    ours = (searched[0] if searched and ok(searched[0]) else None) or best(rows, "flexoff")
+    lines = []
+
+    def ratio(a: dict, b: dict) -> str:
+        return " · ".join(f"{k} {a['result'][k] / b['result'][k]:.2f}×" for k in ("prefill", "decode", "total"))
+
+    if any(r["system"] == "flexgen" for r in rows):
+        if top is None:
+            lines.append("- FlexGen 0.1.8 has no policy that runs here: every one tried cannot run (see the notes).")
+        elif ours:
+            lines.append(f"- flexoff ({ours['policy']}) / FlexGen's best ({top['policy']}): {ratio(ours, top)}")
+    hf = next((r for r in rows if r["system"] == "hf"), None)
+    if hf and not ok(hf):
+        lines.append(f"- HF Accelerate {hf['result']['error']}.")
+    elif hf and ours:
+        lines.append(f"- flexoff ({ours['policy']}) / HF Accelerate ({hf['policy']}): {ratio(ours, hf)}")
+    for mine in rows:
+        twin = next((r for r in rows if r["system"] == "flexgen" and r["policy"] == mine["policy"]), None)
+        if mine["system"] == "flexoff" and ok(mine) and twin and ok(twin):
+            lines.append(f"- at {mine['policy']}, flexoff / FlexGen: {ratio(mine, twin)}")
+    return lines
+
+
+def names(text: str) -> list[str]:
+    chosen = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in POLICIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown policy {', '.join(map(repr, unknown))}; known: "
+                                         + "; ".join(POLICIES))
+    return chosen
+
+
+def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="opt-30b")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--systems", default="flexoff,flexgen")
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names from POLICIES")
+    parser.add_argument("--systems", default="flexoff,flexgen", help="comma-separated: flexoff, flexgen, hf")
+    parser.add_argument("--policy", choices=["auto"], help="auto: a flexoff row at the policy flexoff searches")
+    parser.add_argument("--hardware", default="h100", metavar="NAME|FILE",
+                        help="the planner's profile for --policy auto and the predictions (default h100), or a "
+                             "file from `flexoff profile --output` measured in the same session")
+    parser.add_argument("--compress", choices=["off", "auto", "on"], default="auto",
+                        help="flexoff's --compress for --policy auto (default auto)")
+    parser.add_argument("--num-prompts", type=int,
+                        help="prompts of the --policy auto run (default: one block of the searched policy)")
+    parser.add_argument("--policies", type=names, help="named policies (from POLICIES) run by flexoff and FlexGen; "
+                                                       "default: all of them, unless --policy auto or "
+                                                       "--flexgen-policies is given")
+    parser.add_argument("--flexgen-policies", type=names, default=[], help="named policies run by FlexGen only")
+    parser.add_argument("--flexgen-at-searched", action="store_true",
+                        help="with --policy auto, FlexGen also runs flexoff's searched policy (whole percents)")
+    parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory cap of every system, e.g. 16GiB")
+    parser.add_argument("--cpu-mem", metavar="SIZE", help="flexoff's host memory cap, e.g. 64GiB")
+    parser.add_argument("--dtype", default="auto", help="flexoff's --dtype (on a CPU, float16 or bfloat16 for auto)")
+    parser.add_argument("--hf-batch-sizes", help="batch sizes HF tries, largest first (default: from its estimate)")
     parser.add_argument("--offload-dir", default=tempfile.gettempdir())
     parser.add_argument("--timeout", type=int, default=480, help="seconds per run")
     parser.add_argument("--flexgen-fewer-batch", action="store_true",
                         help="FlexGen's own projection from a partial run (--debug-mode fewer_batch)")
     parser.add_argument("--json", help="write all results here")
-    args = parser.parse_args()
-    systems = args.systems.split(",")
-    results = {}
+    args = parser.parse_args(argv)
+    if args.policies is None:
+        args.policies = [] if args.policy or args.flexgen_policies else list(POLICIES)
+    unknown = set(args.systems.split(",")) - {"flexoff", "flexgen", "hf"}
+    if unknown:
+        parser.error(f"--systems: unknown {', '.join(sorted(unknown))}; choose from flexoff, flexgen, hf")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"# {args.model}, prompt {args.prompt_len}, generate {args.gen_len}, on {card}", flush=True)
-    for name in args.policies.split(","):
-        spec = POLICIES[name]
-        row = {"policy": name, "roofline_decode": roofline(args.model, spec, args.gen_len),
-               "moved_bytes_per_token": moved_bytes_per_token(args.model, spec, args.prompt_len, args.gen_len)}
-        for system in systems:
-            with tempfile.TemporaryDirectory() as workdir:
-                runner = run_flexoff if system == "flexoff" else run_flexgen
-                row[system] = runner(args.model, spec, args, Path(workdir))
-            print(f"{name} · {system}: {row[system]}", flush=True)
-        results[name] = row
-    header = ("| policy | system | prefill | decode | total | peak GPU GiB | peak RSS GiB | decode / roofline "
-              "| MB moved per token |")
-    print("\n" + header + "\n|" + "---|" * 9)
-    for name, row in results.items():
-        for system in systems:
-            res = row.get(system) or {}
-            ok = "error" not in res
-            print(f"| {name} | {system} | {fmt(res, 'prefill')} | {fmt(res, 'decode')} | {fmt(res, 'total')} | "
-                  f"{res.get('gpu_peak', 0) / 2**30:.1f} | {res.get('rss', 0) / 2**30:.1f} | "
-                  f"{(res['decode'] / row['roofline_decode'] if ok else 0):.0%} | "
-                  f"{row['moved_bytes_per_token'] / 1e6:.0f} |"
-                  + ("" if ok else f" {res['error'][:80]}"))
-        if all(s in row and "error" not in row[s] for s in ("flexoff", "flexgen")):
-            print(f"| {name} | flexoff / flexgen | " + " | ".join(
-                f"{row['flexoff'][k] / row['flexgen'][k]:.2f}×" for k in ("prefill", "decode", "total")) + " | | | | |")
+    rows = run_all(args)
+    print("\n" + table(rows, args))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        Path(args.json).write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":
