@@ -151,15 +151,12 @@ def run_grid(args, profile: HardwareProfile, output: Output, workdir: Path) -> i
     workload = Workload(args.prompt_len, args.gen_len)
     case = resolve(specs[0], profile, workload)
     hardware = case.hardware(profile)
-    fitting, rejected = neighbours(case.policy, REGISTRY[case.model], workload, hardware)
+    fitting, rejected = neighbours(case.policy, REGISTRY[case.model], workload, hardware, tuple(args.grid_skip or ()))
     print(f"grid of {case.name}: {policy_summary(case.policy)}")
     print(f"{len(fitting)} neighbours fit; not fitting: "
           + ("; ".join(f"{n.label} ({policy_summary(n.policy)})" for n in rejected) or "none"))
-    skipped = [nb for nb in fitting if any(text in nb.label for text in args.grid_skip or ())]
-    if skipped:
-        print("skipped: " + "; ".join(nb.label for nb in skipped))
     k, n = args.grid_part
-    runs = [("searched", case.policy)] + [(nb.label, nb.policy) for nb in fitting if nb not in skipped][k - 1::n]
+    runs = [("searched", case.policy)] + [(nb.label, nb.policy) for nb in fitting][k - 1::n]
     part = f"{k}/{n} {output.head['date']}"
     header = report.GRID_HEADER
     if not args.predict_only:
@@ -229,7 +226,8 @@ def main() -> int:
     parser.add_argument("--grid-part", type=_part, default=(1, 1), metavar="K/N",
                         help="run the searched policy and every N-th neighbour from the K-th (default 1/1: all)")
     parser.add_argument("--grid-skip", action="append", metavar="TEXT",
-                        help="leave out the grid's neighbours whose step contains TEXT (repeatable)")
+                        help="leave out the steps whose label contains TEXT, before the grid is filled to "
+                             "six neighbours (repeatable)")
     parser.add_argument("--offload-dir", default=os.environ.get("FLEXOFF_OFFLOAD_DIR", tempfile.gettempdir()),
                         help="disk tier directory (default $FLEXOFF_OFFLOAD_DIR or the temp dir)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every prediction and measurement")

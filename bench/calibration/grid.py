@@ -176,16 +176,19 @@ def repaired(neighbour: Neighbour, model: CostModel) -> Neighbour | None:
     return Neighbour(f"{neighbour.label}, " + ", ".join(moves), policy)
 
 
-def neighbours(policy: Policy, config: ModelConfig, workload: Workload, hardware: HardwareProfile
-               ) -> tuple[list[Neighbour], list[Neighbour]]:
+def neighbours(policy: Policy, config: ModelConfig, workload: Workload, hardware: HardwareProfile,
+               exclude: tuple[str, ...] = ()) -> tuple[list[Neighbour], list[Neighbour]]:
     """(neighbours that fit, those that cannot), by the search's own check: the cost model's peak
     memory of each tier within its usable capacity for ``workload``. A step that overflows a tier
     (the searched policy usually fills one) is kept with the least share of the weights moved off it,
     but for a step of the weights' share. While fewer than MIN_NEIGHBOURS fit, steps that fitted are
-    taken once more in the same direction."""
+    taken once more in the same direction. Steps whose label contains a text of ``exclude`` are
+    left out before counting (say, a step predicted to run for minutes)."""
     model = CostModel(config, workload, hardware)
     fitting, rejected, again = [], [], []
     for neighbour, step, repairable in one_step(policy):
+        if any(text in neighbour.label for text in exclude):
+            continue
         if model.predict(neighbour.policy).fits:
             fitting.append(neighbour)
             if step is not _cpu_attention_step:  # flipped twice is the searched policy

@@ -33,6 +33,14 @@ def _gib(value) -> str:
     return "-" if value is None else f"{value / GiB:.1f}"
 
 
+def _run_seconds(measured: dict) -> str:
+    """The child's whole time, and the model's build within it (what to budget a call by)."""
+    if "seconds" not in measured:
+        return "-"
+    build = measured.get("build_seconds")
+    return f"{measured['seconds']:.0f}" + ("" if build is None else f" (build {build:.0f})")
+
+
 def _caps(record) -> str:
     caps = [f"{tier} {record[key]}" for tier, key in (("gpu", "gpu_mem"), ("cpu", "cpu_mem")) if record.get(key)]
     return ", ".join(caps) or "full"
@@ -53,7 +61,7 @@ def case_row(record: dict) -> str:
         cells += [_number(pred[key]), _number(meas.get(key)), _percent(error(meas.get(key), pred[key]))]
     for tier in ("gpu", "cpu"):
         cells += [_gib(pred[tier]), _gib(meas.get(tier)), _percent(error(meas.get(tier), pred[tier]))]
-    cells += [_gib(pred["disk"]), _gib(meas.get("disk")), _number(pred["block_latency"]), _number(meas.get("seconds"))]
+    cells += [_gib(pred["disk"]), _gib(meas.get("disk")), _number(pred["block_latency"]), _run_seconds(meas)]
     return head + " | ".join(cells) + " |"
 
 
@@ -106,7 +114,7 @@ def grid_rows(records: list[dict]) -> tuple[list[str], str]:
                     f"{_percent(error(meas.get('total_throughput'), pred['total_throughput']))} | "
                     f"{'-' if ratio is None else f'{ratio:.3f}'} | {_number(r['predicted_search_workload'])} | "
                     f"{_gib(pred['gpu'])} | {_gib(meas.get('gpu'))} | {_gib(pred['cpu'])} | {_gib(meas.get('cpu'))} | "
-                    f"{_number(pred['block_latency'])} | {_number(meas.get('seconds'))} |")
+                    f"{_number(pred['block_latency'])} | {_run_seconds(meas)} |")
     return rows, _predicted_verdict(records) + "\n" + _measured_verdict(anchors, ratios)
 
 
