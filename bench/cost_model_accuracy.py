@@ -14,6 +14,10 @@ and each searched 16 GiB policy within 10% of the best measured of its grid (``-
     python bench/cost_model_accuracy.py --grid "opt-30b gpu 16GiB searched, compress auto" --predict-only
     python bench/cost_model_accuracy.py --report a.json b.json         # one table from several calls
 
+A grid run generates --grid-gen-len tokens (default 8) for one block. --grid-part K/N splits a grid
+over several calls, each measuring the searched policy as its yardstick; --grid-skip leaves out
+steps predicted to run long (CPU attention at the 16 GiB cap runs for minutes).
+
 Machines of one kind differ by 15-25%: ``--measure-profile`` measures this machine's profile first
 (`flexoff profile`, in a child process) and predicts (and searches) every case with it.
 
