@@ -1,16 +1,25 @@
 """Cost model against reality: predicted vs measured throughput and peak memory.
 
-For at least six policies of OPT-30B and OPT-66B (searched ones and hand-made ones that exercise
-CPU attention, disk and compression), predict throughput and peak memory per tier with the
-planner, then run each with dummy weights through ``flexoff.LLM(...).generate`` in its own
-process and read ``result.metrics``. Prints predicted vs measured and the relative error.
+Policies of OPT-30B, OPT-66B and OPT-175B, searched and hand-made, on the full card and under
+`--gpu-mem` caps of 16 and 24 GiB (the commodity-card regime, most of them 4-bit): predict
+throughput (prefill, decode, total) and peak memory per tier with the planner, then run each with
+dummy weights through ``flexoff.LLM(...).generate`` in its own process (an out-of-memory or a
+timeout leaves the others alone) under the same caps, and print predicted vs measured.
 
-Targets (issue 5): throughput within +-20%, peak memory within +-10%, and no searched policy runs
-out of memory. Record the table, and the card it ran on, in bench/RESULTS.md.
+Targets: throughput within +-15%, peak GPU and CPU memory within +-10%, for every searched policy;
+and each searched 16 GiB policy within 10% of the best measured of its grid (``--grid``).
 
-    python bench/cost_model_accuracy.py                      # predict and measure (needs the GPU machine)
-    python bench/cost_model_accuracy.py --predict-only       # predictions only, anywhere
-    python bench/cost_model_accuracy.py --hardware my.json   # a profile from `flexoff profile`
+    python bench/cost_model_accuracy.py --predict-only                 # every prediction, anywhere
+    python bench/cost_model_accuracy.py --measure-profile --warmup --only "opt-30b gpu 16GiB searched"
+    python bench/cost_model_accuracy.py --grid "opt-30b gpu 16GiB searched, compress auto" --predict-only
+    python bench/cost_model_accuracy.py --report a.json b.json         # one table from several calls
+
+A grid run generates --grid-gen-len tokens (default 8) for one block. --grid-part K/N splits a grid
+over several calls, each measuring the searched policy as its yardstick; --grid-skip leaves out
+steps predicted to run long (CPU attention at the 16 GiB cap runs for minutes).
+
+Machines of one kind differ by 15-25%: ``--measure-profile`` measures this machine's profile first
+(`flexoff profile`, in a child process) and predicts (and searches) every case with it.
 
 CPU memory is measured as the child's peak resident set less its resident set just before the
 model is built (Python, torch and the CUDA context are not the model's).
@@ -21,150 +30,191 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.calibration import report  # noqa: E402
+from bench.calibration.cases import CASES, resolve, select  # noqa: E402
+from bench.calibration.grid import neighbours  # noqa: E402
+from bench.calibration.runner import device_info, measure, measure_profile  # noqa: E402
+from flexoff.errors import FlexoffError  # noqa: E402
 from flexoff.models.config import REGISTRY  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
-from flexoff.planner.hardware import resolve_hardware  # noqa: E402
+from flexoff.planner.hardware import HardwareProfile, resolve_hardware  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
-from flexoff.planner.search import search_policy  # noqa: E402
-from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
-
-GiB = 1 << 30
-FOUR_BIT = CompressionConfig(4, 64)
 
 
-@dataclass(frozen=True)
-class Case:
-    name: str
-    model: str
-    policy: Policy
-    searched: bool
+def _commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=ROOT).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + (" (modified)" if dirty else "")
 
 
-def _policy(gbs, batches, weights, cache, activations, cpu_attention=False, compressed=False) -> Policy:
-    compression = FOUR_BIT if compressed else None
-    return Policy(gbs, batches, TierFractions(*weights), TierFractions(*cache), TierFractions(*activations),
-                  cpu_attention=cpu_attention, compress_weight=compression, compress_cache=compression)
+def _prediction(model: str, policy, hardware, prompt_len: int, gen_len: int, num_prompts: int) -> dict:
+    predicted = CostModel(REGISTRY[model], Workload(prompt_len, gen_len, num_prompts), hardware).predict(policy)
+    return {"total_throughput": predicted.total_throughput, "prefill_throughput": predicted.prefill_throughput,
+            "decode_throughput": predicted.decode_throughput, "block_latency": predicted.block_latency,
+            **predicted.peak_memory, "fits": predicted.fits,
+            "prefill_bound": predicted.prefill.bound, "decode_bound": predicted.decode.bound}
 
 
-HAND_MADE = [
-    # FlexGen's own H100 policy for OPT-30B (77.9 token/s measured with FlexGen)
-    ("opt-30b", "weights 50/50, cache on gpu", _policy(48, 1, (0.5, 0.5, 0), (1, 0, 0), (1, 0, 0))),
-    ("opt-30b", "all on cpu, cpu attention", _policy(32, 2, (0, 1, 0), (0, 1, 0), (1, 0, 0), cpu_attention=True)),
-    ("opt-30b", "a third of the weights on disk", _policy(32, 1, (0.4, 0.3, 0.3), (1, 0, 0), (1, 0, 0))),
-    ("opt-66b", "weights 50/50, cache on cpu, cpu attention",
-     _policy(16, 4, (0.5, 0.5, 0), (0, 1, 0), (1, 0, 0), cpu_attention=True)),
-    ("opt-66b", "4-bit, weights 60/40", _policy(64, 1, (0.6, 0.4, 0), (0.5, 0.5, 0), (1, 0, 0), compressed=True)),
-]
+def _record(case, policy, hardware, args, gen_len: int, num_prompts: int, workdir: Path, **extra) -> dict:
+    """Predict one run, measure it unless predicting only, and return its record."""
+    predicted = _prediction(case.model, policy, hardware, args.prompt_len, gen_len, num_prompts)
+    measured = {}
+    if not args.predict_only:
+        measured = measure(case.model, policy, prompt_len=args.prompt_len, gen_len=gen_len, num_prompts=num_prompts,
+                           gpu_mem=case.gpu_mem, cpu_mem=case.cpu_mem, offload_dir=args.offload_dir,
+                           warmup=args.warmup, timeout=args.timeout, workdir=workdir)
+    return {"name": case.name, "model": case.model, "searched": case.searched, "gpu_mem": case.gpu_mem,
+            "cpu_mem": case.cpu_mem, "compress": case.compress, "policy": policy.to_dict(),
+            "summary": policy_summary(policy),
+            "workload": {"prompt_len": args.prompt_len, "gen_len": gen_len, "num_prompts": num_prompts},
+            "predicted": predicted, "measured": measured, **extra}
 
 
-def shrink_to_fit(model: CostModel, policy: Policy) -> Policy:
-    """Halve the GPU batch size until the cost model says the policy fits."""
-    from dataclasses import replace
+class Output:
+    """What the call prints at the end and keeps in --json (rewritten after every run, so that a
+    call cut short keeps what it measured)."""
 
-    while not model.predict(policy).fits and policy.gpu_batch_size > 1:
-        policy = replace(policy, gpu_batch_size=policy.gpu_batch_size // 2)
-    return policy
+    def __init__(self, args, card, profile: HardwareProfile):
+        self.path, self.records = args.json, []
+        self.head = {"card": card, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(),
+                     "command": shlex.join(["python", "bench/cost_model_accuracy.py", *sys.argv[1:]]),
+                     "profile": f"{profile.name} ({profile.source})", "hardware": profile.to_dict()}
 
+    def add(self, record: dict) -> None:
+        self.records.append(record)
+        if self.path:
+            Path(self.path).write_text(json.dumps({**self.head, "records": self.records}, indent=2))
 
-def build_cases(hardware, workload: Workload) -> list[Case]:
-    cases = []
-    for model_name in ("opt-30b", "opt-66b"):
-        for compress in ("off", "on"):
-            found = search_policy(REGISTRY[model_name], workload, hardware, compress=compress)
-            label = "searched" + (", 4-bit" if compress == "on" else "")
-            cases.append(Case(f"{model_name} {label}", model_name, found.policy, True))
-    for model_name, label, policy in HAND_MADE:
-        model = CostModel(REGISTRY[model_name], workload, hardware)
-        cases.append(Case(f"{model_name} {label}", model_name, shrink_to_fit(model, policy), False))
-    return cases
+    def preamble(self) -> list[str]:
+        h = self.head
+        return report.preamble(h["card"], h["date"], h["commit"], h["command"], h["profile"])
 
 
-def measure_child(model: str, policy_file: str, prompt_len: int, gen_len: int, blocks: int,
-                  offload_dir: str, out_file: str, warmup: bool) -> None:
-    """Runs in the child process: build the model, generate, write the metrics as JSON."""
-    import psutil
-    import torch
-
-    import flexoff
-    from flexoff.runtime.sampling import SamplingParams
-
-    if torch.cuda.is_available():
-        torch.cuda.init()
-    baseline_rss = psutil.Process().memory_info().rss
-    policy = Policy.load(policy_file)
-    llm = flexoff.LLM(model, dummy=True, policy=policy, offload_dir=offload_dir)
-    generator = torch.Generator().manual_seed(0)
-    vocab = llm.config.vocab_size
-    prompts = [torch.randint(3, vocab, (prompt_len,), generator=generator).tolist()
-               for _ in range(policy.block_size * blocks)]
-    if warmup:
-        llm.generate(prompts[:1], SamplingParams(max_new_tokens=2, ignore_eos=True))
-    started = time.perf_counter()
-    result = llm.generate(prompts, SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
-    wall = time.perf_counter() - started
-    metrics = result.metrics.to_dict()
-    metrics["wall_seconds"] = wall
-    metrics["baseline_rss"] = baseline_rss
-    Path(out_file).write_text(json.dumps(metrics, indent=2))
-    llm.close()
-
-
-def measure(case: Case, args, workdir: Path) -> dict:
-    policy_file = workdir / "policy.json"
-    metrics_file = workdir / "metrics.json"
-    case.policy.save(policy_file)
-    metrics_file.unlink(missing_ok=True)
-    argv = [sys.executable, __file__, "--child", case.model, str(policy_file), str(args.prompt_len),
-            str(args.gen_len), str(args.blocks), args.offload_dir, str(metrics_file), str(int(args.warmup))]
-    started = time.time()
-    with open(workdir / "child.log", "w") as log:
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    peak_rss = usage.ru_maxrss * 1024
-    if code != 0 or not metrics_file.exists():
-        tail = (workdir / "child.log").read_text().strip().splitlines()[-1:] or [f"exit {code}"]
-        return {"error": tail[0], "exit": code, "seconds": time.time() - started}
-    metrics = json.loads(metrics_file.read_text())
-    peak = metrics.get("peak_memory", {})
-    return {
-        "total_throughput": metrics["total_throughput"],
-        "prefill_throughput": metrics["prefill_throughput"],
-        "decode_throughput": metrics["decode_throughput"],
-        "gpu": peak.get("gpu"),
-        "cpu": max(peak_rss, peak.get("cpu_rss", 0)) - metrics["baseline_rss"],
-        "disk": peak.get("disk"),
-        "seconds": time.time() - started,
-    }
+def run_cases(args, profile: HardwareProfile, output: Output, workdir: Path) -> int:
+    workload = Workload(args.prompt_len, args.gen_len)
+    if not args.predict_only:
+        print(report.CASE_HEADER)
+        print(report.separator(report.CASE_HEADER), flush=True)
+    for spec in select(CASES, args.only):
+        try:
+            case = resolve(spec, profile, workload)
+        except FlexoffError as exc:  # the search finds nothing under these caps
+            print(f"| {spec.name} | no policy: {exc} |", flush=True)
+            continue
+        num_prompts = case.policy.block_size * args.blocks
+        record = _record(case, case.policy, case.hardware(profile), args, args.gen_len, num_prompts, workdir)
+        output.add(record)
+        if not args.predict_only:
+            print(report.case_row(record), flush=True)
+    print("\n" + "\n".join(output.preamble()))
+    print(report.CASE_HEADER)
+    print(report.separator(report.CASE_HEADER))
+    for record in output.records:
+        print(report.case_row(record))
+    if not args.predict_only:
+        print("\nall: " + report.summary(output.records))
+        print("searched: " + report.summary([r for r in output.records if r["searched"]]))
+    failed = [r["name"] for r in output.records if r["searched"] and "error" in r["measured"]]
+    if failed:
+        print(f"searched policies that failed: {', '.join(failed)}")
+        return 1
+    return 0
 
 
-def _error(measured, predicted) -> str:
-    if measured is None or not predicted:
-        return "-"
-    return f"{100 * (measured / predicted - 1):+.0f}%"
+def _part(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--grid-part takes K/N, got {text!r}") from None
+    if not 1 <= k <= n:
+        raise argparse.ArgumentTypeError(f"--grid-part K/N needs 1 <= K <= N, got {text!r}")
+    return k, n
 
 
-def _number(value) -> str:
-    return "-" if value is None else f"{value:.4g}"
+def run_grid(args, profile: HardwareProfile, output: Output, workdir: Path) -> int:
+    specs = [s for s in select(CASES, [args.grid]) if s.searched]
+    if len(specs) != 1:
+        names = ", ".join(s.name for s in specs) or "none"
+        print(f"--grid {args.grid!r} must name one searched case (matches: {names})", file=sys.stderr)
+        return 2
+    workload = Workload(args.prompt_len, args.gen_len)
+    case = resolve(specs[0], profile, workload)
+    hardware = case.hardware(profile)
+    fitting, rejected = neighbours(case.policy, REGISTRY[case.model], workload, hardware, tuple(args.grid_skip or ()))
+    print(f"grid of {case.name}: {policy_summary(case.policy)}")
+    print(f"{len(fitting)} neighbours fit; not fitting: "
+          + ("; ".join(f"{n.label} ({policy_summary(n.policy)})" for n in rejected) or "none"))
+    k, n = args.grid_part
+    runs = [("searched", case.policy)] + [(nb.label, nb.policy) for nb in fitting][k - 1::n]
+    part = f"{k}/{n} {output.head['date']}"
+    header = report.GRID_HEADER
+    if not args.predict_only:
+        print(header)
+        print(report.separator(header), flush=True)
+    for label, policy in runs:
+        search_workload = CostModel(REGISTRY[case.model], Workload(args.prompt_len, args.gen_len, policy.block_size),
+                                    hardware).predict(policy).total_throughput
+        record = _record(case, policy, hardware, args, args.grid_gen_len, policy.block_size, workdir,
+                         grid=case.name, label=label, part=part, predicted_search_workload=search_workload)
+        output.add(record)
+        if not args.predict_only:
+            print(report.grid_rows([record])[0][0], flush=True)
+    rows, verdict = report.grid_rows(output.records)
+    print("\n" + "\n".join(output.preamble()))
+    print(f"grid of {case.name} (prompt {args.prompt_len}, generate {args.grid_gen_len}, one block each; "
+          f"\"pred at search workload\" is for generate {args.gen_len})\n")
+    print(header)
+    print(report.separator(header))
+    print("\n".join(rows))
+    print("\n" + verdict)
+    return 0
 
 
-def _gib(value) -> str:
-    return "-" if value is None else f"{value / GiB:.1f}"
+def print_report(files: list[str]) -> int:
+    """One table (and one summary, one verdict per grid) from the --json files of several calls."""
+    cases, grids = [], {}
+    for name in files:
+        data = json.loads(Path(name).read_text())
+        print(f"{name}: card {data['card']}, {data['date']}, commit {data['commit']}, profile {data['profile']}")
+        print(f"  {data['command']}")
+        for record in data["records"]:
+            (grids.setdefault(record["grid"], []) if "grid" in record else cases).append(record)
+    if cases:
+        print("\n" + report.CASE_HEADER + "\n" + report.separator(report.CASE_HEADER))
+        print("\n".join(report.case_row(r) for r in cases))
+        print("\nall: " + report.summary(cases))
+        print("searched: " + report.summary([r for r in cases if r["searched"]]))
+    for grid, records in grids.items():
+        rows, verdict = report.grid_rows(records)
+        print(f"\ngrid of {grid}\n\n{report.GRID_HEADER}\n{report.separator(report.GRID_HEADER)}")
+        print("\n".join(rows) + "\n\n" + verdict)
+    return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="h100", help="packaged profile name or profile JSON (default h100)")
+    parser.add_argument("--measure-profile", action="store_true",
+                        help="measure this machine's profile first (as `flexoff profile`) and predict with it")
+    parser.add_argument("--quick-profile", action="store_true", help="with --measure-profile: `flexoff profile "
+                                                                     "--quick` (tens of seconds)")
+    parser.add_argument("--profile-output", default=None, metavar="FILE",
+                        help="where --measure-profile saves the profile (default: beside --json, else the temp dir)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=1, help="blocks to generate per policy (default 1)")
@@ -172,72 +222,46 @@ def main() -> int:
     parser.add_argument("--warmup", action="store_true", help="a 2-token generation before the timed one")
     parser.add_argument("--only", action="append", help="run only the case of this name, or else those whose name "
                                                         "contains it (repeatable)")
+    parser.add_argument("--timeout", type=float, default=540, help="seconds a run may take, model build included "
+                                                                   "(default 540)")
+    parser.add_argument("--grid", default=None, metavar="NAME",
+                        help="run the searched case NAME and its neighbours one step away instead of the cases")
+    parser.add_argument("--grid-gen-len", type=int, default=8, help="tokens each grid run generates (default 8)")
+    parser.add_argument("--grid-part", type=_part, default=(1, 1), metavar="K/N",
+                        help="run the searched policy and every N-th neighbour from the K-th (default 1/1: all)")
+    parser.add_argument("--grid-skip", action="append", metavar="TEXT",
+                        help="leave out the steps whose label contains TEXT, before the grid is filled to "
+                             "six neighbours (repeatable)")
     parser.add_argument("--offload-dir", default=os.environ.get("FLEXOFF_OFFLOAD_DIR", tempfile.gettempdir()),
                         help="disk tier directory (default $FLEXOFF_OFFLOAD_DIR or the temp dir)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every prediction and measurement")
+    parser.add_argument("--report", nargs="+", metavar="FILE", help="print the tables of earlier --json files")
     args = parser.parse_args()
+    if args.report:
+        return print_report(args.report)
 
-    hardware = resolve_hardware(args.hardware)
-    workload = Workload(args.prompt_len, args.gen_len)
-    cases = build_cases(hardware, workload)
-    if args.only:
-        names = {c.name for c in cases}
-        cases = [c for c in cases if any(c.name == text if text in names else text in c.name for text in args.only)]
-    predict_only = args.predict_only
-    if not predict_only:
-        import torch
-
-        if not torch.cuda.is_available():
+    card = None
+    if not args.predict_only:
+        info = device_info()
+        if not info["cuda"]:
             print("no CUDA here: predictions only")
-            predict_only = True
-        else:
-            print(f"card: {torch.cuda.get_device_name()}; profile: {hardware.name} ({hardware.source})")
-    records = []
-    header = ("| case | policy | token/s pred | meas | err | gpu GiB pred | meas | err | cpu GiB pred | meas | err "
-              "| disk GiB pred | meas |")
-    print(header)
-    print("| --- " * (header.count("|") - 1) + "|")
+            args.predict_only = True
+        card = info["card"]
+    if args.measure_profile:
+        default = Path(args.json).with_suffix(".profile.json") if args.json else \
+            Path(tempfile.gettempdir()) / f"flexoff-profile-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        path = Path(args.profile_output) if args.profile_output else default
+        measure_profile(path, args.offload_dir, args.quick_profile, args.timeout)
+        profile = HardwareProfile.load(path)
+    else:
+        profile = resolve_hardware(args.hardware)
+    print(f"card: {card or 'none'}; profile: {profile.name} ({profile.source})", flush=True)
+    output = Output(args, card, profile)
     with tempfile.TemporaryDirectory() as tmp:
-        for case in cases:
-            config = REGISTRY[case.model]
-            num_prompts = case.policy.block_size * args.blocks
-            model = CostModel(config, Workload(args.prompt_len, args.gen_len, num_prompts), hardware)
-            predicted = model.predict(case.policy)
-            measured = {} if predict_only else measure(case, args, Path(tmp))
-            peak = predicted.peak_memory
-            if "error" in measured:
-                row = (f"| {case.name} | {policy_summary(case.policy)} | {predicted.total_throughput:.4g} | "
-                       f"failed: {measured['error'][:60]} | | | | | | | | | |")
-            else:
-                row = (f"| {case.name} | {policy_summary(case.policy)} | {predicted.total_throughput:.4g} | "
-                       f"{_number(measured.get('total_throughput'))} | "
-                       f"{_error(measured.get('total_throughput'), predicted.total_throughput)} | "
-                       + "".join(f"{_gib(peak[t])} | {_gib(measured.get(t))} | {_error(measured.get(t), peak[t])} | "
-                                 for t in ("gpu", "cpu")) +
-                       f"{_gib(peak['disk'])} | {_gib(measured.get('disk'))} |")
-            print(row, flush=True)
-            records.append({
-                "case": case.name, "model": case.model, "searched": case.searched, "policy": case.policy.to_dict(),
-                "predicted": {"total_throughput": predicted.total_throughput,
-                              "prefill_throughput": predicted.prefill_throughput,
-                              "decode_throughput": predicted.decode_throughput,
-                              "block_latency": predicted.block_latency, "peak_memory": peak,
-                              "prefill_bound": predicted.prefill.bound, "decode_bound": predicted.decode.bound},
-                "measured": measured,
-            })
-            if args.json:  # after every case, so a run cut short keeps what it measured
-                Path(args.json).write_text(json.dumps({"hardware": hardware.to_dict(), "prompt_len": args.prompt_len,
-                                                       "gen_len": args.gen_len, "records": records}, indent=2))
-    oom = [r["case"] for r in records if r["searched"] and "error" in r["measured"]]
-    if oom:
-        print(f"searched policies that failed: {', '.join(oom)}")
-        return 1
-    return 0
+        if args.grid:
+            return run_grid(args, profile, output, Path(tmp))
+        return run_cases(args, profile, output, Path(tmp))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        model_name, policy_path, prompt, gen, blocks, offload, out, warm = sys.argv[2:10]
-        measure_child(model_name, policy_path, int(prompt), int(gen), int(blocks), offload, out, warm == "1")
-        raise SystemExit(0)
     raise SystemExit(main())
