@@ -25,6 +25,15 @@ def _compression(policy: Policy) -> str:
     return ", ".join(parts) or "off"
 
 
+def _cpu_attention(policy: Policy) -> str:
+    if not policy.cpu_attention:
+        return "off"
+    split = policy.cpu_attention_split
+    if split == 1:
+        return "on"
+    return f"on for {100 * split:.3g}% of the cpu cache's sequences; the rest travel to the GPU"
+
+
 def format_prediction(prediction: Prediction, title: str = "") -> str:
     policy = prediction.policy
     rows = [
@@ -35,7 +44,7 @@ def format_prediction(prediction: Prediction, title: str = "") -> str:
         ("  kv cache gpu/cpu/disk", _percent(policy.cache)),
         ("  activations gpu/cpu/disk", _percent(policy.activations)),
         ("  compression", _compression(policy)),
-        ("  cpu attention", "on" if policy.cpu_attention else "off"),
+        ("  cpu attention", _cpu_attention(policy)),
         ("  overlap", "on" if policy.overlap else "off"),
         ("prediction", ""),
         ("  throughput", f"{prediction.total_throughput:.4g} token/s generated "

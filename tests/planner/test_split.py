@@ -8,6 +8,7 @@ import pytest
 from flexoff.models.config import REGISTRY
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
 from flexoff.planner.hardware import packaged_profile
+from flexoff.planner.report import policy_summary
 from flexoff.planner.search import candidate_frames, round_fractions, search_policy
 from flexoff.policy import CompressionConfig, Policy, TierFractions
 
@@ -96,6 +97,16 @@ def test_cpu_attention_frames_come_plain_and_split():
     kinds = {(f.cpu_attention, f.split_cpu_attention) for f in candidate_frames("off", "auto", (4,), (1,))}
     assert kinds == {(False, False), (True, False), (True, True)}
     assert {f.split_cpu_attention for f in candidate_frames("off", "off", (4,), (1,))} == {False}
+
+
+def test_the_summary_says_how_much_of_the_cpu_cache_the_cpu_attends(tiny_opt, round_hardware):
+    from flexoff.commands.report import format_prediction
+
+    split = offloaded(gpu_batch_size=16, num_gpu_batches=8, cpu_attention_split=0.625)
+    assert policy_summary(split).endswith(" cpu-attention 62.5% (rest travels)")
+    assert policy_summary(offloaded()).endswith(" cpu-attention")
+    report = format_prediction(CostModel(tiny_opt, Workload(4, 3), round_hardware).predict(split))
+    assert "on for 62.5% of the cpu cache's sequences; the rest travel to the GPU" in report
 
 
 def _per_sequence_costs(name: str, compression, hardware, workload: Workload):
