@@ -158,3 +158,14 @@ def test_a_split_batch_both_attends_on_the_host_and_travels(tmp_path):
 
     shape = block_shape([Batch(kv) for kv in caches], 3, 5)
     assert shape.cpu_attention == shape.travelling_cache == frozenset({0, 1})
+
+
+def test_a_run_from_a_policy_file_says_how_cpu_attention_is_split(tmp_path, capsys):
+    from flexoff.commands.main import main
+
+    path = tmp_path / "policy.json"
+    split(0.5, weights=TierFractions(0.5, 0.5, 0)).save(path)
+    assert main(["run", "--quiet", "--policy", str(path), "--num-prompts", "8", "--prompt-len", "6",
+                 "--gen-len", "3", "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu attention on for 50% of the cpu cache's sequences; the rest travel to the GPU" in out
