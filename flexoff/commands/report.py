@@ -69,7 +69,7 @@ def format_prediction(prediction: Prediction, title: str = "") -> str:
 FRONTIER_COLUMNS = ("block_latency_s", "throughput_token_per_s", "gpu_batch_size", "num_gpu_batches",
                     "weights_gpu", "weights_cpu", "weights_disk", "cache_gpu", "cache_cpu", "cache_disk",
                     "activations_gpu", "activations_cpu", "activations_disk", "compression", "cpu_attention",
-                    "decode_bound")
+                    "cpu_attention_split", "decode_bound")
 
 
 def frontier_rows(predictions: list[Prediction]) -> list[dict]:
@@ -83,6 +83,7 @@ def frontier_rows(predictions: list[Prediction]) -> list[dict]:
                 row[f"{what}_{tier}"] = value
         row["compression"] = _compression(policy)
         row["cpu_attention"] = policy.cpu_attention
+        row["cpu_attention_split"] = policy.cpu_attention_split
         row["decode_bound"] = prediction.decode.bound
         rows.append(row)
     return rows

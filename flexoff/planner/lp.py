@@ -87,7 +87,8 @@ class FrameProblem:
             vertices &= _POINTS[index] == value
         self.vertices = np.flatnonzero(vertices)
 
-    # ---- cheap necessary conditions and bounds, from the 27 vertices
+    # ---- cheap necessary conditions and bounds, from the frame's pure vertices (an affine term is
+    # least at one of them)
 
     def may_fit(self) -> bool:
         for (tier, _phase), values in self.memory.items():
@@ -142,8 +143,9 @@ class FrameProblem:
     # ---- the LP
 
     def _problem(self, margin: float, fixed: dict[int, float]):
-        """The constraints: memory per tier and phase, fractions summing to 1 (those in ``fixed``,
-        by index, at their value), and each phase's seconds per layer above each of its terms.
+        """The constraints: memory per tier and phase, fractions summing to 1 (those the frame and
+        ``fixed`` fix, by index, at their value), the travelling cache within the CPU's, and each
+        phase's seconds per layer above each of its terms.
         Returns (problem, fractions, phase seconds)."""
         self.lps_solved += 1
         fixed = self.frame_fixed | fixed
