@@ -122,8 +122,10 @@ def test_the_workspace_holds_only_the_travelling_rows(compression, share):
 
 
 @pytest.mark.parametrize("compression", [None, CompressionConfig(4, 64)], ids=["plain", "compressed"])
-@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("cache", [ON_CPU, TierFractions(0.34, 0.66, 0)], ids=["cpu", "gpu-and-cpu"])
+@pytest.mark.parametrize("cache, share", [
+    (ON_CPU, 0.0), (ON_CPU, 0.5), (ON_CPU, 1.0), (TierFractions(0.34, 0.66, 0), 0.5),
+    (TierFractions(0.17, 0.5, 0.33), 0.0),  # cpu rows travel, disk rows attend on the host
+], ids=["cpu-0", "cpu-0.5", "cpu-1", "gpu-and-cpu-0.5", "all-tiers-0"])
 def test_estimate_is_what_a_split_cache_allocates(tmp_path, compression, share, cache):
     policy = split(share, gpu_batch_size=6, cache=cache, compress_cache=compression)
     disk = DiskTier(tmp_path)
