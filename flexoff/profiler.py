@@ -334,37 +334,55 @@ def _kv_quant_rate(device, dtype, sizes: ProfileSizes, heads=32, prompt=512, hea
 
 def _host_overhead(compute: torch.device, dtype, repeats: int = 3):
     """The runtime's host time per decoder layer and per decode step of one GPU batch, apart from
-    the work itself: decode of one sequence through models too narrow (hidden 64) to keep the device
-    busy, all on the device, at two depths. The slope over depth is per layer, the rest per step
-    (embedding, head, sampling)."""
+    the work itself: decode of one sequence through models too narrow (hidden 128) to keep the
+    device busy, at two depths. The slope over depth is per layer, the rest per step (embedding,
+    head, sampling). All on the device first; then the extra per layer of a cache that travels, of
+    a travelling cache that is compressed, and of compressed weights (the differences of slopes)."""
     from .models.config import ModelConfig
     from .runtime.batch import Sequence
     from .runtime.engine import Engine
-    from .policy import Policy, TierFractions
+    from .policy import CompressionConfig, Policy, TierFractions
     from .runtime.sampling import SamplingParams, SequenceSampler
     from .weights.dummy import DummyWeights
 
-    steps, depths, per_step = 24, (2, 10), {}
+    steps, depths = 24, (2, 10)
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
-    on_device = TierFractions(1, 0, 0)
-    for layers in depths:
-        config = ModelConfig(name=f"host-overhead-{layers}", family="opt", vocab_size=512, hidden_size=64,
-                             num_layers=layers, num_heads=2, intermediate_size=256, max_positions=64)
-        engine = Engine(config, DummyWeights(0), Policy(1, 1, on_device, on_device, on_device), compute, dtype)
+    gpu, cpu, four_bit = TierFractions(1, 0, 0), TierFractions(0, 1, 0), CompressionConfig(4, 64)
+    variants = {
+        "on the device": Policy(1, 1, gpu, gpu, gpu),
+        "cache travels": Policy(1, 1, gpu, cpu, gpu),
+        "compressed cache travels": Policy(1, 1, gpu, cpu, gpu, compress_cache=four_bit),
+        "compressed weights": Policy(1, 1, gpu, gpu, gpu, compress_weight=four_bit),
+    }
+
+    def per_step(policy: Policy, layers: int) -> float:
+        # head_dim 64: compression's groups of 64 take the same kernels as in real models.
+        config = ModelConfig(name=f"host-overhead-{layers}", family="opt", vocab_size=512, hidden_size=128,
+                             num_layers=layers, num_heads=2, intermediate_size=512, max_positions=64)
+        engine = Engine(config, DummyWeights(0), policy, compute, dtype)
         try:
             times = []
             for _ in range(repeats + 1):  # the first run warms up
                 seq = Sequence(0, [5] * 8, params, SequenceSampler(params, 0))
                 times.append(engine.generate_block([seq]).decode_time / steps)
-            per_step[layers] = min(times[1:])
+            return min(times[1:])
         finally:
             engine.close()
+
     low, high = depths
-    # A profile holds positive figures: noise that hides either one leaves it a nanosecond.
-    per_layer = max(1e-9, (per_step[high] - per_step[low]) / (high - low))
-    step = max(1e-9, per_step[low] - low * per_layer)
-    return per_layer, step, {"decode_seconds_per_step": {str(k): v for k, v in per_step.items()},
-                             "hidden": 64, "sequences": 1, "steps": steps}
+    seconds = {name: {layers: per_step(policy, layers) for layers in depths} for name, policy in variants.items()}
+    # A profile holds positive figures: noise that hides one leaves it a nanosecond.
+    slope = {name: (t[high] - t[low]) / (high - low) for name, t in seconds.items()}
+    per_layer = max(1e-9, slope["on the device"])
+    step = max(1e-9, seconds["on the device"][low] - low * per_layer)
+    extras = {
+        "host_seconds_per_travelling_layer": slope["cache travels"] - slope["on the device"],
+        "host_seconds_per_compressed_cache_layer": slope["compressed cache travels"] - slope["cache travels"],
+        "host_seconds_per_compressed_weight_layer": slope["compressed weights"] - slope["on the device"],
+    }
+    measured = {"decode_seconds_per_step": {name: {str(k): v for k, v in t.items()} for name, t in seconds.items()},
+                "hidden": 128, "sequences": 1, "steps": steps}
+    return per_layer, step, {key: max(1e-9, value) for key, value in extras.items()}, measured
 
 
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
@@ -428,7 +446,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
     log("the runtime's host time per layer")
-    host_layer, host_step, measurements["host_overhead"] = _host_overhead(compute, dtype)
+    host_layer, host_step, host_extras, measurements["host_overhead"] = _host_overhead(compute, dtype)
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
@@ -448,8 +466,10 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     notes["disk_to_cpu_cached"] = ("measured: the disk tier's reads of a file it has just written (page cache), two "
                                    "stages in flight as the weight store keeps them, while pinned copies to the GPU "
                                    "stream (the figure without them is kept in measurements)")
-    notes["host_seconds"] = ("measured: decode of one sequence through the runtime on 64-wide OPT models of 2 and "
-                             "10 layers, all on the device; fit: the slope is per layer, the intercept per step")
+    notes["host_seconds"] = ("measured: decode of one sequence through the runtime on 128-wide OPT models of 2 "
+                             "and 10 layers, all on the device, with the cache travelling (plain and 4-bit), and "
+                             "with 4-bit weights; fit: the slope is per layer, the intercept per step, the extras "
+                             "are differences of slopes")
 
     return HardwareProfile(
         name=f"measured-{'cuda' if use_cuda else 'cpu'}",
@@ -465,7 +485,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
         gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant,
         cpu_attention_share_under_copy=share_under_copy, cpu_attention_seconds_per_call=cpu_attention_call,
-        host_seconds_per_layer=host_layer, host_seconds_per_step=host_step,
+        host_seconds_per_layer=host_layer, host_seconds_per_step=host_step, **host_extras,
         usable_fraction=(0.9, 0.85, 0.9), pinned_host_memory=use_cuda,
         device=device_name,
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",

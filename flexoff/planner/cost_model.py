@@ -232,6 +232,11 @@ class CostModel:
 
         shipped, cpu_share = _attention_shares(frame, p)  # off-GPU cache attended on the GPU, on the CPU
         gpu_att = p.cg + shipped  # share of decode attention on the GPU
+        # The host issues more per batch where the cache travels or attention reads a compressed
+        # one, and per pass over compressed weights (as measured: rows off the GPU in proportion).
+        decode_host = (host + nb * (shipped * hw.host_seconds_per_travelling_layer
+                                    + (gpu_att * hw.host_seconds_per_compressed_cache_layer if cc else 0.0 * gpu_att))
+                       + (dequantized * hw.host_seconds_per_compressed_weight_layer if cw else 0.0))
         # The cache that travels, and the weights: the copies CPU attention competes with.
         streamed = w_off * W + shipped * kv * s_avg * bls
         decode_io = {
@@ -242,7 +247,7 @@ class CostModel:
             + (h_off * act * bls + cpu_share * act * bls) / hw.gpu_to_cpu_bandwidth,
             "disk_to_cpu": (p.wd * W + p.hd * act * bls + p.cd * kv * s_avg * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
-            "host": host,
+            "host": decode_host,
         }
         attention_flops = 4 * s_avg * self.query_width  # per sequence: q.K^T and p.V
         gpu_attention_seconds = max(attention_flops / hw.decode_attention_flops, s_avg * kv16 / hw.gpu_memory_bandwidth)
@@ -260,7 +265,7 @@ class CostModel:
             # The host joins CPU attention's time instead of running beside it: it finishes each
             # batch's layer only once that batch's attention is back, and the worker thread waits for
             # the interpreter while the host issues work.
-            "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + host),
+            "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + decode_host),
             "activation_copies": activation_copies(1),
         }
         if cpu_att and frame.overlap:

@@ -35,9 +35,11 @@ _COMPUTE_FIELDS = (
     "gpu_dequant_elements_per_s",
     "cpu_dequant_elements_per_s",
 )
+HOST_EXTRA_FIELDS = ("host_seconds_per_travelling_layer", "host_seconds_per_compressed_cache_layer",
+                     "host_seconds_per_compressed_weight_layer")
 _OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "gpu_kv_quant_elements_per_s",
                             "cpu_attention_share_under_copy", "cpu_attention_seconds_per_call",
-                            "host_seconds_per_layer", "host_seconds_per_step")
+                            "host_seconds_per_layer", "host_seconds_per_step", *HOST_EXTRA_FIELDS)
 _TOP_FIELDS = {
     "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction", "pinned_host_memory",
     "bandwidth_bytes_per_s", "compute", "notes", "measurements",
@@ -87,6 +89,12 @@ class HardwareProfile:
     # apart from the work it launches: a floor under small batches. 0: not measured.
     host_seconds_per_layer: float = 0.0
     host_seconds_per_step: float = 0.0
+    # The host's extra time per decoder layer of one GPU batch whose cache travels to the GPU (the
+    # load, the workspace, the store of the new slot); more where that cache is compressed
+    # (quantizing and dequantizing it); and per pass over a layer's compressed weights. 0: not measured.
+    host_seconds_per_travelling_layer: float = 0.0
+    host_seconds_per_compressed_cache_layer: float = 0.0
+    host_seconds_per_compressed_weight_layer: float = 0.0
     usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)
     # The runtime pins host memory where CUDA exists; the cache in slabs whose unused ends count too.
     pinned_host_memory: bool = True
@@ -167,7 +175,8 @@ class HardwareProfile:
             compute["gpu_kv_quant_elements_per_s"] = self.gpu_kv_quant_throughput
         if self.cpu_attention_share_under_copy != 1.0:
             compute["cpu_attention_share_under_copy"] = self.cpu_attention_share_under_copy
-        for key in ("cpu_attention_seconds_per_call", "host_seconds_per_layer", "host_seconds_per_step"):
+        for key in ("cpu_attention_seconds_per_call", "host_seconds_per_layer", "host_seconds_per_step",
+                    *HOST_EXTRA_FIELDS):
             if getattr(self, key) > 0:
                 compute[key] = getattr(self, key)
         return {
@@ -312,6 +321,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         cpu_attention_seconds_per_call=optional["cpu_attention_seconds_per_call"] or 0.0,
         host_seconds_per_layer=optional["host_seconds_per_layer"] or 0.0,
         host_seconds_per_step=optional["host_seconds_per_step"] or 0.0,
+        **{key: optional[key] or 0.0 for key in HOST_EXTRA_FIELDS},
         matmul_flops=tuple(points),
         prefill_attention_flops=rates["prefill_attention_flop_per_s"],
         decode_attention_flops=rates["decode_attention_flop_per_s"],

@@ -409,7 +409,27 @@ class BatchKV:
                         for buffer, space in zip(loaded, self._dequantized()))
         out[rows] = attention(q[rows], keys, values, mask[rows])
         self.workspace.free_events[index] = self.streams.record(self.streams.compute)
-        self._store(layer, start, k, v, offloaded)
+        streamed = [group for group in offloaded if self._on_store_stream(group)]
+        if streamed:
+            self._send_slot(layer, start, loaded, rows.start, streamed, index)
+        others = [group for group in offloaded if group not in streamed]
+        if others:
+            self._store(layer, start, k, v, others)
+
+    def _send_slot(self, layer: int, start: int, loaded: list, first: int, groups: list[_Group], index: int) -> None:
+        """Copy the new slot of slot-major CPU rows home from the workspace set ``index``, where it was
+        just encoded (so it is not encoded twice), on the store stream after the attention. The set
+        is reloaded only after these copies, and the layer's next load waits for them."""
+        streams = self.streams
+        streams.wait(streams.store, streams.record(streams.compute))
+        with streams.on(streams.store):
+            for group in groups:
+                offset, count = group.rows.start - first, group.rows.stop - group.rows.start
+                for source, home in zip(loaded, group.pair(layer)):
+                    slot = source.narrow(0, start, 1).narrow(1, offset, count)
+                    for part, target in zip(self.fmt.parts(slot), self.fmt.parts(home.narrow(0, start, 1))):
+                        target.copy_(part, non_blocking=True)
+        self._stored[layer] = self.workspace.free_events[index] = streams.record(streams.store)
 
     def nbytes_by_tier(self) -> dict[str, int]:
         """Bytes of this batch's cache per tier (compressed bytes where the cache is compressed),

@@ -138,6 +138,30 @@ def test_host_time_per_layer_bounds_small_batches(tiny_opt, make_hardware):
     assert CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(policy).decode.io["host"] == 0
 
 
+def test_host_issues_more_for_a_travelling_compressed_cache_and_compressed_weights(tiny_opt, make_hardware):
+    hardware = make_hardware(host_seconds_per_layer=0.5, host_seconds_per_step=3.0,
+                             host_seconds_per_travelling_layer=0.25, host_seconds_per_compressed_cache_layer=0.125,
+                             host_seconds_per_compressed_weight_layer=2.0)
+    model = CostModel(tiny_opt, Workload(4, 3), hardware)
+    base = 2 * (0.5 + 3.0 / 2)  # two GPU batches
+
+    def host(**changes):
+        p = model.predict(offloaded(num_gpu_batches=2, gpu_batch_size=1, **changes))
+        assert p.prefill.io["host"] == pytest.approx(base)  # the extras are decode's
+        return p.decode.io["host"]
+
+    assert host(cache=GPU) == pytest.approx(base)
+    # Each batch's cache travels, whole or a quarter of its rows.
+    assert host(cache=CPU) == pytest.approx(base + 2 * 0.25)
+    assert host(cache=TierFractions(0.75, 0.25, 0)) == pytest.approx(base + 2 * 0.25 / 4)
+    # A compressed cache costs the host wherever the GPU attends it, travelling or not.
+    assert host(cache=CPU, compress_cache=FOUR_BIT) == pytest.approx(base + 2 * (0.25 + 0.125))
+    assert host(cache=GPU, compress_cache=FOUR_BIT) == pytest.approx(base + 2 * 0.125)
+    # Compressed weights: one pass a layer for the two batches, a pass each with CPU attention.
+    assert host(cache=GPU, compress_weight=FOUR_BIT) == pytest.approx(base + 2.0)
+    assert host(cache=CPU, cpu_attention=True, compress_weight=FOUR_BIT) == pytest.approx(base + 2 * 2.0)
+
+
 def test_disk_reads_come_from_the_page_cache_only_while_free_memory_holds_them(tiny_opt, make_hardware):
     policy = offloaded(weights=DISK, cache=GPU)
     cold = CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(policy)
