@@ -66,7 +66,9 @@ def candidate_frames(compress: str = "auto", cpu_attention: str = "auto",
                      gpu_batch_sizes=GPU_BATCH_SIZES, num_gpu_batches=NUM_GPU_BATCHES,
                      overlap: bool = True) -> list[PolicyFrame]:
     """Every frame to solve; with CPU attention, one frame attends the whole off-GPU cache on the
-    CPU and one may split it (``PolicyFrame.split_cpu_attention``)."""
+    CPU and, for a plain cache, one may split it (``PolicyFrame.split_cpu_attention``). A compressed
+    cache is not split: the CPU decompresses it two orders of magnitude slower than it crosses PCIe
+    (bench/RESULTS.md), and a split gives up the batches' shared dequantization of the weights."""
     frames = []
     attention = [(False, False)] if False in _choices(cpu_attention, "cpu attention") else []
     if True in _choices(cpu_attention, "cpu attention"):
@@ -74,6 +76,8 @@ def candidate_frames(compress: str = "auto", cpu_attention: str = "auto",
     for compressed in _choices(compress, "compress"):
         compression = DEFAULT_COMPRESSION if compressed else None
         for delegate, split in attention:
+            if split and compressed:
+                continue
             for nb in num_gpu_batches:
                 for gbs in gpu_batch_sizes:
                     frames.append(PolicyFrame(gbs, nb, compression, compression, delegate, overlap, split))
