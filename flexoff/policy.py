@@ -109,10 +109,6 @@ class Policy:
     cache: TierFractions = field(default_factory=TierFractions)
     activations: TierFractions = field(default_factory=TierFractions)
     cpu_attention: bool = False
-    # With cpu_attention: the share of each GPU batch's CPU rows (whole sequences) whose decode
-    # attention runs on the host; the others travel to the GPU each step, so CPU attention over part
-    # of the cache runs while the rest of the cache and the weights stream over PCIe.
-    cpu_attention_split: float = 1.0
     overlap: bool = True
     pin_cpu_memory: bool = True
     compress_weight: CompressionConfig | None = None
@@ -133,16 +129,6 @@ class Policy:
         self.weights.validate("weight")
         self.cache.validate("cache")
         self.activations.validate("activation")
-        self._check_split()
-
-    def _check_split(self) -> None:
-        split = check_real(self.cpu_attention_split, "cpu_attention_split", PolicyError, 0, 1)
-        if split < 1 and not self.cpu_attention:
-            raise PolicyError(f"cpu_attention_split {split:g} needs cpu_attention: without it every off-GPU "
-                              "row already travels to the GPU")
-        if 0 < split < 1 and self.cache.disk > 0:
-            raise PolicyError(f"cpu_attention_split {split:g} with {self.cache.disk:g} of the cache on disk: "
-                              "splitting CPU attention needs the whole off-GPU cache in CPU memory (use 0 or 1)")
 
     @property
     def block_size(self) -> int:

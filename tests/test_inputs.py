@@ -110,14 +110,6 @@ def test_percent_pair_over_100_from_the_command_line(capsys):
     ({"compress_cache": {"bits": 4, "group_size": False}}, "compress_cache: compression group size"),
     ({"compress_cache": {"bits": 4, "group_sise": 64}}, "compress_cache: unknown field 'group_sise'"),
     ({"gpu_batchsize": 4}, "unknown policy field 'gpu_batchsize'"),
-    ({"cpu_attention": True, "cpu_attention_split": 1.5}, "cpu_attention_split must be a number in [0, 1], got 1.5"),
-    ({"cpu_attention": True, "cpu_attention_split": -0.25}, "cpu_attention_split must be a number in [0, 1]"),
-    ({"cpu_attention": True, "cpu_attention_split": "half"}, "cpu_attention_split must be a number"),
-    ({"cpu_attention": True, "cpu_attention_split": None}, "cpu_attention_split must be a number"),
-    ({"cpu_attention": True, "cpu_attention_split": float("nan")}, "cpu_attention_split must be a finite number"),
-    ({"cpu_attention": True, "cpu_attention_split": 0.5, "cache": {"gpu": 0, "cpu": 0.75, "disk": 0.25}},
-     "cpu_attention_split 0.5 with 0.25 of the cache on disk"),
-    ({"cpu_attention_split": 0.5}, "cpu_attention_split 0.5 needs cpu_attention"),
 ])
 def test_a_policy_file_is_checked_field_by_field(tmp_path, data, words):
     path = tmp_path / "policy.json"
@@ -132,19 +124,6 @@ def test_a_policy_file_with_a_string_switch_is_refused_from_the_command_line(tmp
     path.write_text(json.dumps({"cpu_attention": "no"}))
     assert main(["run", "--quiet", "--policy", str(path)]) == 2
     assert "cpu_attention must be true or false" in one_error_line(capsys)
-
-
-@pytest.mark.parametrize("data, words", [
-    ({"cpu_attention": True, "cpu_attention_split": 2}, "cpu_attention_split must be a number in [0, 1], got 2"),
-    ({"cpu_attention": True, "cpu_attention_split": 0.5, "cache": {"gpu": 0, "cpu": 0.5, "disk": 0.5}},
-     "cpu_attention_split 0.5 with 0.5 of the cache on disk"),
-    ({"cpu_attention": False, "cpu_attention_split": 0.25}, "cpu_attention_split 0.25 needs cpu_attention"),
-])
-def test_a_bad_cpu_attention_split_is_refused_from_the_command_line(tmp_path, capsys, data, words):
-    path = tmp_path / "policy.json"
-    path.write_text(json.dumps(data))
-    assert main(["run", "--quiet", "--policy", str(path)]) == 2
-    assert words in one_error_line(capsys)
 
 
 @pytest.mark.parametrize("name", ["prompts.JSONL", "prompts.Jsonl"])

@@ -25,15 +25,6 @@ def _compression(policy: Policy) -> str:
     return ", ".join(parts) or "off"
 
 
-def _cpu_attention(policy: Policy) -> str:
-    if not policy.cpu_attention:
-        return "off"
-    split = policy.cpu_attention_split
-    if split == 1:
-        return "on"
-    return f"on for {100 * split:.3g}% of the cpu cache's sequences; the rest travel to the GPU"
-
-
 def format_prediction(prediction: Prediction, title: str = "") -> str:
     policy = prediction.policy
     rows = [
@@ -44,7 +35,7 @@ def format_prediction(prediction: Prediction, title: str = "") -> str:
         ("  kv cache gpu/cpu/disk", _percent(policy.cache)),
         ("  activations gpu/cpu/disk", _percent(policy.activations)),
         ("  compression", _compression(policy)),
-        ("  cpu attention", _cpu_attention(policy)),
+        ("  cpu attention", "on" if policy.cpu_attention else "off"),
         ("  overlap", "on" if policy.overlap else "off"),
         ("prediction", ""),
         ("  throughput", f"{prediction.total_throughput:.4g} token/s generated "
@@ -69,7 +60,7 @@ def format_prediction(prediction: Prediction, title: str = "") -> str:
 FRONTIER_COLUMNS = ("block_latency_s", "throughput_token_per_s", "gpu_batch_size", "num_gpu_batches",
                     "weights_gpu", "weights_cpu", "weights_disk", "cache_gpu", "cache_cpu", "cache_disk",
                     "activations_gpu", "activations_cpu", "activations_disk", "compression", "cpu_attention",
-                    "cpu_attention_split", "decode_bound")
+                    "decode_bound")
 
 
 def frontier_rows(predictions: list[Prediction]) -> list[dict]:
@@ -83,7 +74,6 @@ def frontier_rows(predictions: list[Prediction]) -> list[dict]:
                 row[f"{what}_{tier}"] = value
         row["compression"] = _compression(policy)
         row["cpu_attention"] = policy.cpu_attention
-        row["cpu_attention_split"] = policy.cpu_attention_split
         row["decode_bound"] = prediction.decode.bound
         rows.append(row)
     return rows
@@ -181,7 +171,7 @@ def format_summary(llm, metrics) -> str:
         f"policy     % on {'/'.join(tier_name(t, llm.device) for t in TIERS)}: weights requested "
         f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
         f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
-        f"cpu attention {_cpu_attention(policy)} · overlap {'on' if policy.overlap else 'off'}"
+        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}"
         + _lossy(policy),
         "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",

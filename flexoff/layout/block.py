@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from ..models import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
-from .placement import cache_rows, split_rows
+from .placement import split_rows
 from .weights import stored_parts
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
@@ -42,9 +42,8 @@ class WorkspaceLayout:
 
 def workspace_layout(cfg: ModelConfig, policy: Policy, rows: int, slots: int, itemsize: int) -> WorkspaceLayout | None:
     """The workspace for batches of up to ``rows`` sequences, or None where none is needed."""
-    groups = cache_rows(rows, policy)
-    on_gpu = sum(g.count for g in groups if g.tier == "gpu")
-    travelling = sum(g.count for g in groups if g.travels)
+    on_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier == "gpu")
+    travelling = 0 if policy.cpu_attention else rows - on_gpu
     # GPU rows and travelling rows attend one after the other, so they share the buffer.
     dequantized = max(on_gpu, travelling) if policy.compress_cache is not None else 0
     if not travelling and not dequantized:
@@ -58,8 +57,8 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) 
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
     compresses the cache), disk rows' host staging, and the GPU workspace the batches share."""
     sizes = dict.fromkeys(TIERS, 0)
-    for piece in cache_rows(policy.gpu_batch_size, policy):
-        layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.count, policy.compress_cache, itemsize))
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+        layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
         sizes[piece.tier] += cfg.num_layers * layer_bytes * policy.num_gpu_batches
         if piece.tier == "disk":
             sizes["cpu"] += layer_bytes * policy.num_gpu_batches  # each batch stages one layer
@@ -71,13 +70,13 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) 
 
 def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
     """Host allocations of one block in the order the engine makes them: batch by batch, its cache
-    (each row group's rows for every layer, keys then values; one staging pair for disk rows), then
-    its offloaded activations."""
+    (each tier's rows for every layer, keys then values; one staging pair for disk rows), then its
+    offloaded activations."""
     cache: list[int] = []
-    for piece in cache_rows(policy.gpu_batch_size, policy):
+    for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "gpu":
             continue
-        pair = kv_buffer_parts(cfg, slots, piece.count, policy.compress_cache, itemsize) * 2
+        pair = kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
         cache += pair * (cfg.num_layers if piece.tier == "cpu" else 1)
     activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
                    for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]

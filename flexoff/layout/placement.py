@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import WeightSpec
-from ..policy import TIERS, Policy, TierFractions
+from ..policy import TIERS, TierFractions
 
 
 @dataclass(frozen=True)
@@ -48,45 +48,6 @@ def split_rows(rows: int, fractions: TierFractions) -> list[Piece]:
     cpu_end = max(gpu_end, round(rows * (fractions.gpu + fractions.cpu)))
     bounds = {"gpu": (0, gpu_end), "cpu": (gpu_end, cpu_end), "disk": (cpu_end, rows)}
     return [Piece(tier, start, stop) for tier, (start, stop) in bounds.items() if stop > start]
-
-
-@dataclass(frozen=True)
-class CacheRows:
-    """Rows [start, stop) of a GPU batch's cache on one tier; ``on_host``: their decode attention
-    runs on the host (CPU attention) instead of on the GPU."""
-
-    tier: str
-    start: int
-    stop: int
-    on_host: bool = False
-
-    @property
-    def count(self) -> int:
-        return self.stop - self.start
-
-    @property
-    def travels(self) -> bool:
-        """Loaded to the GPU workspace for each decode step."""
-        return self.tier != "gpu" and not self.on_host
-
-
-def cache_rows(rows: int, policy: Policy) -> list[CacheRows]:
-    """The cache's row groups of a GPU batch of ``rows`` sequences, in row order: gpu rows, cpu rows
-    that travel, cpu rows attended on the host (``policy.cpu_attention_split`` of the cpu rows,
-    rounded like the tier split), then disk rows (on the host with CPU attention). Travelling rows
-    and host-attended rows each stay contiguous, so each is one span of the batch."""
-    groups = []
-    for piece in split_rows(rows, policy.cache):
-        if piece.tier == "gpu":
-            groups.append(CacheRows("gpu", piece.start, piece.stop))
-        elif piece.tier == "disk":
-            groups.append(CacheRows("disk", piece.start, piece.stop, policy.cpu_attention))
-        else:
-            attended = round((piece.stop - piece.start) * policy.cpu_attention_split) if policy.cpu_attention else 0
-            cut = piece.stop - attended
-            groups += [CacheRows("cpu", start, stop, on_host) for start, stop, on_host
-                       in ((piece.start, cut, False), (cut, piece.stop, True)) if stop > start]
-    return groups
 
 
 def place_stage(specs: list[WeightSpec], fractions: TierFractions) -> list[TensorPlacement]:

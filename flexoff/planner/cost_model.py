@@ -5,9 +5,7 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
 - compression: stored bytes shrink to bits/8 plus per-group metadata, dequantization costs time;
 - CPU attention: decode attention over the non-GPU cache runs on the CPU, so only the query and the
   attention output cross PCIe instead of the cache; each call pays a fixed cost besides its FLOPs
-  (the profile's ``cpu_attention_seconds_per_call``). A share ``cs`` of the cache may travel from
-  the CPU to the GPU all the same (the policy's ``cpu_attention_split``), so that CPU attention over
-  the rest runs while it streams;
+  (the profile's ``cpu_attention_seconds_per_call``);
 - grouped-query attention and SwiGLU, through the element counts in ``sizes``;
 - host-memory contention: CPU attention slows down while the copy engine streams weights out of
   the same memory (the profile's ``cpu_attention_share_under_copy``);
@@ -34,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -42,8 +41,7 @@ from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_reques
                       dequantizes_once, largest_matrix_numel, registered_bytes, slab_bytes, weight_buffer_bytes,
                       weight_host_requests)
 from ..models.config import ModelConfig
-from ..policy import TIERS, Policy, TierFractions
-from .frame import Placement, PolicyFrame, Workload
+from ..policy import TIERS, CompressionConfig, Policy, TierFractions
 from .hardware import HardwareProfile
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
@@ -56,6 +54,74 @@ STREAM_TERMS = IO_TERMS + ("host",)
 COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
 FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A batch job: every prompt padded to ``prompt_len``, each generating ``gen_len`` tokens.
+
+    ``num_prompts`` None means an endless stream: no block is ever partly empty.
+    """
+
+    prompt_len: int
+    gen_len: int
+    num_prompts: int | None = None
+
+    def __post_init__(self):
+        for name in ("prompt_len", "gen_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
+        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
+            raise ConfigError(f"number of prompts must be an integer >= 1, got {self.num_prompts!r}")
+
+
+class Placement(NamedTuple):
+    """The nine fractions; each a float, or a numpy array to evaluate many placements at once."""
+
+    wg: object
+    wc: object
+    wd: object
+    cg: object
+    cc: object
+    cd: object
+    hg: object
+    hc: object
+    hd: object
+
+    @classmethod
+    def of(cls, policy: Policy) -> "Placement":
+        return cls(*policy.weights.as_tuple(), *policy.cache.as_tuple(), *policy.activations.as_tuple())
+
+
+@dataclass(frozen=True)
+class PolicyFrame:
+    """Everything in a Policy except the placement: what the search fixes before each LP."""
+
+    gpu_batch_size: int
+    num_gpu_batches: int
+    compress_weight: CompressionConfig | None = None
+    compress_cache: CompressionConfig | None = None
+    cpu_attention: bool = False
+    overlap: bool = True
+
+    @property
+    def block_size(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @classmethod
+    def of(cls, policy: Policy) -> "PolicyFrame":
+        return cls(policy.gpu_batch_size, policy.num_gpu_batches, policy.compress_weight,
+                   policy.compress_cache, policy.cpu_attention, policy.overlap)
+
+    def with_placement(self, fractions) -> Policy:
+        f = [float(x) for x in fractions]
+        return Policy(
+            gpu_batch_size=self.gpu_batch_size, num_gpu_batches=self.num_gpu_batches,
+            weights=TierFractions(*f[0:3]), cache=TierFractions(*f[3:6]), activations=TierFractions(*f[6:9]),
+            cpu_attention=self.cpu_attention, overlap=self.overlap,
+            compress_weight=self.compress_weight, compress_cache=self.compress_cache,
+        )
 
 
 @dataclass(frozen=True)
@@ -230,21 +296,21 @@ class CostModel:
             "activation_copies": activation_copies(s),
         }
 
-        shipped, cpu_share = _attention_shares(frame, p)  # off-GPU cache attended on the GPU, on the CPU
+        shipped = 0.0 * c_off if cpu_att else c_off  # off-GPU cache that travels to be attended on the GPU
         gpu_att = p.cg + shipped  # share of decode attention on the GPU
+        cpu_share = c_off if cpu_att else 0.0 * c_off
         # The host issues more per batch where the cache travels or attention reads a compressed
         # one, and per pass over compressed weights (as measured: rows off the GPU in proportion).
         decode_host = (host + nb * (shipped * hw.host_seconds_per_travelling_layer
                                     + (gpu_att * hw.host_seconds_per_compressed_cache_layer if cc else 0.0 * gpu_att))
                        + (dequantized * hw.host_seconds_per_compressed_weight_layer if cw else 0.0))
-        # The cache that travels, and the weights: the copies CPU attention competes with.
-        streamed = w_off * W + shipped * kv * s_avg * bls
         decode_io = {
-            # ... and with CPU attention its outputs come back.
-            "cpu_to_gpu": (streamed + h_off * act * bls + cpu_share * act * bls) / hw.cpu_to_gpu_bandwidth,
+            "cpu_to_gpu": (w_off * W + h_off * act * bls
+                           + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))
+            / hw.cpu_to_gpu_bandwidth,
             # New keys and values go to the cache's home; with CPU attention the query goes too.
             "gpu_to_cpu": c_off * kv * bls / hw.gtoc_cache_bandwidth
-            + (h_off * act * bls + cpu_share * act * bls) / hw.gpu_to_cpu_bandwidth,
+            + (h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
             "disk_to_cpu": (p.wd * W + p.hd * act * bls + p.cd * kv * s_avg * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
             "host": decode_host,
@@ -268,17 +334,13 @@ class CostModel:
             "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + decode_host),
             "activation_copies": activation_copies(1),
         }
-        if cpu_att and frame.overlap:
-            # While the weights and the travelling cache stream, CPU attention runs at a share f of
-            # its speed: it finishes (1 - f) x the copy time later than alone, unless the copy is
-            # the longer anyway (the phase's max over the I/O terms covers that case). That is the
-            # tangent of the true time, which is exact where CPU attention outlasts f x the copies
-            # (as where a split balances the two paths) and over-prices a short one by at most
-            # (1 - f) x the copies; the exact minimum of the two is not convex. Without overlap the
-            # two never run at once.
-            copy = streamed / hw.cpu_to_gpu_bandwidth
+        if cpu_att:
+            # While the weights stream, CPU attention runs at a share f of its speed: it finishes
+            # (1 - f) x the copy time later than alone, unless the copy is the longer anyway (the
+            # phase's max over the I/O terms covers that case).
+            weight_copy = w_off * W / hw.cpu_to_gpu_bandwidth
             decode_compute["cpu_attention"] = (decode_compute["cpu_attention"]
-                                               + (1 - hw.cpu_attention_share_under_copy) * copy)
+                                               + (1 - hw.cpu_attention_share_under_copy) * weight_copy)
         return {"prefill": (prefill_io, prefill_compute), "decode": (decode_io, decode_compute)}
 
     @staticmethod
@@ -306,8 +368,8 @@ class CostModel:
         s_max = s + n  # the cache is sized for the whole sequence (A.3)
         weights_total = W * layers
         kv_total = kv * s_max * bls * layers
-        shipped, cpu_share = _attention_shares(frame, p)
-        gpu_att = p.cg + shipped
+        c_off = p.cc + p.cd
+        gpu_att = p.cg + (0.0 if frame.cpu_attention else c_off)
         weight_buffers = self.weight_buffer_bytes(frame, p.wg)
 
         def intermediates(rows: int, keys: int) -> float:
@@ -330,7 +392,7 @@ class CostModel:
         gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
                       + weight_buffers
                       + 2 * (1 - p.hg) * act * gbs
-                      + 2 * shipped * kv * s_max * gbs  # the travelling cache's ring of two
+                      + (0.0 * c_off if frame.cpu_attention else 2 * c_off * kv * s_max * gbs)
                       + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att)
                       + intermediates(gbs, s_max))
         # The CPU stages what moves between disk and GPU.
@@ -338,8 +400,10 @@ class CostModel:
         cpu_home = p.wc * weights_total * weight_factor + p.cc * kv_total * cache_factor
         cpu_prefill = (cpu_home + p.hc * act * s * bls + 2 * p.wd * W
                        + 2 * p.hd * act * s * gbs + 2 * p.cd * kv * s * gbs)
-        # CPU attention's fp32 copy of one batch's keys and values, and its scores
-        cpu_workspace = cpu_share * gbs * s_max * (self.kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES)
+        cpu_workspace = 0.0 * c_off
+        if frame.cpu_attention:
+            # fp32 copy of one batch's keys and values, and its scores
+            cpu_workspace = c_off * gbs * s_max * (self.kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES)
         cpu_decode = (cpu_home + p.hc * act * bls + 2 * p.wd * W
                       + 2 * p.hd * act * gbs + 2 * p.cd * kv * s_max * gbs + cpu_workspace)
         disk = p.wd * weights_total + p.hd * act * s * bls + p.cd * kv_total
@@ -405,15 +469,6 @@ class CostModel:
         if hw.disk_to_cpu_cached_bandwidth is None or peak["disk"] <= 0:
             return False
         return peak["disk"] <= hw.cpu_memory - peak["cpu"]
-
-
-def _attention_shares(frame: PolicyFrame, p: Placement):
-    """Shares of the whole cache that are off the GPU and attended on the GPU (they travel), and on
-    the CPU."""
-    c_off = p.cc + p.cd
-    if not frame.cpu_attention:
-        return c_off, 0.0 * c_off
-    return p.cs + 0.0 * c_off, c_off - p.cs
 
 
 def _maximum(a, b):

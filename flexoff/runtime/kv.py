@@ -8,10 +8,8 @@ that move between tiers are the compressed ones.
 Rows on the GPU attend in place (a compressed cache is first decompressed into a GPU workspace).
 Rows elsewhere either travel to a GPU workspace each decode step, or, with CPU attention, stay
 put: only the queries and outputs cross PCIe, and attention runs on the CPU in the cache's dtype,
-a few sequences at a time, decompressing only those sequences. ``policy.cpu_attention_split``
-may keep part of the CPU rows on the first path (see layout.cache_rows): the host attends its rows
-while the travelling rows and the weights stream over PCIe, so both directions of host memory
-work at once. The prefill attends on the fresh keys and values; the cache only keeps them.
+a few sequences at a time, decompressing only those sequences. The prefill attends on the fresh
+keys and values; the cache only keeps them.
 
 New slots of a travelling CPU cache (slot-major, so a slot is one contiguous run) are stored by
 asynchronous copies on the store stream, enqueued by the main thread; the load of that layer's
@@ -32,7 +30,7 @@ from functools import partial
 
 import torch
 
-from ..layout import CPU_ATTENTION_ROWS, CacheRows, WorkspaceLayout, cache_rows, workspace_layout
+from ..layout import CPU_ATTENTION_ROWS, Piece, WorkspaceLayout, split_rows, workspace_layout
 from ..models import ModelConfig
 from ..models.common import attention
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
@@ -101,14 +99,12 @@ class KVWorkspace:
 class _Group:
     """Rows of the batch that share a tier, with their storage for every layer."""
 
-    def __init__(self, piece: CacheRows, cfg: ModelConfig, slots: int, fmt: PlainFormat | QuantizedFormat,
-                 device: torch.device, host: HostMemory, disk: DiskTier | None, name: str):
+    def __init__(self, piece: Piece, cfg: ModelConfig, slots: int, fmt: PlainFormat | QuantizedFormat,
+                 device: torch.device, host: HostMemory, disk: DiskTier | None, cpu_attention: bool, name: str):
         self.tier = piece.tier
-        self.on_host = piece.on_host  # decode attention runs on the host worker
-        self.travels = piece.travels
         self.rows = slice(piece.start, piece.stop)
         self.fmt = fmt
-        self.layout = ROW_MAJOR if self.tier == "cpu" and self.on_host else SLOT_MAJOR
+        self.layout = ROW_MAJOR if self.tier == "cpu" and cpu_attention else SLOT_MAJOR
         shape = self.layout.shape(slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
         layers = range(cfg.num_layers)
         if self.tier != "disk":
@@ -198,6 +194,7 @@ class BatchKV:
     def __init__(self, block: BlockKV, rows: int, slots: int, name: str):
         policy = block.policy
         self.cfg = block.cfg
+        self.cpu_attention = policy.cpu_attention
         self.streams = block.streams
         self.worker = block.worker
         self.host = block.host
@@ -206,9 +203,9 @@ class BatchKV:
         self.workspace = block.workspace
         self.stores = block.stores
         self.fmt = kv_format(policy.compress_cache, block.dtype)
-        # Only disk rows have files, so the two cpu groups of a split share a name harmlessly.
-        self.groups = [_Group(p, block.cfg, slots, self.fmt, block.device, block.host, block.disk, f"{name}.{p.tier}")
-                       for p in cache_rows(rows, policy)]
+        self.groups = [_Group(p, block.cfg, slots, self.fmt, block.device, block.host, block.disk,
+                              policy.cpu_attention, f"{name}.{p.tier}")
+                       for p in split_rows(rows, policy.cache)]
         self._loaded: dict[int, tuple] = {}  # layer -> (workspace set, event marking its load done)
         self._staging_copied = None  # the last copy out of disk rows' staging (CUDA only)
         self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
@@ -217,29 +214,24 @@ class BatchKV:
 
     @property
     def decodes_on_host(self) -> bool:
-        """Whether decode attention of some rows runs on the host worker (CPU attention)."""
-        return bool(self._on_host())
+        """Whether decode attention runs on the host worker (CPU attention, with rows off the GPU)."""
+        return self.cpu_attention and bool(self._offloaded())
 
     @property
     def travels(self) -> bool:
-        """Whether some off-GPU rows are loaded to the GPU workspace for each decode layer. A batch
-        whose CPU rows are split does both."""
-        return bool(self._travelling())
+        """Whether off-GPU rows are loaded to the GPU workspace for each decode layer."""
+        return not self.cpu_attention and bool(self._offloaded())
 
-    def _on_host(self) -> list[_Group]:
-        return [g for g in self.groups if g.on_host]
+    def _offloaded(self) -> list[_Group]:
+        return [g for g in self.groups if g.tier != "gpu"]
 
-    def _travelling(self) -> list[_Group]:
-        return [g for g in self.groups if g.travels]
-
-    @staticmethod
-    def _on_worker(group: _Group) -> bool:
+    def _on_worker(self, group: _Group) -> bool:
         # Disk rows that GPU attention loads are written in place instead: the main thread refills
         # their staging pair, shared by all layers, for each layer's load. Slot-major CPU rows are
         # written by copies on the store stream.
         if group.tier == "cpu":
             return group.layout is not SLOT_MAJOR
-        return group.tier == "disk" and group.on_host
+        return group.tier == "disk" and self.cpu_attention
 
     def _on_store_stream(self, group: _Group) -> bool:
         return group.tier == "cpu" and group.layout is SLOT_MAJOR and self.streams.store is not None
@@ -286,13 +278,13 @@ class BatchKV:
         return self.workspace.dequantized if self.workspace is not None else (None, None)
 
     def prefetch(self, layer: int, start: int) -> None:
-        """Before a decode step: bring travelling rows' first ``start`` slots to the GPU workspace.
+        """Before a decode step: bring off-GPU rows' first ``start`` slots to the GPU workspace.
 
         CPU attention reads disk rows in just before it runs instead: with one GPU batch, the
         schedule loads layer j + 1 before layer j computes, and both share the staging pair.
         """
-        groups = self._travelling()
-        if not groups or start == 0 or layer in self._loaded:
+        groups = self._offloaded()
+        if not groups or start == 0 or layer in self._loaded or self.cpu_attention:
             return
         written = self._written.pop(layer, None)
         if written is not None:
@@ -330,25 +322,26 @@ class BatchKV:
             return out
         if self.attends_on_cpu(start):
             return self.attend_later(layer, start, mask, q, k, v)()
-        out = torch.empty_like(q)
-        self._attend_on_gpu(layer, start, mask, q, k, v, out)
+        out = self._attend_on_gpu(layer, start, mask, q, k, v)
+        offloaded = self._offloaded()
+        if offloaded:
+            self.prefetch(layer, start)
+            self._attend_loaded(layer, start, start + k.shape[2], q, k, v, mask, out, offloaded)
+            self._loaded.pop(layer, None)
         return out
 
-    def _attend_on_gpu(self, layer, start, mask, q, k, v, out: torch.Tensor) -> None:
-        """Decode attention on the GPU: the GPU rows in place, then the travelling rows on the slots
-        ``prefetch`` loaded (loaded now if the schedule has not); fills those rows of ``out``."""
+    def _attend_on_gpu(self, layer, start, mask, q, k, v) -> torch.Tensor:
+        """Decode attention of the GPU rows, in place; returns the output (q's shape), whose other
+        rows the caller fills."""
         end = start + k.shape[2]
+        out = torch.empty_like(q)
         for group in self.groups:
             if group.tier == "gpu":
                 group.put(layer, start, k[group.rows], v[group.rows])
                 keys, values = (group.read(buffer, end, out=space)
                                 for buffer, space in zip(group.pair(layer), self._dequantized()))
                 out[group.rows] = attention(q[group.rows], keys, values, mask[group.rows])
-        travelling = self._travelling()
-        if travelling:
-            self.prefetch(layer, start)
-            self._attend_loaded(layer, start, end, q, k, v, mask, out, travelling)
-            self._loaded.pop(layer, None)
+        return out
 
     def attends_on_cpu(self, start: int) -> bool:
         """Whether a step from slot ``start`` runs attention on the CPU (decode, with rows off the GPU)."""
@@ -359,15 +352,15 @@ class BatchKV:
         """Start a decode step's attention with CPU attention; returns ``finish()``, which gives the
         output (q's shape) on the device.
 
-        The worker stores the host-attended rows' new slot and attends for them on the CPU while
-        the GPU rows and the travelling rows attend on the GPU, and while the main thread goes on
-        enqueuing other batches' GPU work; ``finish`` waits for it and enqueues the read of its
-        output. The output lands in one pinned buffer per batch: the batch's next job waits for an
-        event recorded after that read was enqueued, so it never overwrites an output still in flight.
+        GPU rows attend now. The worker stores the other rows' new slot and attends for them on the
+        CPU while the main thread goes on enqueuing other batches' GPU work; ``finish`` waits for it
+        and enqueues the read of its output. The output lands in one pinned buffer per batch: the
+        batch's next job waits for an event recorded after that read was enqueued, so it never
+        overwrites an output still in flight.
         """
         end = start + k.shape[2]
-        out = torch.empty_like(q)
-        offloaded = self._on_host()
+        out = self._attend_on_gpu(layer, start, mask, q, k, v)
+        offloaded = self._offloaded()
         rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
         shape = (rows.stop - rows.start, *q.shape[1:])
         if self._cpu_output is None or self._cpu_output.shape != shape:
@@ -385,9 +378,7 @@ class BatchKV:
                 cpu_attention(queries[local], partial(group.read, keys, end), partial(group.read, values, end),
                               allowed[local], out=landing[local])
 
-        # Submitted before the GPU's share is enqueued, so the worker's wait covers q, k and v only.
         job = self.worker.submit(attend, self.streams.record(self.streams.compute))
-        self._attend_on_gpu(layer, start, mask, q, k, v, out)
 
         def finish() -> torch.Tensor:
             job.result()
@@ -397,8 +388,7 @@ class BatchKV:
         return finish
 
     def _attend_loaded(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
-        """GPU attention for the travelling rows ``offloaded``, on the slots ``prefetch`` loaded into
-        the workspace; then their new slot is sent home."""
+        """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace."""
         index, ready = self._loaded[layer]
         self.streams.wait(self.streams.compute, ready)
         rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)

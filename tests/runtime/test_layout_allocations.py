@@ -27,9 +27,6 @@ POLICIES = {
                                  TierFractions(0.5, 0, 0.5), compress_weight=FOUR_BIT, compress_cache=FOUR_BIT),
     "cpu attention": Policy(4, 1, TierFractions(0.5, 0, 0.5), TierFractions(0, 0.5, 0.5), TierFractions(1, 0, 0),
                             cpu_attention=True, compress_weight=FOUR_BIT),
-    # two of the four cpu rows attend on the host, two travel to the GPU workspace
-    "split cpu attention": Policy(5, 2, TierFractions(0.5, 0.5, 0), TierFractions(0.2, 0.8, 0), TierFractions(1, 0, 0),
-                                  cpu_attention=True, cpu_attention_split=0.5, compress_cache=FOUR_BIT),
 }
 PROMPT, NEW = 5, 3
 

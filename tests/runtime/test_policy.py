@@ -32,22 +32,6 @@ def test_policy_json_round_trip_and_unknown_field(tmp_path):
         Policy.load(path)
 
 
-@pytest.mark.parametrize("split, disk", [(0.25, 0.0), (0.0, 0.5), (1.0, 0.5), (0.0, 0.0)])
-def test_cpu_attention_split_round_trips(tmp_path, split, disk):
-    policy = Policy(gpu_batch_size=8, cache=TierFractions(0.25, 0.75 - disk, disk), cpu_attention=True,
-                    cpu_attention_split=split)
-    path = tmp_path / "p.json"
-    policy.save(path)
-    assert json.loads(path.read_text())["cpu_attention_split"] == split
-    assert Policy.load(path) == policy
-
-
-def test_a_policy_file_without_the_split_attends_every_cpu_row_on_the_cpu(tmp_path):
-    path = tmp_path / "p.json"
-    path.write_text(json.dumps({"cpu_attention": True, "cache": {"gpu": 0, "cpu": 1, "disk": 0}}))
-    assert Policy.load(path).cpu_attention_split == 1.0
-
-
 def test_disk_without_offload_dir(monkeypatch):
     monkeypatch.delenv("FLEXOFF_OFFLOAD_DIR", raising=False)
     with pytest.raises(PolicyError, match="offload directory"):

@@ -28,10 +28,6 @@ KINDS = {  # how the caches and activations of the batches are placed
     "travelling-offloaded": {"travelling": True, "offloaded": True},
     "cpu-attention": {"cpu_attention": True},
     "cpu-attention-offloaded": {"cpu_attention": True, "offloaded": True},
-    # CPU rows split between CPU attention and the GPU: the batch's travelling rows load before its
-    # START_ATTENTION, whose GPU half attends them (simulate checks the LOAD_CACHE comes first).
-    "split": {"cpu_attention": True, "travelling": True},
-    "split-offloaded": {"cpu_attention": True, "travelling": True, "offloaded": True},
 }
 SHAPES = [shape(*size, **KINDS[kind]) for size in SIZES for kind in KINDS]
 
@@ -181,9 +177,6 @@ ENGINE_CASES = {
     "cpu-attention": (Policy(gpu_batch_size=2, num_gpu_batches=2, cpu_attention=True, cache=TierFractions(0, 1, 0),
                              activations=TierFractions(0, 1, 0), weights=TierFractions(0, 1, 0)),
                       {"cpu_attention": True, "offloaded": True}),
-    "cpu-attention-split": (Policy(gpu_batch_size=2, num_gpu_batches=2, cpu_attention=True, cpu_attention_split=0.5,
-                                   cache=TierFractions(0, 1, 0), weights=TierFractions(0, 1, 0)),
-                            {"cpu_attention": True, "travelling": True}),
 }
 
 
@@ -201,7 +194,7 @@ def test_the_engine_runs_the_schedules_steps(tiny_model_dir, tmp_path, case):
     assert ran == expected
 
 
-@pytest.mark.parametrize("case", ["gpu", "cpu-attention", "cpu-attention-split"])
+@pytest.mark.parametrize("case", ["gpu", "cpu-attention"])
 def test_the_engine_runs_the_schedules_steps_as_batches_finish(tiny_model_dir, tmp_path, case):
     """Batches that finish early leave the schedule at their HEAD; the engine's steps are those of
     the schedule told the same (the token at which each batch's HEAD was its last)."""
