@@ -43,6 +43,13 @@ H2D_BANDWIDTH = 55.3e9
 DISK_READ_BANDWIDTH = 1.9e9
 GiB = 2**30
 
+
+def _all_on_cpu_4bit(gbs: int, ngb: int) -> dict:
+    """4-bit weights and cache, all weights and the cache on the CPU, GPU attention."""
+    return dict(percent=(0, 100, 0, 100, 100, 0), gbs=gbs, ngb=ngb, cpu_attention=False, compress_weight=True,
+                compress_cache=True)
+
+
 # percent = weights gpu/cpu, cache gpu/cpu, activations gpu/cpu (the rest on disk), as FlexGen's flag.
 POLICIES = {
     "w50/50 cache-gpu 48x1": dict(percent=(50, 50, 100, 0, 100, 0), gbs=48, ngb=1, cpu_attention=False),
@@ -68,20 +75,8 @@ POLICIES = {
                                       gpu_mem="16GiB"),
     # FlexGen's policies under a 16 GiB cap (--gpu-mem 16GiB): 4-bit weights and cache, all weights and the
     # cache on the CPU, at the block sizes 125 GiB of host memory can hold for each model.
-    "4-bit w+c w 0/100 cache-cpu 64x4": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=4,
-                                             cpu_attention=False, compress_weight=True, compress_cache=True),
-    "4-bit w+c w 0/100 cache-cpu 64x8": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=8,
-                                             cpu_attention=False, compress_weight=True, compress_cache=True),
-    "4-bit w+c w 0/100 cache-cpu 32x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=32, ngb=2,
-                                             cpu_attention=False, compress_weight=True, compress_cache=True),
-    "4-bit w+c w 0/100 cache-cpu 64x3": dict(percent=(0, 100, 0, 100, 100, 0), gbs=64, ngb=3,
-                                             cpu_attention=False, compress_weight=True, compress_cache=True),
-    "4-bit w+c w 0/100 cache-cpu 8x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=8, ngb=2,
-                                            cpu_attention=False, compress_weight=True, compress_cache=True),
-    "4-bit w+c w 0/100 cache-cpu 16x2": dict(percent=(0, 100, 0, 100, 100, 0), gbs=16, ngb=2,
-                                             cpu_attention=False, compress_weight=True, compress_cache=True),
-    "4-bit w+c w 0/100 cache-cpu 12x3": dict(percent=(0, 100, 0, 100, 100, 0), gbs=12, ngb=3,
-                                             cpu_attention=False, compress_weight=True, compress_cache=True),
+    **{f"4-bit w+c w 0/100 cache-cpu {gbs}x{ngb}": _all_on_cpu_4bit(gbs, ngb)
+       for gbs, ngb in ((64, 4), (64, 8), (32, 2), (64, 3), (8, 2), (16, 2), (12, 3))},
 }
 
 

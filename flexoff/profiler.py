@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from .errors import ConfigError
+from .host_overhead import host_overhead
 from .planner.hardware import HardwareProfile, default_profile_path
 
 MiB = 1 << 20
@@ -332,59 +333,6 @@ def _kv_quant_rate(device, dtype, sizes: ProfileSizes, heads=32, prompt=512, hea
     return keys.numel() / seconds, {"shape": list(keys.shape), "group_size": 64, "seconds": seconds}
 
 
-def _host_overhead(compute: torch.device, dtype, repeats: int = 3):
-    """The runtime's host time per decoder layer and per decode step of one GPU batch, apart from
-    the work itself: decode of one sequence through models too narrow (hidden 128) to keep the
-    device busy, at two depths. The slope over depth is per layer, the rest per step (embedding,
-    head, sampling). All on the device first; then the extra per layer of a cache that travels, of
-    a travelling cache that is compressed, and of compressed weights (the differences of slopes)."""
-    from .models.config import ModelConfig
-    from .runtime.batch import Sequence
-    from .runtime.engine import Engine
-    from .policy import CompressionConfig, Policy, TierFractions
-    from .runtime.sampling import SamplingParams, SequenceSampler
-    from .weights.dummy import DummyWeights
-
-    steps, depths = 24, (2, 10)
-    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
-    gpu, cpu, four_bit = TierFractions(1, 0, 0), TierFractions(0, 1, 0), CompressionConfig(4, 64)
-    variants = {
-        "on the device": Policy(1, 1, gpu, gpu, gpu),
-        "cache travels": Policy(1, 1, gpu, cpu, gpu),
-        "compressed cache travels": Policy(1, 1, gpu, cpu, gpu, compress_cache=four_bit),
-        "compressed weights": Policy(1, 1, gpu, gpu, gpu, compress_weight=four_bit),
-    }
-
-    def per_step(policy: Policy, layers: int) -> float:
-        # head_dim 64: compression's groups of 64 take the same kernels as in real models.
-        config = ModelConfig(name=f"host-overhead-{layers}", family="opt", vocab_size=512, hidden_size=128,
-                             num_layers=layers, num_heads=2, intermediate_size=512, max_positions=64)
-        engine = Engine(config, DummyWeights(0), policy, compute, dtype)
-        try:
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                seq = Sequence(0, [5] * 8, params, SequenceSampler(params, 0))
-                times.append(engine.generate_block([seq]).decode_time / steps)
-            return min(times[1:])
-        finally:
-            engine.close()
-
-    low, high = depths
-    seconds = {name: {layers: per_step(policy, layers) for layers in depths} for name, policy in variants.items()}
-    # A profile holds positive figures: noise that hides one leaves it a nanosecond.
-    slope = {name: (t[high] - t[low]) / (high - low) for name, t in seconds.items()}
-    per_layer = max(1e-9, slope["on the device"])
-    step = max(1e-9, seconds["on the device"][low] - low * per_layer)
-    extras = {
-        "host_seconds_per_travelling_layer": slope["cache travels"] - slope["on the device"],
-        "host_seconds_per_compressed_cache_layer": slope["compressed cache travels"] - slope["cache travels"],
-        "host_seconds_per_compressed_weight_layer": slope["compressed weights"] - slope["on the device"],
-    }
-    measured = {"decode_seconds_per_step": {name: {str(k): v for k, v in t.items()} for name, t in seconds.items()},
-                "hidden": 128, "sequences": 1, "steps": steps}
-    return per_layer, step, {key: max(1e-9, value) for key, value in extras.items()}, measured
-
-
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
                     log=lambda message: None) -> HardwareProfile:
     """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice."""
@@ -446,7 +394,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
     log("the runtime's host time per layer")
-    host_layer, host_step, host_extras, measurements["host_overhead"] = _host_overhead(compute, dtype)
+    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(compute, dtype)
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
