@@ -8,8 +8,8 @@ others down; its peak resident memory comes from the kernel's accounting of that
   alone (--flexgen-policies); the best FlexGen policy is marked, one that fails is "cannot run: <why>";
 - HF transformers + Accelerate with CPU offload at the largest batch that fits (--systems ...,hf).
 --gpu-mem caps every system's GPU memory; --cpu-mem caps flexoff's host memory. The decode roofline is the
-token/s a policy would reach if decode were bound only by streaming its off-GPU weights over PCIe (and disk)
-at the measured bandwidths. The output ends with a markdown table for bench/RESULTS.md.
+token/s a policy would reach if decode were bound only by moving its bytes (off-GPU weights, a travelling
+cache) over the busiest link, PCIe or disk, at the packaged H200 profile's measured bandwidths. The output ends with a markdown table for bench/RESULTS.md.
 
     python bench/throughput.py --model opt-30b --gpu-mem 16GiB --policy auto --systems flexoff,flexgen,hf \\
         --flexgen-policies "4-bit w+c w 0/100 cache-cpu 64x2,4-bit w+c w 0/100 cache-cpu 64x4" --offload-dir /tmp/o
@@ -32,15 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from flexoff.models import REGISTRY, stage_specs, stages  # noqa: E402
-from flexoff.layout import place_stage  # noqa: E402
+from flexoff.models import REGISTRY  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, placement_from_percent  # noqa: E402
 from throughput_runs import run_flexgen, run_flexoff, run_flexoff_auto, run_hf  # noqa: E402
 
-# Measured on the lent H100 machine (shared/reference/anchors.md): pinned host->GPU copy and
-# O_DIRECT disk reads.
-H2D_BANDWIDTH = 55.3e9
-DISK_READ_BANDWIDTH = 1.9e9
 GiB = 2**30
 
 
@@ -99,33 +94,32 @@ def spec_of(policy: Policy) -> dict:
                 compress_cache=policy.compress_cache is not None)
 
 
-def roofline(model: str, policy: Policy, itemsize: int = 2) -> float:
-    """Decode token/s if each step only had to stream the off-GPU weights once (at stored size: 4.5 bits a
-    value for 4-bit groups of 64, whose minimum and scale are fp16)."""
-    cfg = REGISTRY[model]
-    on = {"cpu": 0, "disk": 0}
-    for stage in stages(cfg):
-        for placement in place_stage(stage_specs(cfg, stage), policy.weights):
-            for tier in on:
-                on[tier] += placement.numel_on(tier) * itemsize
-    packed = policy.compress_weight
-    shrink = (packed.bits + 32 / packed.group_size) / 16 if packed else 1.0
-    seconds = shrink * (on["cpu"] / H2D_BANDWIDTH + on["disk"] / DISK_READ_BANDWIDTH)
-    return policy.block_size / seconds if seconds else float("inf")
-
-
-def moved_bytes_per_token(model: str, policy: Policy, prompt_len: int, gen_len: int) -> float:
-    """Bytes that cross PCIe or come from disk per generated token in decode, at stored size (compressed
-    where the policy compresses): the cost model's byte counts, which follow the runtime's placement."""
+def _decode_io(model: str, policy: Policy, prompt_len: int, gen_len: int):
+    """Seconds per layer each link needs in a decode step (the cost model's byte counts, which follow the
+    runtime's placement, at stored size, over the packaged H200 profile's measured bandwidths)."""
     from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
     from flexoff.planner.hardware import packaged_profile
 
     hw = packaged_profile("h200")
     cost = CostModel(REGISTRY[model], Workload(prompt_len, gen_len), hw)
     io, _ = cost.phase_terms(PolicyFrame.of(policy), Placement.of(policy))["decode"]
+    return hw, cost.num_layers, io
+
+
+def roofline(model: str, policy: Policy, prompt_len: int, gen_len: int) -> float:
+    """Decode token/s if each step only had to move its bytes over the busiest link (weights and a
+    travelling cache over PCIe, disk pieces from disk), the links working side by side."""
+    _, layers, io = _decode_io(model, policy, prompt_len, gen_len)
+    seconds = layers * max(io["cpu_to_gpu"], io["disk_to_cpu"])
+    return policy.block_size / seconds if seconds else float("inf")
+
+
+def moved_bytes_per_token(model: str, policy: Policy, prompt_len: int, gen_len: int) -> float:
+    """Bytes that cross PCIe or come from disk per generated token in decode, at stored size."""
+    hw, layers, io = _decode_io(model, policy, prompt_len, gen_len)
     per_layer = (io["cpu_to_gpu"] * hw.cpu_to_gpu_bandwidth + io["gpu_to_cpu"] * hw.gpu_to_cpu_bandwidth
                  + io["disk_to_cpu"] * hw.disk_to_cpu_bandwidth)
-    return per_layer * cost.num_layers / policy.block_size
+    return per_layer * layers / policy.block_size
 
 
 def hardware(args):
@@ -159,7 +153,7 @@ def searched_policy(args) -> Policy:
 def row(system: str, label: str, result: dict, args, policy: Policy | None = None, num_prompts: int = 0) -> dict:
     entry = {"system": system, "policy": label, "result": result}
     if policy is not None:
-        entry.update(roofline_decode=roofline(args.model, policy),
+        entry.update(roofline_decode=roofline(args.model, policy, args.prompt_len, args.gen_len),
                      moved_bytes_per_token=moved_bytes_per_token(args.model, policy, args.prompt_len, args.gen_len))
         if system == "flexoff":
             entry["predicted"] = predict(args, policy, num_prompts or policy.block_size)
