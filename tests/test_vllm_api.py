@@ -20,7 +20,7 @@ def model(request, tiny_model_dir):
     from transformers import AutoTokenizer
 
     path, hf = tiny_model_dir(request.param)
-    llm = LLM(model=str(path))  # vLLM's keyword
+    llm = LLM(model=str(path), dtype="float32")  # vLLM's keyword; float32 on any device, as transformers here
     yield llm, hf, AutoTokenizer.from_pretrained(path)
     llm.close()
 
