@@ -16,6 +16,7 @@ from .checks import check_bool, check_device_name, check_optional_path, check_se
 from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
 from .models import ModelConfig, resolve_model, stage_specs, stages
+from .outputs import RequestOutput
 from .prompts import check_room, prompt_ids
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
@@ -37,19 +38,6 @@ _DTYPES = {
 
 # Everything on the compute device, in batches large enough to keep it busy.
 DEFAULT_POLICY = Policy(gpu_batch_size=32)
-
-
-@dataclass
-class RequestOutput:
-    index: int  # position in the list given to generate()
-    prompt: str | None
-    prompt_token_ids: list[int]
-    text: str | None
-    token_ids: list[int]
-    logprobs: list[float]  # log-probability of each generated token under the model
-    finish_reason: str  # "stop" (EOS or a stop string), "length", or "error"
-    # Why the sequence produced no tokens (e.g. its logits turned non-finite); None when it ran.
-    error: str | None = None
 
 
 @dataclass
@@ -213,6 +201,16 @@ class LLM:
         return [prompt_ids(prompt, f"{what} {i}", self.config, self.tokenizer, type_error=ArgumentTypeError)
                 for i, prompt in enumerate(prompts)]
 
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """generate()'s prompts as a list of text or token-id lists: one prompt (text, or vLLM's
+        {"prompt": text} or {"prompt_token_ids": ids}) or a list of them."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            return prompts  # refused, with the type named, by _encode
+        return [_unwrap_prompt(p, i) if isinstance(p, dict) else p for i, p in enumerate(prompts)]
+
     def _params(self, params, count: int) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams()] * count
@@ -238,24 +236,31 @@ class LLM:
                                  token_ids=[], logprobs=[], finish_reason="error", error=seq.error)
         text = None
         if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.token_ids)
-            cuts = [text.find(stop) for stop in seq.params.stop if stop in text]
-            if cuts:
-                text = text[:min(cuts)]
+            text = _output_text(self.tokenizer.decode, seq)
         return RequestOutput(
             index=seq.index, prompt=prompt_text,
             prompt_token_ids=seq.prompt_ids, text=text, token_ids=list(seq.token_ids),
-            logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "length",
+            logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "length", stop_reason=seq.stop_reason,
         )
 
-    def generate(self, prompts: SequenceOf, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 *, progress: bool = False,
-                 on_block: Callable[[list[RequestOutput], Metrics], None] | None = None) -> GenerationResult:
-        """Generate a continuation of every prompt. Outputs come back in input order."""
+    def generate(self, prompts, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                 *, progress: bool | None = None,
+                 on_block: Callable[[list[RequestOutput], Metrics], None] | None = None,
+                 sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> GenerationResult:
+        """Generate a continuation of every prompt. Outputs come back in input order.
+
+        ``prompts``: one prompt or a list; each is text, a list of token ids, or vLLM's
+        ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``. ``sampling_params`` and ``use_tqdm``
+        are vLLM's names for ``params`` and ``progress`` (the progress bar, off by default)."""
         self._check_open()
-        check_bool(progress, "progress")
+        params = _one_of(params, sampling_params, "params", "sampling_params")
+        progress = _one_of(progress, use_tqdm, "progress", "use_tqdm")
+        progress = False if progress is None else progress
+        check_bool(progress, "progress" if use_tqdm is None else "use_tqdm")
         if on_block is not None and not callable(on_block):
             raise ArgumentTypeError(f"on_block must be callable or None, got {type(on_block).__name__}")
+        prompts = self._prompt_list(prompts)
         ids = self._encode(prompts)
         params = self._params(params, len(ids))
         self._check_lengths(ids, params)
@@ -327,3 +332,38 @@ class LLM:
                 results[i] = ScoreOutput(cont_ids[i], values)
         self._check_finite([all(math.isfinite(v) for v in r.logprobs) for r in results], "log-probabilities")
         return results
+
+
+def _unwrap_prompt(prompt: dict, index: int):
+    """vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}, nothing else."""
+    keys = sorted(prompt)
+    if keys not in (["prompt"], ["prompt_token_ids"]):
+        extra = [k for k in keys if k not in ("prompt", "prompt_token_ids")]
+        why = f"field {extra[0]!r} is not supported" if extra else "it needs exactly one of them"
+        raise PromptError(f"prompt {index} must be {{\"prompt\": text}} or {{\"prompt_token_ids\": [ids]}}; {why}")
+    if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+        raise ArgumentTypeError(f"prompt {index}: field 'prompt' must be text, got {type(prompt['prompt']).__name__}")
+    if "prompt_token_ids" in prompt and not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        raise ArgumentTypeError(f"prompt {index}: field 'prompt_token_ids' must be a list of token ids, "
+                                f"got {type(prompt['prompt_token_ids']).__name__}")
+    return prompt[keys[0]]
+
+
+def _one_of(value, alias, name: str, alias_name: str):
+    """An argument that has two names: either may be given, or both if they agree."""
+    if value is not None and alias is not None and value is not alias and value != alias:
+        raise ArgumentTypeError(f"{name} and {alias_name} are the same argument; give one of them")
+    return alias if value is None else value
+
+
+def _output_text(decode, seq: Sequence) -> str:
+    """The generated text as vLLM gives it: a stop token (EOS or a stop token id) and a stop string
+    left out, unless include_stop_str_in_output."""
+    include = seq.params.include_stop_str_in_output
+    ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+    text = decode(seq.token_ids[:-1] if ended_by_token and not include else seq.token_ids)
+    found = [(text.find(stop), i) for i, stop in enumerate(seq.params.stop) if stop in text]
+    if found:
+        at, i = min(found)
+        text = text[:at + len(seq.params.stop[i]) if include else at]
+    return text

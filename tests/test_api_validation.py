@@ -96,7 +96,7 @@ def llm(tiny_model_dir):
 
 @pytest.mark.parametrize("call, kind, message", [
     (lambda m: m.generate(["the cat", 5]), TypeError, "prompt 1 must be text or a list of token ids"),
-    (lambda m: m.generate("the cat"), TypeError, "prompts must be a list"),
+    (lambda m: m.generate(5), TypeError, "prompts must be a list"),
     (lambda m: m.generate(None), TypeError, "prompts must be a list"),
     (lambda m: m.generate([[5, "6"]]), TypeError, "prompt 0 .*holds '6'"),
     (lambda m: m.generate([[5, True]]), TypeError, "prompt 0"),

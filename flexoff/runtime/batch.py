@@ -25,6 +25,7 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why it failed (finish_reason "error"); its tokens are then dropped
 
     @property

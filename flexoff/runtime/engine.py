@@ -145,6 +145,7 @@ class Engine:
                 seq.logprobs.append(logprob)
                 produced += 1
                 seq.finish_reason = stops[id(seq)].add(token)
+                seq.stop_reason = stops[id(seq)].reason
             metrics.padded_generated_tokens += len(batch.seqs)
             batch.active = not all(s.finished for s in batch.seqs)
             clock["heads"] += 1

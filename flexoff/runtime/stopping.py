@@ -64,33 +64,42 @@ class StopStrings:
         self.keep = max(len(s) for s in self.stops) - 1
         self.tail = ""  # the last ``keep`` characters of the committed text
 
-    def add(self, token: int) -> bool:
-        """Append ``token``; True once a stop string appears in the text."""
+    def add(self, token: int) -> str | None:
+        """Append ``token``; the stop string that appears first in the text once one does, else None."""
         text, follows = self.decoder.add(token)
         # A stop string not found before ends in the new text: it starts at most ``keep`` characters back.
         window = self.tail + text if follows else text
-        found = any(stop in window for stop in self.stops)
+        found = min(((window.find(stop), i) for i, stop in enumerate(self.stops) if stop in window), default=None)
         if self.decoder.complete:
             self.tail = window[max(0, len(window) - self.keep):]
-        return found
+        return None if found is None else self.stops[found[1]]
 
 
 class StopCondition:
     """Why a sequence stops after each token it produces, if it does: "stop" (an end-of-sequence id,
-    unless ignored, or a stop string) or "length" (its budget spent)."""
+    unless ignored, a stop token id or a stop string) or "length" (its budget spent). ``reason`` then
+    holds the stop token id or stop string that ended it (None for end-of-sequence and "length"), as
+    vLLM's ``stop_reason``."""
 
     def __init__(self, params: SamplingParams, eos_ids: Sequence[int], decode: Decode | None):
         self.params = params
         self.eos = frozenset(() if params.ignore_eos else eos_ids)
+        self.stop_ids = frozenset(params.stop_token_ids)
         self.strings = StopStrings(params.stop, decode) if params.stop and decode is not None else None
         self.count = 0
+        self.reason: int | str | None = None
 
     def add(self, token: int) -> str | None:
         self.count += 1
         if token in self.eos:
             return "stop"
-        if self.strings is not None and self.strings.add(token):
+        if token in self.stop_ids:
+            self.reason = token
             return "stop"
+        if self.strings is not None:
+            self.reason = self.strings.add(token)
+            if self.reason is not None:
+                return "stop"
         if self.count >= self.params.max_new_tokens:
             return "length"
         return None
