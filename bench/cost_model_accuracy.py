@@ -160,7 +160,8 @@ def run_grid(args, profile: HardwareProfile, output: Output, workdir: Path) -> i
     print(f"{len(fitting)} neighbours fit; not fitting: "
           + ("; ".join(f"{n.label} ({policy_summary(n.policy)})" for n in rejected) or "none"))
     k, n = args.grid_part
-    runs = [("searched", case.policy)] + [(nb.label, nb.policy) for nb in fitting][k - 1::n]
+    chosen = [nb for nb in fitting if not args.grid_step or any(text in nb.label for text in args.grid_step)]
+    runs = [("searched", case.policy)] + [(nb.label, nb.policy) for nb in chosen][k - 1::n]
     part = f"{k}/{n} {output.head['date']}"
     header = report.GRID_HEADER
     if not args.predict_only:
@@ -232,6 +233,9 @@ def main() -> int:
     parser.add_argument("--grid-skip", action="append", metavar="TEXT",
                         help="leave out the steps whose label contains TEXT, before the grid is filled to "
                              "six neighbours (repeatable)")
+    parser.add_argument("--grid-step", action="append", metavar="TEXT",
+                        help="measure only the neighbours whose label contains TEXT, after the grid is built "
+                             "(repeatable; completes a grid cut short, beside the searched policy)")
     parser.add_argument("--offload-dir", default=os.environ.get("FLEXOFF_OFFLOAD_DIR", tempfile.gettempdir()),
                         help="disk tier directory (default $FLEXOFF_OFFLOAD_DIR or the temp dir)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every prediction and measurement")

@@ -1,8 +1,9 @@
 """The policies one step away from a searched one, kept where the planner predicts they fit.
 
 One step: the GPU batch size or the number of GPU batches to the next value of the search's lists,
-the weights' GPU share by WEIGHT_STEP (taken from or given to the CPU), one more or one fewer
-cache row of a GPU batch on the GPU, CPU attention flipped. Cache and activations stay in whole
+the weights' GPU or disk share by WEIGHT_STEP (taken from or given to the CPU), one row of a GPU
+batch's cache moved between the CPU and the GPU or the disk, one row of its activations between the
+GPU and the CPU, CPU attention flipped. Cache and activations stay in whole
 rows of a GPU batch, as the search returns them and the runtime splits them. The searched policy
 fills a tier, so most steps up overflow it: those keep the least share of the weights moved off
 the full tier that makes them fit.
@@ -56,13 +57,13 @@ def _with_batch_size(policy: Policy, gbs: int) -> Policy:
                    activations=in_rows(policy.activations, gbs))
 
 
-def _shift_weights(policy: Policy, delta: float) -> Policy | None:
-    """``delta`` of the weights moved from the CPU to the GPU (or back, when negative)."""
-    w = policy.weights
-    gpu, cpu = round(w.gpu + delta, 6), round(w.cpu - delta, 6)
-    if gpu < 0 or cpu < 0:
+def _shift_weights(policy: Policy, tier: str, delta: float) -> Policy | None:
+    """``delta`` of the weights moved from the CPU to ``tier`` (or back, when negative)."""
+    w = dict(zip(("gpu", "cpu", "disk"), policy.weights.as_tuple()))
+    w[tier], w["cpu"] = round(w[tier] + delta, 6), round(w["cpu"] - delta, 6)
+    if w[tier] < 0 or w["cpu"] < 0:
         return None
-    return replace(policy, weights=_fractions(gpu, cpu, w.disk))
+    return replace(policy, weights=_fractions(w["gpu"], w["cpu"], w["disk"]))
 
 
 def _fractions(gpu: float, cpu: float, disk: float) -> TierFractions:
@@ -71,14 +72,15 @@ def _fractions(gpu: float, cpu: float, disk: float) -> TierFractions:
     return TierFractions(gpu, round(1.0 - gpu - disk, 6) + 0.0, disk)
 
 
-def _shift_cache_row(policy: Policy, delta: int) -> Policy | None:
-    """One cache row of each GPU batch moved from the CPU to the GPU (or back)."""
+def _shift_row(policy: Policy, part: str, tier: str, delta: int) -> Policy | None:
+    """One row of each GPU batch's ``part`` (cache or activations) moved from the CPU to ``tier``
+    (or back)."""
     rows = policy.gpu_batch_size
-    gpu, cpu, disk = _rows(policy.cache, rows)
-    if not (0 <= gpu + delta <= rows and 0 <= cpu - delta <= rows):
+    counts = dict(zip(("gpu", "cpu", "disk"), _rows(getattr(policy, part), rows)))
+    counts[tier], counts["cpu"] = counts[tier] + delta, counts["cpu"] - delta
+    if not all(0 <= n <= rows for n in counts.values()):
         return None
-    gpu, cpu = gpu + delta, cpu - delta
-    return replace(policy, cache=TierFractions(gpu / rows, cpu / rows, disk / rows))
+    return replace(policy, **{part: TierFractions(*(counts[t] / rows for t in ("gpu", "cpu", "disk")))})
 
 
 def _batch_size_step(direction: int):
@@ -95,18 +97,21 @@ def _batches_step(direction: int):
     return step
 
 
-def _weights_step(direction: int):
+def _weights_step(tier: str, direction: int):
     def step(policy: Policy):
-        moved = _shift_weights(policy, direction * WEIGHT_STEP)
-        return None if moved is None else (f"weights gpu {100 * moved.weights.gpu:.3g}%", moved)
+        moved = _shift_weights(policy, tier, direction * WEIGHT_STEP)
+        share = None if moved is None else getattr(moved.weights, tier)
+        return None if moved is None else (f"weights {tier} {100 * share:.3g}%", moved)
     return step
 
 
-def _cache_step(direction: int):
+def _row_step(part: str, tier: str, direction: int):
     def step(policy: Policy):
-        moved = _shift_cache_row(policy, direction)
-        rows = None if moved is None else round(moved.cache.gpu * moved.gpu_batch_size)
-        return None if moved is None else (f"cache gpu {rows} of {moved.gpu_batch_size} rows", moved)
+        moved = _shift_row(policy, part, tier, direction)
+        if moved is None:
+            return None
+        rows = round(getattr(getattr(moved, part), tier) * moved.gpu_batch_size)
+        return f"{part} {tier} {rows} of {moved.gpu_batch_size} rows", moved
     return step
 
 
@@ -119,8 +124,10 @@ def _cpu_attention_step(policy: Policy):
 
 # (step, whether moving weights may make room for it: not for a step of the weights, which it would undo)
 STEPS = [(make(direction), True) for direction in (1, -1) for make in (_batch_size_step, _batches_step)] + \
-    [(_weights_step(1), False), (_weights_step(-1), False), (_cache_step(1), True), (_cache_step(-1), True),
-     (_cpu_attention_step, True)]
+    [(_weights_step(tier, direction), False) for tier in ("gpu", "disk") for direction in (1, -1)] + \
+    [(_row_step(part, tier, direction), True)
+     for part, tier in (("cache", "gpu"), ("cache", "disk"), ("activations", "gpu")) for direction in (1, -1)] + \
+    [(_cpu_attention_step, True)]
 
 
 def one_step(policy: Policy) -> list[tuple[Neighbour, object, bool]]:
