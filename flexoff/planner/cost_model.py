@@ -373,9 +373,11 @@ class CostModel:
         weight_buffers = self.weight_buffer_bytes(frame, p.wg)
 
         def intermediates(rows: int, keys: int) -> float:
-            """Largest transient of one GPU batch: attention scores, MLP activations or logits."""
-            attention = rows * (self.query_width + 2 * self.kv_width) * FP16_BYTES \
-                + 2 * rows * c.num_heads * keys * FP16_BYTES  # scores and probabilities
+            """Largest transient of one GPU batch: attention, MLP activations or logits."""
+            # The memory-efficient kernel keeps no scores: q, k, v and the output, the boolean mask
+            # and its fp16 bias over the keys, and a float32 log-sum-exp per query and head.
+            attention = rows * ((2 * self.query_width + 2 * self.kv_width) * FP16_BYTES
+                                + keys * (1 + FP16_BYTES) + c.num_heads * FP32_BYTES)
             mlp = self.mlp_buffers * rows * c.intermediate_size * FP16_BYTES
             logits = gbs * c.vocab_size * FP32_BYTES
             hidden_copies = 2 * rows * act  # normalized input and residual
