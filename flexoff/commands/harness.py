@@ -34,6 +34,7 @@ data (--data): one JSON object per line
   {"id": "q1", "input": "text", "references": ["answer", ...], "split": "test"}
   mmlu: {"input": "question", "choices": ["a", "b", "c", "d"], "answer": "B"}
   split "train" marks in-context examples; synthetic_reasoning needs no file.
+  Or a HELM run's scenario_state.json: its prompts and generation settings run as they are.
 output (--output-dir): results.jsonl (resumable raw generations and reference scores, one
   record a line as `flexoff batch` writes them), instances.jsonl (per-instance metrics) and
   summary.json."""
@@ -165,10 +166,12 @@ def register(subparsers) -> None:
     )
     bench.add_argument("--scenario", required=True, metavar="NAME",
                        help="one of: " + ", ".join(SCENARIOS))
-    bench.add_argument("--data", metavar="FILE.jsonl",
-                       help="the scenario's instances (required except for synthetic_reasoning, which generates them)")
+    bench.add_argument("--data", metavar="FILE",
+                       help="the scenario's instances, JSONL or a HELM run's scenario_state.json (required except "
+                            "for synthetic_reasoning, which generates them)")
     bench.add_argument("--max-instances", type=COUNT, metavar="N",
-                       help="evaluate the first N instances (default: all; synthetic_reasoning generates 1000)")
+                       help="evaluate N instances, sampled as HELM samples them (seed 0), so that small runs compare "
+                            "(default: all; synthetic_reasoning generates 1000)")
     bench.add_argument("--num-in-context", type=integer(0), metavar="K",
                        help="in-context examples per prompt (default: the scenario's, 3 or 5)")
     bench.add_argument("--subject", help="mmlu: the subject named in the instructions (default: from the data file name)")

@@ -78,6 +78,8 @@ class Instance:
     references: tuple[str, ...]
     split: str = "test"
     choices: tuple[str, ...] = ()
+    prompt: str | None = None  # a prompt built elsewhere (HELM's), run as it is
+    num_in_context: int | None = None  # the examples in that prompt
 
 
 def _generation(input_noun=None, output_noun=None, newline_after_input_noun=False, **kwargs) -> Template:
@@ -193,7 +195,8 @@ def load_instances(scenario: Scenario, path: str | Path | None, *, seed: int = 0
         if not scenario.generated:
             raise ScenarioError(f"scenario {scenario.name} reads its data from a local JSONL file: pass --data FILE "
                                 "(format: `python -m pydoc flexoff.harness.scenarios`)")
-        count = SYNTHETIC_EVAL_DEFAULT if max_instances is None else max_instances
+        # All of them, then subsampled as HELM does, so that --max-instances picks HELM's instances.
+        count = max(SYNTHETIC_EVAL_DEFAULT, max_instances or 0)
         problems = pattern_match_problems(seed, SYNTHETIC_TRAIN + count)
         return [Instance(f"{'train' if i < SYNTHETIC_TRAIN else 'test'}-{i}", text, (target,),
                          "train" if i < SYNTHETIC_TRAIN else "test")
@@ -277,9 +280,14 @@ class PreparedInstance:
 
 def fit_prompt(scenario: Scenario, examples: list[Instance], instance: Instance, tokenizer, max_positions: int,
                subject: str = "", bos_token_id: int | None = None) -> PreparedInstance:
-    """Drop in-context examples from the end until prompt plus generation fit the context."""
+    """Drop in-context examples from the end until prompt plus generation fit the context. An
+    instance with its own prompt keeps it whole if it fits."""
     limit = max_positions - scenario.max_new_tokens
-    for k in range(len(examples), -1, -1):
+    if instance.prompt is not None:
+        ids = tokenizer.encode(instance.prompt)
+        if len(ids) <= limit:
+            return PreparedInstance(instance, instance.prompt, len(ids), instance.num_in_context or 0)
+    for k in range(len(examples), -1, -1) if instance.prompt is None else ():
         text = build_prompt(scenario, examples[:k], instance, subject)
         ids = tokenizer.encode(text)
         if len(ids) <= limit:
