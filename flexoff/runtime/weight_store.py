@@ -243,8 +243,8 @@ class TieredWeights:
     def prefetch(self, stage: Stage) -> None:
         """Start assembling ``stage``'s weights on the GPU (a no-op if they are resident).
 
-        Host pieces are copied now; disk pieces are read, then copied, on the disk tier's threads, so
-        a slow read holds up neither the compute being enqueued meanwhile nor the host pieces' copies.
+        Stages with disk pieces load on the disk tier's threads, so a slow read never holds up
+        the compute being enqueued meanwhile.
         """
         buffer = self._set_for(stage)
         if buffer is None or buffer.holder == stage:
@@ -252,31 +252,29 @@ class TieredWeights:
         if buffer.pending is not None:
             buffer.pending.result()
         buffer.holder = stage
+        if self._stages[stage].disk_bytes:
+            buffer.pending = self._disk.submit(self._load, stage, buffer)
+        else:
+            buffer.pending = None
+            self._load(stage, buffer)
+
+    def _load(self, stage: Stage, buffer: _BufferSet) -> None:
         pieces = self._stages[stage]
-        previous = buffer.ready  # the last copies out of this set's staging
-        self.streams.wait(self.streams.load, buffer.free)
-        self._copy(pieces, buffer, from_disk=False)
-        buffer.ready = self.streams.record(self.streams.load)
-        buffer.pending = self._disk.submit(self._load_disk, pieces, buffer, previous) if pieces.disk_bytes else None
-
-    def _load_disk(self, pieces: _StagePieces, buffer: _BufferSet, previous) -> None:
-        if previous is not None:
-            previous.synchronize()  # staging is refilled only once the copies out of it are done
-        pieces.region.read_into(buffer.staging[:pieces.disk_bytes])
-        self._copy(pieces, buffer, from_disk=True)
-        buffer.ready = self.streams.record(self.streams.load)  # after the host pieces' copies too
-
-    def _copy(self, pieces: _StagePieces, buffer: _BufferSet, from_disk: bool) -> None:
-        """Enqueue the copies of the stage's disk pieces (out of staging) or of its other pieces."""
-        with self.streams.on(self.streams.load):
+        streams = self.streams
+        if pieces.disk_bytes:
+            # Copies out of staging for the previous stage must finish before it is refilled.
+            if buffer.ready is not None:
+                buffer.ready.synchronize()
+            pieces.region.read_into(buffer.staging[:pieces.disk_bytes])
+        streams.wait(streams.load, buffer.free)
+        with streams.on(streams.load):
             for name, parts in pieces.parts.items():
                 landing = buffer.tensors[name]
                 for start, stop, storage in parts:
-                    if isinstance(storage, _OnDisk) != from_disk:
-                        continue
-                    if from_disk:
+                    if isinstance(storage, _OnDisk):
                         storage = storage.view(buffer.staging)
                     landing.narrow(0, start, stop - start).copy_(storage, non_blocking=True)
+        buffer.ready = streams.record(streams.load)
 
     def get(self, stage: Stage) -> StageWeights:
         """The stage's weights on the GPU, ready for compute enqueued after this call."""
