@@ -225,3 +225,25 @@ def test_a_stop_string_before_min_tokens_does_not_stop(model):
         assert (out.token_ids, out.finish_reason, out.text) == (free.token_ids, "length", free.text)
     else:
         assert out.finish_reason == "stop" and out.text == free.text[:cut] and len(out.token_ids) >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_on_cuda_penalties_match_the_cpu_and_seeded_samples_ignore_their_batch(tiny_model_dir, kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    path, _ = tiny_model_dir(kind)
+    greedy = SamplingParams(max_tokens=12, repetition_penalty=1.3, presence_penalty=0.7, frequency_penalty=0.4,
+                            min_tokens=3, logprobs=2)
+    sampled = SamplingParams(n=3, max_tokens=12, temperature=0.9, top_p=0.9, min_p=0.05, seed=5,
+                             repetition_penalty=1.2, ignore_eos=True)
+    with LLM(str(path), dtype="float32", device="cpu") as cpu:
+        expected = [o.token_ids for o in cpu.generate(PROMPTS, greedy)]
+    with LLM(str(path), dtype="float32", device="cuda") as gpu:
+        outs = gpu.generate(PROMPTS, greedy)
+        together = gpu.generate(PROMPTS, sampled)
+        alone = gpu.generate(PROMPTS[2], sampled)[0]
+    assert [o.token_ids for o in outs] == expected
+    assert all(len(o.outputs[0].logprobs) == len(o.token_ids) for o in outs)
+    assert [c.token_ids for c in together[2].outputs] == [c.token_ids for c in alone.outputs]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) == 3
