@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 # name -> the module that defines it
 _EXPORTS = {
     "LLM": ".api", "GenerationResult": ".api", "RequestOutput": ".api", "ScoreOutput": ".api",
-    "CompletionOutput": ".outputs",
+    "CompletionOutput": ".outputs", "Logprob": ".outputs",
     "FlexoffError": ".errors", "Metrics": ".runtime.metrics",
     "CompressionConfig": ".policy", "Policy": ".policy", "TierFractions": ".policy",
     "SamplingParams": ".runtime.sampling",
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from .api import LLM, GenerationResult, RequestOutput, ScoreOutput
     from .errors import FlexoffError
-    from .outputs import CompletionOutput
+    from .outputs import CompletionOutput, Logprob
     from .policy import CompressionConfig, Policy, TierFractions
     from .runtime.metrics import Metrics
     from .runtime.sampling import SamplingParams

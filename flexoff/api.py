@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as SequenceOf
+import dataclasses
 from dataclasses import dataclass
 import math
 import os
@@ -16,7 +17,7 @@ from .checks import check_bool, check_device_name, check_optional_path, check_se
 from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
 from .models import ModelConfig, resolve_model, stage_specs, stages
-from .outputs import RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .prompts import check_room, prompt_ids
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
@@ -24,7 +25,7 @@ from .runtime.engine import Engine
 from .runtime.memory import machine_capacity
 from .runtime.metrics import Metrics
 from .policy import Policy, check_choice
-from .runtime.sampling import SamplingParams, SequenceSampler
+from .runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .units import parse_size
 from .weights import CheckpointWeights, DummyWeights
@@ -223,25 +224,44 @@ class LLM:
         return list(params)
 
     def _check_lengths(self, ids: list[list[int]], params: list[SamplingParams]) -> None:
+        vocab = self.config.vocab_size
         for i, (prompt, p) in enumerate(zip(ids, params)):
             check_room(prompt, p.max_new_tokens, f"prompt {i}", self.config)
+            for name in ("logprobs", "prompt_logprobs"):
+                if (getattr(p, name) or 0) > vocab:
+                    raise SamplingError(f"{name}={getattr(p, name)} is more than the {vocab} tokens of "
+                                        f"{self.config.name}'s vocabulary")
         if self.tokenizer is None and any(p.stop for p in params):
             raise TokenizerError("stop strings need a tokenizer, and this model has none")
 
     # Generation
-    def _finish(self, seq: Sequence, prompt) -> RequestOutput:
-        prompt_text = prompt if isinstance(prompt, str) else None
+    def _completion(self, seq: Sequence, sample: int) -> CompletionOutput:
         if seq.finish_reason == "error":
-            return RequestOutput(index=seq.index, prompt=prompt_text, prompt_token_ids=seq.prompt_ids, text=None,
-                                 token_ids=[], logprobs=[], finish_reason="error", error=seq.error)
-        text = None
-        if self.tokenizer is not None:
-            text = _output_text(self.tokenizer.decode, seq)
+            return CompletionOutput(sample, None, [], None, None, "error")
+        text = _output_text(self.tokenizer.decode, seq) if self.tokenizer is not None else None
+        top = [self._logprob_dict(t) for t in seq.top_logprobs] if seq.params.logprobs is not None else None
+        return CompletionOutput(sample, text, list(seq.token_ids), math.fsum(seq.logprobs), top,
+                                seq.finish_reason or "length", seq.stop_reason)
+
+    def _logprob_dict(self, entries) -> dict[int, Logprob]:
+        """vLLM's logprobs of one position: the token first, then its alternatives, each with its
+        token's spelling in the vocabulary."""
+        texts = self.tokenizer.tokens([e[0] for e in entries]) if self.tokenizer is not None else [None] * len(entries)
+        return {token: Logprob(logprob, rank, text) for (token, logprob, rank), text in zip(entries, texts)}
+
+    def _finish(self, seqs: list[Sequence], index: int, prompt) -> RequestOutput:
+        """One prompt's output from its samples' sequences (sample 0 gives the flat fields)."""
+        first = seqs[0]
+        samples = [self._completion(seq, j) for j, seq in enumerate(seqs)]
+        prompt_logprobs = None
+        if first.prompt_logprobs is not None:
+            prompt_logprobs = [None if e is None else self._logprob_dict(e) for e in first.prompt_logprobs]
+        out = samples[0]
         return RequestOutput(
-            index=seq.index, prompt=prompt_text,
-            prompt_token_ids=seq.prompt_ids, text=text, token_ids=list(seq.token_ids),
-            logprobs=list(seq.logprobs), finish_reason=seq.finish_reason or "length", stop_reason=seq.stop_reason,
-        )
+            index=index, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=first.prompt_ids,
+            text=out.text, token_ids=out.token_ids, logprobs=list(first.logprobs), finish_reason=out.finish_reason,
+            error=first.error, stop_reason=out.stop_reason,
+            top_logprobs=out.logprobs, prompt_logprobs=prompt_logprobs, more_outputs=samples[1:])
 
     def generate(self, prompts, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  *, progress: bool | None = None,
@@ -264,26 +284,40 @@ class LLM:
         ids = self._encode(prompts)
         params = self._params(params, len(ids))
         self._check_lengths(ids, params)
-        blocks = form_blocks([len(p) for p in ids], [p.max_new_tokens for p in params], self.policy.block_size,
-                             gpu_batch_size=self.policy.gpu_batch_size)
+        # n samples of a prompt are n rows, each prefilled: sharing one prefill's cache among them
+        # is not done yet. Row r's default seed is the LLM's seed + r (the prompt's index when n = 1);
+        # a seeded prompt's sample j draws from seed + j.
+        rows = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
+        seeds = [self.seed + r if params[i].seed is None else params[i].seed + j for r, (i, j) in enumerate(rows)]
+        # The prompt's logprobs come from its first sample's row only.
+        row_params = [params[i] if j == 0 or params[i].prompt_logprobs is None
+                      else dataclasses.replace(params[i], prompt_logprobs=None) for i, j in rows]
+        blocks = form_blocks([len(ids[i]) for i, _ in rows], [params[i].max_new_tokens for i, _ in rows],
+                             self.policy.block_size, gpu_batch_size=self.policy.gpu_batch_size)
         outputs: list[RequestOutput | None] = [None] * len(ids)
+        done: dict[int, list[Sequence]] = {}  # a prompt's finished samples, until all n are
         total = Metrics()
-        bar = tqdm(total=sum(p.max_new_tokens for p in params), unit="tok", disable=not progress,
+        bar = tqdm(total=sum(p.max_new_tokens * p.n for p in params), unit="tok", disable=not progress,
                    desc="generating", dynamic_ncols=True)
         try:
             for block in blocks:
-                seqs = [Sequence(i, ids[i], params[i], SequenceSampler(params[i], self.seed + i)) for i in block]
+                seqs = [Sequence(r, ids[rows[r][0]], row_params[r], seeds[r]) for r in block]
                 budget = sum(s.params.max_new_tokens for s in seqs)
                 metrics = self.engine.generate_block(
                     seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=bar.update)
                 # Sequences that stopped early leave part of their budget unused; count it as done.
                 bar.update(budget - metrics.generated_tokens)
-                block_outputs = [self._finish(seq, prompts[seq.index]) for seq in seqs]
-                for out in block_outputs:
-                    outputs[out.index] = out
+                block_outputs = []
+                for seq in seqs:
+                    i = rows[seq.index][0]
+                    done.setdefault(i, []).append(seq)
+                    if len(done[i]) == params[i].n:
+                        samples = sorted(done.pop(i), key=lambda s: s.index)
+                        outputs[i] = self._finish(samples, i, prompts[i])
+                        block_outputs.append(outputs[i])
                 total.add(metrics)
                 bar.set_postfix(tok_s=f"{total.total_throughput:.1f}")
-                if on_block is not None:
+                if on_block is not None:  # a block may finish no prompt when its samples span blocks
                     on_block(block_outputs, metrics)
         finally:
             bar.close()
@@ -357,13 +391,16 @@ def _one_of(value, alias, name: str, alias_name: str):
 
 
 def _output_text(decode, seq: Sequence) -> str:
-    """The generated text as vLLM gives it: a stop token (EOS or a stop token id) and a stop string
-    left out, unless include_stop_str_in_output."""
+    """The generated text as vLLM gives it: a stop token (EOS or a stop token id) and the stop
+    string that ended it left out, unless include_stop_str_in_output."""
     include = seq.params.include_stop_str_in_output
     ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
     text = decode(seq.token_ids[:-1] if ended_by_token and not include else seq.token_ids)
-    found = [(text.find(stop), i) for i, stop in enumerate(seq.params.stop) if stop in text]
-    if found:
-        at, i = min(found)
-        text = text[:at + len(seq.params.stop[i]) if include else at]
+    stop = seq.stop_reason
+    if seq.finish_reason == "stop" and isinstance(stop, str):
+        # Tokens before the min_tokens-th cannot stop a sequence: a stop string ending in their text did not.
+        after = len(decode(seq.token_ids[:seq.params.min_tokens - 1])) if seq.params.min_tokens > 1 else 0
+        at = text.find(stop, max(0, after - len(stop) + 1))
+        if at >= 0:
+            text = text[:at + len(stop) if include else at]
     return text

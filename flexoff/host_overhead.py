@@ -16,7 +16,7 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3):
     from .runtime.batch import Sequence
     from .runtime.engine import Engine
     from .policy import CompressionConfig, Policy, TierFractions
-    from .runtime.sampling import SamplingParams, SequenceSampler
+    from .runtime.sampling import SamplingParams
     from .weights.dummy import DummyWeights
 
     steps, depths = 24, (2, 10)
@@ -37,7 +37,7 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3):
         try:
             times = []
             for _ in range(repeats + 1):  # the first run warms up
-                seq = Sequence(0, [5] * 8, params, SequenceSampler(params, 0))
+                seq = Sequence(0, [5] * 8, params, 0)
                 times.append(engine.generate_block([seq]).decode_time / steps)
             return min(times[1:])
         finally:

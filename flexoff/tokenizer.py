@@ -82,3 +82,9 @@ class Tokenizer:
         if self._hf is not None:
             return self._hf.decode(ids, skip_special_tokens=True)
         return self._raw.decode(ids, skip_special_tokens=True)
+
+    def tokens(self, ids: list[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it ("" for an unknown id), as vLLM's decoded_token."""
+        if self._hf is not None:
+            return [t or "" for t in self._hf.convert_ids_to_tokens(ids)]
+        return [self._raw.id_to_token(i) or "" for i in ids]

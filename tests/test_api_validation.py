@@ -36,10 +36,13 @@ def test_sampling_params_are_checked_on_construction(kwargs, kind, message):
 
 def test_the_largest_seed_samples():
     from flexoff.checks import MAX_SEED
-    from flexoff.runtime.sampling import SequenceSampler
+    from types import SimpleNamespace
 
-    sampler = SequenceSampler(SamplingParams(temperature=1.0, seed=MAX_SEED), default_seed=0)
-    assert 0 <= sampler.choose(torch.randn(10)) < 10
+    from flexoff.runtime.sampler import BatchSampler
+
+    row = SimpleNamespace(params=SamplingParams(temperature=1.0, seed=MAX_SEED), seed=MAX_SEED, prompt_ids=[1])
+    choice = BatchSampler([row], [], 10, torch.device("cpu")).choose(torch.randn(1, 10), [True])
+    assert 0 <= choice.tokens[0] < 10
 
 
 @pytest.mark.parametrize("make, kind, message", [

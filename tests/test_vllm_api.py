@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from flexoff import LLM, SamplingParams
-from flexoff.runtime.sampling import NOT_YET
 from tests.conftest import PROMPTS
 
 KINDS = ["llama-gqa", "opt-pre"]
@@ -126,18 +125,17 @@ def test_max_tokens_is_max_new_tokens():
     assert SamplingParams(top_k=-1) == SamplingParams(top_k=0)
     # dataclasses.replace changes the budget under flexoff's name.
     assert dataclasses.replace(SamplingParams(max_tokens=8), max_new_tokens=5).max_tokens == 5
-    # vLLM's values that mean "off" are accepted.
-    assert SamplingParams(**NOT_YET, stop=None, stop_token_ids=None) == SamplingParams()
+    # vLLM's values that mean "off" are flexoff's defaults.
+    assert SamplingParams(**OFF, stop=None, stop_token_ids=None) == SamplingParams()
 
 
-ON = {"n": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2, "min_p": 0.1,
-      "min_tokens": 2, "logprobs": 3, "prompt_logprobs": 1}
+OFF = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+       "min_tokens": 0, "logprobs": None, "prompt_logprobs": None}
 
 
-@pytest.mark.parametrize("name", sorted(ON))
-def test_vllm_parameters_not_implemented_are_refused_by_name(name):
-    with pytest.raises(ValueError, match=f"^{name}={ON[name]!r} is not supported yet"):
-        SamplingParams(**{name: ON[name]})
+def test_best_of_is_refused_as_vllm_v1_does():
+    with pytest.raises(TypeError, match="best_of"):
+        SamplingParams(best_of=2)
 
 
 BAD_PARAMS = [
@@ -148,6 +146,20 @@ BAD_PARAMS = [
     (dict(stop_token_ids=[3, -1]), TypeError, "stop_token_ids"),
     (dict(stop_token_ids=5), TypeError, "stop_token_ids"),
     (dict(include_stop_str_in_output=1), TypeError, "include_stop_str_in_output"),
+    (dict(n=1.5), TypeError, "n must be an integer"),
+    (dict(presence_penalty=2.5), ValueError, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+    (dict(frequency_penalty=-2.1), ValueError, r"frequency_penalty must be a number in \[-2, 2\], got -2.1"),
+    (dict(frequency_penalty="1"), TypeError, "frequency_penalty"),
+    (dict(repetition_penalty=0.0), ValueError, "repetition_penalty must be a number > 0, got 0.0"),
+    (dict(repetition_penalty=float("nan")), ValueError, "repetition_penalty must be a finite number"),
+    (dict(min_p=1.5), ValueError, r"min_p must be a number in \[0, 1\], got 1.5"),
+    (dict(min_p=-0.1), ValueError, "min_p"),
+    (dict(min_tokens=-1), ValueError, "min_tokens must be an integer >= 0"),
+    (dict(min_tokens=9, max_tokens=8), ValueError, "min_tokens=9 is more than max_tokens=8"),
+    (dict(min_tokens=33), ValueError, "min_tokens=33 is more than max_tokens=32"),
+    (dict(logprobs=-1), ValueError, "logprobs must be an integer >= 0"),
+    (dict(logprobs=True), TypeError, "logprobs must be an integer"),
+    (dict(prompt_logprobs=2.0), TypeError, "prompt_logprobs must be an integer"),
 ]
 
 
@@ -170,6 +182,10 @@ BAD_CALLS = [
      TypeError, "params and sampling_params"),
     (lambda m: m.generate(["a"], progress=True, use_tqdm=False), TypeError, "progress and use_tqdm"),
     (lambda m: m.generate(["a"], use_tqdm="yes"), TypeError, "use_tqdm must be true or false"),
+    (lambda m: m.generate(["a"], SamplingParams(logprobs=65)), ValueError,
+     "logprobs=65 is more than the 64 tokens of .*'s vocabulary"),
+    (lambda m: m.generate(["a", "b"], [SamplingParams(), SamplingParams(prompt_logprobs=100)]), ValueError,
+     "prompt_logprobs=100 is more than the 64 tokens"),
 ]
 
 

@@ -11,7 +11,8 @@ from ..models import ModelConfig, architecture
 from ..models.common import attention_mask
 from .activations import BatchActivations
 from .kv import BatchKV
-from .sampling import SamplingParams, SequenceSampler
+from .sampler import Ranked
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -21,9 +22,13 @@ class Sequence:
     index: int
     prompt_ids: list[int]
     params: SamplingParams
-    sampler: SequenceSampler
+    seed: int  # its sampling generator's (unused when greedy)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # With params.logprobs: per generated token, the token then its top alternatives.
+    top_logprobs: list[list[Ranked]] = field(default_factory=list)
+    # With params.prompt_logprobs: per prompt token (None for the first), the same.
+    prompt_logprobs: list[list[Ranked] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why it failed (finish_reason "error"); its tokens are then dropped
@@ -36,6 +41,7 @@ class Sequence:
         self.finish_reason, self.error = "error", error
         self.token_ids.clear()
         self.logprobs.clear()
+        self.top_logprobs.clear()
 
 
 class GpuBatch:

@@ -19,10 +19,15 @@ from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, check_fits, job_bytes, pins_host_memory, weight_bytes
 from .metrics import MemoryMeter, Metrics
 from ..policy import TIERS, Policy
-from .sampling import SamplingParams, SequenceSampler, choose_tokens
+from .sampler import BatchSampler, prompt_ranked
+from .sampling import SamplingParams
 from .stopping import Decode, StopCondition
 from .tiers import DiskTier, HostMemory, HostWorker, Streams
 from .weight_store import TieredWeights
+
+
+# Prompt positions whose logits are made at once for prompt logprobs: 512 × a 128k vocabulary is 256 MiB in fp32.
+PROMPT_LOGPROBS_SPAN = 512
 
 
 class Engine:
@@ -126,14 +131,20 @@ class Engine:
         batches = self._make_batches(seqs, max_new)
         metrics = Metrics(num_sequences=len(seqs))
         stops = {id(seq): StopCondition(seq.params, self.cfg.eos_token_ids, decode) for seq in seqs}
+        samplers = {id(batch): BatchSampler(batch.seqs, self.cfg.eos_token_ids, self.cfg.vocab_size, self.device)
+                    for batch in batches}
         clock = {"start": time.perf_counter(), "prefill_end": None, "heads": 0}
         failed: list[Sequence] = []
 
         def sample(batch: GpuBatch, weights: dict) -> None:
+            if batch.start == 0:
+                self._prompt_logprobs(arch, batch, weights)
             logits = arch.head(self.cfg, weights, batch.hidden[:, -1:])[:, 0]
-            tokens, logprobs, finite = choose_tokens([s.sampler for s in batch.seqs], logits)
+            choice = samplers[id(batch)].choose(logits, [not s.finished for s in batch.seqs])
+            top = choice.top or [None] * len(batch.seqs)
             produced = 0
-            for seq, token, logprob, ok in zip(batch.seqs, tokens, logprobs, finite):
+            for seq, token, logprob, ok, alternatives in zip(batch.seqs, choice.tokens, choice.logprobs,
+                                                             choice.finite, top):
                 if seq.finished:
                     continue
                 if not ok:  # its rows are its own: the batch's other sequences go on unaffected
@@ -143,6 +154,8 @@ class Engine:
                     continue
                 seq.token_ids.append(token)
                 seq.logprobs.append(logprob)
+                if alternatives is not None:
+                    seq.top_logprobs.append(alternatives)
                 produced += 1
                 seq.finish_reason = stops[id(seq)].add(token)
                 seq.stop_reason = stops[id(seq)].reason
@@ -168,6 +181,22 @@ class Engine:
             seq.error = f"{seq.error}: {self.non_finite_cause()}"
         return metrics
 
+    def _prompt_logprobs(self, arch, batch: GpuBatch, weights: dict) -> None:
+        """vLLM's prompt logprobs of the rows asking, from the prefill's hidden states: one row, and
+        a bounded span of positions, at a time, so that (positions, vocab) logits stay small."""
+        for row, seq in enumerate(batch.seqs):
+            k = seq.params.prompt_logprobs
+            if k is None:
+                continue
+            length = len(seq.prompt_ids)
+            hidden = batch.hidden[row:row + 1, batch.prompt_len - length:-1]  # predicts prompt tokens 1..
+            entries = [None]
+            for start in range(0, length - 1, PROMPT_LOGPROBS_SPAN):
+                logits = arch.head(self.cfg, weights, hidden[:, start:start + PROMPT_LOGPROBS_SPAN])[0].float()
+                span_ids = seq.prompt_ids[start:start + PROMPT_LOGPROBS_SPAN + 1]
+                entries += prompt_ranked(torch.log_softmax(logits, dim=-1), span_ids, k)[1:]
+            seq.prompt_logprobs = entries
+
     def non_finite_cause(self) -> str:
         """Why logits turned non-finite, as far as one scan of the placed weights can tell (made
         once, when first asked: the normal path never pays for it)."""
@@ -192,7 +221,7 @@ class Engine:
 
     def _prefill_only(self, token_lists: list[list[int]], on_head: HeadHook) -> None:
         greedy = SamplingParams(max_new_tokens=1)
-        seqs = [Sequence(i, ids, greedy, SequenceSampler(greedy, self.seed)) for i, ids in enumerate(token_lists)]
+        seqs = [Sequence(i, ids, greedy, self.seed) for i, ids in enumerate(token_lists)]
         self._execute(self._make_batches(seqs, 0), 1, on_head)
 
     def last_logits(self, token_lists: list[list[int]]) -> torch.Tensor:

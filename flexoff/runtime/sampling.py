@@ -1,28 +1,22 @@
-"""Sampling parameters and next-token selection: greedy, or seeded temperature / top-k / top-p."""
+"""Sampling parameters: how to continue one prompt, checked on construction (the batched choice of
+tokens is in sampler.py)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import InitVar, dataclass, field
-
-import torch
 
 from ..checks import check_bool, check_int, check_real, check_seed, is_int
 from ..errors import ArgumentTypeError, SamplingError
-
-
-# vLLM's parameters flexoff does not implement yet, with the value that means "off": any other
-# value is refused by name rather than ignored.
-NOT_YET = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-           "min_tokens": 0, "logprobs": None, "prompt_logprobs": None}
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to continue one prompt. ``temperature == 0`` means greedy.
 
-    vLLM's names are accepted too: ``max_tokens`` (an alias of ``max_new_tokens``), ``top_k=-1``
-    (every token), ``stop_token_ids`` and ``include_stop_str_in_output``; the defaults stay
+    vLLM's names are accepted too, with vLLM's meaning: ``max_tokens`` (an alias of
+    ``max_new_tokens``), ``top_k=-1`` (every token), ``n`` samples per prompt, the presence,
+    frequency and repetition penalties, ``min_p``, ``min_tokens``, ``stop_token_ids``,
+    ``include_stop_str_in_output``, ``logprobs`` and ``prompt_logprobs``; the defaults stay
     flexoff's (greedy, 32 new tokens)."""
 
     max_new_tokens: int | None = None  # None: max_tokens, else 32
@@ -36,14 +30,17 @@ class SamplingParams:
     # unless include_stop_str_in_output (as vLLM does).
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token) at the end of the text
-    n: int = 1
+    n: int = 1  # samples per prompt; sample j of a seeded prompt draws from seed + j (as vLLM)
+    # vLLM's (and OpenAI's) penalties: presence and frequency subtract from the logits of tokens
+    # already generated (once, or once per occurrence); repetition divides positive logits (and
+    # multiplies negative ones) of tokens in the prompt or generated, as transformers does.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    min_p: float = 0.0  # drop tokens less likely than min_p times the likeliest one
+    min_tokens: int = 0  # no stop (EOS, stop token ids, stop strings) before this many tokens
+    logprobs: int | None = None  # per generated token: the sampled token and this many top alternatives
+    prompt_logprobs: int | None = None  # the same per prompt token (the first has none)
     # Init-only, read back through the property below (as a _ReadBack, which dataclasses.replace
     # passes on: it yields to a new max_new_tokens instead of conflicting with it).
     max_tokens: InitVar[int | None] = None
@@ -82,10 +79,17 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         check_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         check_int(self.n, "n", SamplingError, minimum=1)
-        for name, off in NOT_YET.items():
-            value = getattr(self, name)
-            if value != off or type(value) is bool:
-                raise SamplingError(f"{name}={value!r} is not supported yet (flexoff accepts only {name}={off!r})")
+        check_real(self.presence_penalty, "presence_penalty", SamplingError, minimum=-2, maximum=2)
+        check_real(self.frequency_penalty, "frequency_penalty", SamplingError, minimum=-2, maximum=2)
+        check_real(self.repetition_penalty, "repetition_penalty", SamplingError, above=0)
+        check_real(self.min_p, "min_p", SamplingError, minimum=0, maximum=1)
+        check_int(self.min_tokens, "min_tokens", SamplingError, minimum=0)
+        if self.min_tokens > self.max_new_tokens:
+            raise SamplingError(f"min_tokens={self.min_tokens} is more than max_tokens={self.max_new_tokens}")
+        # Their bound above is the model's vocabulary, which LLM.generate checks.
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(getattr(self, name), name, SamplingError, minimum=0)
 
     @property
     def greedy(self) -> bool:
@@ -99,58 +103,3 @@ class _ReadBack(int):
 # Set after the class: a property in its body would become the init-only argument's default.
 SamplingParams.max_tokens = property(lambda self: _ReadBack(self.max_new_tokens),
                                      doc="vLLM's name for max_new_tokens")
-
-
-class SequenceSampler:
-    """Draws one sequence's tokens from its own generator, so a seed gives the same text whatever
-    the batch it lands in."""
-
-    def __init__(self, params: SamplingParams, default_seed: int):
-        self.params = params
-        self.generator = None
-        if not params.greedy:
-            self.generator = torch.Generator().manual_seed(params.seed if params.seed is not None else default_seed)
-
-    def choose(self, logits: torch.Tensor) -> int:
-        """logits: (vocab,) fp32 on the CPU."""
-        params = self.params
-        if params.greedy:
-            return int(torch.argmax(logits))
-        scaled = logits / params.temperature
-        if params.top_k and params.top_k < scaled.numel():
-            threshold = torch.topk(scaled, params.top_k).values[-1]
-            scaled = scaled.masked_fill(scaled < threshold, -math.inf)
-        probs = torch.softmax(scaled, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-            drop = (torch.cumsum(sorted_probs, 0) - sorted_probs) >= params.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-def choose_tokens(samplers: list[SequenceSampler], logits: torch.Tensor) -> tuple[list[int], list[float], list[bool]]:
-    """Pick the next token of each row and its log-probability under the model, and say which rows
-    could be sampled at all.
-
-    logits: (batch, vocab). The logprob is of the raw distribution (before temperature, top-k
-    and top-p), which is what scoring and evaluation need. A row holding a NaN or a +inf (or only
-    -inf) has no distribution: it is reported as not finite, and its token (0) means nothing.
-    """
-    logits = logits.float()
-    logprobs = torch.log_softmax(logits, dim=-1)
-    # Any NaN or +inf in a row makes its normaliser, so its largest logprob, non-finite: one
-    # reduction over the rows already on hand.
-    finite = torch.isfinite(logprobs.amax(dim=-1))
-    if all(s.params.greedy for s in samplers):
-        tokens = torch.where(finite, torch.argmax(logits, dim=-1), 0)
-    else:
-        ok = finite.tolist()
-        cpu_logits = logits.cpu()
-        tokens = torch.tensor([s.choose(cpu_logits[i]) if ok[i] else 0 for i, s in enumerate(samplers)],
-                              device=logits.device)
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
-    # One copy to the host for all three (token ids are exact in float64).
-    tokens, chosen, ok = torch.stack([tokens.double(), chosen.double(), finite.double()]).tolist()
-    return [int(t) for t in tokens], chosen, [bool(f) for f in ok]

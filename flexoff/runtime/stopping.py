@@ -91,14 +91,18 @@ class StopCondition:
 
     def add(self, token: int) -> str | None:
         self.count += 1
-        if token in self.eos:
+        # Before min_tokens nothing stops it (as vLLM): the sampler masks stop tokens meanwhile, and a
+        # stop string found then is passed over (it ends before the text searched later).
+        early = self.count < self.params.min_tokens
+        if token in self.eos and not early:
             return "stop"
-        if token in self.stop_ids:
+        if token in self.stop_ids and not early:
             self.reason = token
             return "stop"
         if self.strings is not None:
-            self.reason = self.strings.add(token)
-            if self.reason is not None:
+            found = self.strings.add(token)
+            if found is not None and not early:
+                self.reason = found
                 return "stop"
         if self.count >= self.params.max_new_tokens:
             return "length"

@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from flexoff import LLM, CompressionConfig, Policy
+from flexoff.runtime import engine as engine_module
 from flexoff.runtime.batch import Sequence
+from flexoff.runtime.sampler import Choice
 from flexoff.runtime.sampling import SamplingParams
 
 from .stories import build_tokenizer, corpus, train_llama
@@ -40,22 +42,21 @@ FP16_BOUND = 1.05  # held-out perplexity within 5% of fp16: 4-bit must pass this
 
 
 class TeacherForcing:
-    """Stands in for a sequence's sampler and always picks the next held-out token.
+    """Stands in for a batch's sampler and always picks each row's next held-out token.
 
     The engine feeds each chosen token back as the next input and records its log-probability
-    under the model's raw distribution, which is what perplexity needs. A non-zero temperature
-    makes the engine ask this object instead of taking the argmax itself.
+    under the model's raw distribution, which is what perplexity needs.
     """
 
-    def __init__(self, tokens: list[int]):
-        self.params = SamplingParams(max_new_tokens=len(tokens), temperature=1.0, ignore_eos=True)
-        self.tokens = tokens
+    def __init__(self, targets: dict[int, list[int]], seqs):
+        self.targets = [targets[seq.index] for seq in seqs]
         self.step = 0
 
-    def choose(self, logits: torch.Tensor) -> int:
-        token = self.tokens[self.step]
+    def choose(self, logits: torch.Tensor, live) -> Choice:
+        tokens = torch.tensor([target[self.step] for target in self.targets], device=logits.device)
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
         self.step += 1
-        return token
+        return Choice(tokens.tolist(), logprobs.tolist(), [True] * len(self.targets))
 
 
 @contextmanager
@@ -114,11 +115,12 @@ def measure(directory, held_out: list[list[int]], weight_bits: int | None, cache
     targets = [ids[PROMPT_TOKENS:] for ids in held_out]
     with LLM(str(directory), policy=policy, dtype=DTYPE) as llm:
         scored = [out.logprobs for out in llm.score(prompts, targets)]
-        seqs = []
-        for index, (prompt, target) in enumerate(zip(prompts, targets)):
-            forcing = TeacherForcing(target)
-            seqs.append(Sequence(index, prompt, forcing.params, forcing))
-        llm.engine.generate_block(seqs)
+        seqs = [Sequence(index, prompt, SamplingParams(max_new_tokens=len(target), ignore_eos=True), 0)
+                for index, (prompt, target) in enumerate(zip(prompts, targets))]
+        by_index = dict(enumerate(targets))
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(engine_module, "BatchSampler", lambda seqs, *_: TeacherForcing(by_index, seqs))
+            llm.engine.generate_block(seqs)
     for seq, target in zip(seqs, targets):
         assert seq.token_ids == target  # every held-out token was fed back, none sampled
     return scored, [seq.logprobs for seq in seqs]

@@ -10,7 +10,7 @@ import torch
 
 from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.models import ModelConfig
-from flexoff.runtime import engine as engine_module
+from flexoff.runtime.sampler import BatchSampler
 from flexoff.runtime.kv import BatchKV, BlockKV, KVWorkspace
 from flexoff.layout import kv_cache_bytes
 from flexoff.policy import CompressionConfig
@@ -86,13 +86,13 @@ def test_other_bits_and_groups_match_on_mixed_tiers(tiny_model_dir, on_device, t
 def step_logits(path, policy: Policy, monkeypatch) -> list[torch.Tensor]:
     """The logits each step samples from (prefill, then one decode step), for all prompts in one batch."""
     captured = []
-    choose_tokens = engine_module.choose_tokens
+    choose = BatchSampler.choose
 
-    def capture(samplers, logits):
+    def capture(self, logits, live):
         captured.append(logits.float().cpu())
-        return choose_tokens(samplers, logits)
+        return choose(self, logits, live)
 
-    monkeypatch.setattr(engine_module, "choose_tokens", capture)
+    monkeypatch.setattr(BatchSampler, "choose", capture)
     with LLM(str(path), policy=policy) as llm:
         llm.generate(PROMPTS, SamplingParams(max_new_tokens=2, ignore_eos=True))
     return captured

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexoff import Policy, SamplingParams, TierFractions
-from flexoff.runtime import engine as engine_module
+from flexoff.runtime.sampler import BatchSampler
 from flexoff.runtime.interpreter import BlockInterpreter
 from flexoff.runtime import kv as kv_module
 from flexoff.runtime.kv_storage import ROW_MAJOR
@@ -117,13 +117,13 @@ def test_batches_stopping_early_leave_the_others_right(tiny_model_dir, plain, tm
     budgets = [1, 2, 6, 2, 6, 3, 6, 1]
     params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets]
     head_batches = []
-    sample = engine_module.choose_tokens
+    choose = BatchSampler.choose
 
-    def watch(samplers, logits):  # record each batch's size at every head, to see batches drop out
-        head_batches.append(len(samplers))
-        return sample(samplers, logits)
+    def watch(self, logits, live):  # record each batch's size at every head, to see batches drop out
+        head_batches.append(len(self))
+        return choose(self, logits, live)
 
-    monkeypatch.setattr(engine_module, "choose_tokens", watch)
+    monkeypatch.setattr(BatchSampler, "choose", watch)
     outs = run(path, cpu_attention_policy(cache=TierFractions(0, 0.5, 0.5)), tmp_path, params=params)
     assert len(head_batches) < 4 * max(budgets)  # some batch left the schedule before the end
     ref = plain(kind)
