@@ -95,7 +95,7 @@ class Tokenizer:
             raise TokenizerError("chat templates need transformers: pip install 'flexoff[hf]'")
         if chat_template is None and not self.chat_template:
             raise TokenizerError(f"the tokenizer in {self.path} has no chat template; give one (chat_template= "
-                                 "in Python, --chat-template FILE on the command line), or use plain prompts")
+                                 "in Python), or use plain prompts")
         try:
             return self._hf.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
                                                 add_generation_prompt=add_generation_prompt, **kwargs)

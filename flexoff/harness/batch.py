@@ -6,7 +6,11 @@ Input, one JSON object per line (blank lines are skipped)::
     {"id": 2, "prompt": [2, 133, 812, 9], "meta": {"source": "set-b"}}
 
 - ``id`` (required): a string or an integer, unique in the file.
-- ``prompt`` (required): non-empty text, or a list of token ids (for models without a tokenizer).
+- ``prompt`` (required, unless ``messages``): non-empty text, or a list of token ids (for models
+  without a tokenizer).
+- ``messages`` (instead of ``prompt``): a chat conversation, ``[{"role": "user", "content": "..."}]``,
+  put through the tokenizer's chat template as ``LLM.chat`` does; its record's ``prompt`` is the
+  templated text.
 - ``max_new_tokens`` (optional): this line's budget instead of ``--max-new-tokens``.
 - ``stop`` (optional): a string or a list of strings, added to the ``--stop`` strings.
 - ``meta`` (optional): any JSON value, copied to the line's result untouched.
@@ -36,7 +40,7 @@ from ..errors import PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..job import Job
 from ..models import model_directory
-from ..prompts import PromptLine, check_room, prompt_ids, prompt_record
+from ..prompts import PromptLine, check_room, line_prompt, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .runner import GenerationItem, Progress, request_seed, run_generation
@@ -88,7 +92,7 @@ def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, see
     items = []
     for line in lines:
         where = f"{source} line {line.line} (id {line.id!r})"
-        ids = prompt_ids(line.prompt, f"{where}: the prompt", llm.config, llm.tokenizer)
+        ids, text = line_prompt(line, f"{where}: the prompt", llm.config, llm.tokenizer)
         budget = line.max_new_tokens or defaults.max_new_tokens
         check_room(ids, budget, f"{where}: the prompt", llm.config)
         stop = tuple(dict.fromkeys(defaults.stop + line.stop))
@@ -97,7 +101,7 @@ def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, see
         params = replace(defaults, max_new_tokens=budget, stop=stop,
                          seed=request_seed(seed, line.id) if not defaults.greedy else None)
         items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {},
-                                    text=line.prompt if isinstance(line.prompt, str) else None))
+                                    text=text))
     return items
 
 
@@ -128,7 +132,7 @@ class BatchJob:
         from ..prompts import prompt_workload
 
         pending = self.pending
-        return prompt_workload([line.prompt for line in pending],
+        return prompt_workload([line.prompt if line.messages is None else line.messages for line in pending],
                                [line.max_new_tokens or self.defaults.max_new_tokens for line in pending],
                                self.job.model, self.job.tokenizer)
 
