@@ -2,11 +2,10 @@
 go through the chat template as ``LLM.chat`` does, and give its tokens."""
 
 import json
-import shutil
 
 import pytest
 
-from flexoff import LLM, Policy, SamplingParams
+from flexoff import LLM, SamplingParams
 from flexoff.commands.main import main
 from flexoff.errors import PromptError
 from flexoff.harness.batch import read_batch_input
@@ -14,28 +13,12 @@ from flexoff.harness.store import read_records
 
 from .conftest import write_jsonl
 
-TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}### assistant:{% endif %}")
 CHATS = [
     [{"role": "user", "content": "the cat sat on the mat"}],
     [{"role": "system", "content": "Answer:"}, {"role": "user", "content": "Question: the dog ran to the house"}],
     [{"role": "user", "content": "0 1 2 3"}, {"role": "assistant", "content": "4 5"}, {"role": "user", "content": "6"}],
 ]
 
-
-@pytest.fixture(scope="module")
-def chat_opt(tiny_opt, tmp_path_factory):
-    """(checkpoint directory with a chat template, its LLM)."""
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("chat") / "opt"
-    shutil.copytree(tiny_opt[0], path)
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.chat_template = TEMPLATE
-    tok.save_pretrained(path)
-    llm = LLM(str(path), policy=Policy(gpu_batch_size=4))
-    yield path, llm
-    llm.close()
 
 
 def test_messages_lines_are_read_and_checked(tmp_path):
