@@ -324,9 +324,13 @@ class LLM:
         self._check_open()
         check_bool(add_generation_prompt, "add_generation_prompt")
         conversations = conversation_list(messages)
-        prompts = [chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
-                               chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
-                   for conversation in conversations]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs))
+            except PromptError as exc:  # a template's refusal names the conversation; no template is not one's
+                raise PromptError(f"conversation {i}: {exc}") from None
         result = self.generate([{"prompt_token_ids": ids} for _, ids in prompts], sampling_params=sampling_params,
                                use_tqdm=use_tqdm)
         return GenerationResult([replace(out, prompt=prompts[i][0]) for i, out in enumerate(result)], result.metrics)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import TokenizerError
+from .errors import PromptError, TokenizerError
 from .fileio import nothing_at
 from .models.config import config_from_dir, model_directory
 
@@ -100,7 +100,7 @@ class Tokenizer:
             return self._hf.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
                                                 add_generation_prompt=add_generation_prompt, **kwargs)
         except Exception as exc:  # jinja2 and transformers raise many types for a template that refuses
-            raise TokenizerError(f"the chat template failed: {type(exc).__name__}: {exc}") from None
+            raise PromptError(f"the chat template failed on it: {type(exc).__name__}: {exc}") from None
 
     def decode(self, ids: list[int]) -> str:
         if self._hf is not None:

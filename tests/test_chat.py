@@ -96,6 +96,14 @@ def test_bad_messages_are_refused_before_generating(chat_model, monkeypatch, mes
     assert "\n" not in str(info.value)
 
 
+def test_a_template_that_refuses_a_conversation_names_it(chat_model):
+    llm = chat_model[0]
+    strict = "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}{% endif %}" \
+             "{{ m['content'] }}{% endfor %}"
+    with pytest.raises(PromptError, match=r"conversation 1: the chat template failed on it: .*no system"):
+        llm.chat(CONVERSATIONS, chat_template=strict)
+
+
 def test_content_parts_are_joined_as_text(chat_model):
     llm = chat_model[0]
     parts = [{"role": "user", "content": [{"type": "text", "text": "the cat"}, {"type": "text", "text": "sat"}]}]

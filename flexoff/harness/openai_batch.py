@@ -10,6 +10,7 @@ Input, one request a line (a file whose first line has ``custom_id`` is read thi
 - ``url``: ``/v1/completions`` (``prompt``: text or token ids) or ``/v1/chat/completions``
   (``messages``, through the chat template as ``LLM.chat`` does).
 - ``model`` is not checked: every request runs on the job's ``--model``, which the response names.
+  ``user`` is accepted and not used.
 - ``max_tokens`` (or ``max_completion_tokens``), ``stop`` and the sampling fields override the
   job's flags for that request; fields left out take the flags' values (flexoff's defaults: greedy,
   32 tokens; OpenAI's are temperature 1 and 16 tokens for completions). The sampling fields are
