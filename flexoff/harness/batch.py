@@ -42,7 +42,8 @@ from pathlib import Path
 from ..errors import PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..job import Job
-from ..models import model_directory
+from ..generation_config import read_generation_config
+from ..models import config_from_dir, model_directory
 from ..prompts import PromptLine, check_room, line_prompt, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
@@ -93,9 +94,12 @@ def model_identity(model: str, dummy: bool, seed: int) -> dict:
         config = directory / "config.json"
         identity["path"] = str(directory.resolve())
         identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
-        generation = directory / "generation_config.json"  # its end-of-sequence ids change the outputs
-        if generation.is_file():
-            identity["generation_config_sha256"] = hashlib.sha256(generation.read_bytes()).hexdigest()
+        # End-of-sequence ids that generation_config.json adds change the outputs; named only when it
+        # adds some, so that outputs of jobs whose file adds none still resume.
+        more_eos = [i for i in read_generation_config(directory).eos_token_ids
+                    if config.is_file() and i not in config_from_dir(directory).eos_token_ids]
+        if more_eos:
+            identity["generation_eos_token_ids"] = more_eos
     else:
         identity["name"] = model.lower().rsplit("/", 1)[-1]
     if dummy:

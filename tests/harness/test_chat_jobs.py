@@ -82,3 +82,24 @@ def test_run_chat_refusals_are_one_line(chat_opt, tiny_opt, tmp_path, capsys, mo
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err, err
+
+
+def test_end_of_sequence_ids_that_generation_config_adds_are_part_of_a_batch_job(chat_opt, tmp_path, capsys):
+    import shutil
+
+    from flexoff.harness.store import job_path
+
+    model = tmp_path / "model"
+    shutil.copytree(chat_opt[0], model)
+    source = write_jsonl(tmp_path / "in.jsonl", [{"id": 1, "prompt": "the cat"}])
+    output = tmp_path / "out.jsonl"
+    argv = ["batch", "--model", str(model), "--input", str(source), "--output", str(output), "--no-progress",
+            "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    # The saved file repeats config.json's id: the job is named as before generation_config.json was read.
+    assert json.loads((model / "generation_config.json").read_text())["eos_token_id"] == 2
+    assert "generation_eos_token_ids" not in json.loads(job_path(output).read_text())["identity"]["model"]
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "different job (its model differs)" in capsys.readouterr().err
