@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence as SequenceOf
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 import math
 import os
 import sys
@@ -13,9 +13,11 @@ import tempfile
 import torch
 from tqdm import tqdm
 
+from .chat import chat_prompt, conversation_list
 from .checks import check_bool, check_device_name, check_optional_path, check_seed, check_size
 from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
+from .generation_config import read_generation_config
 from .models import ModelConfig, resolve_model, stage_specs, stages
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .prompts import check_room, prompt_ids
@@ -148,6 +150,10 @@ class LLM:
         given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else None
         self.policy = given or DEFAULT_POLICY
         self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
+        self.generation_config = read_generation_config(checkpoint)
+        more_eos = tuple(i for i in self.generation_config.eos_token_ids if i not in self.config.eos_token_ids)
+        if more_eos:
+            self.config = self.config.replace(eos_token_ids=self.config.eos_token_ids + more_eos)
         source = DummyWeights(seed) if dummy else CheckpointWeights(checkpoint)
         source.check({stage.name: stage_specs(self.config, stage) for stage in stages(self.config)})
         offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
@@ -212,9 +218,28 @@ class LLM:
             return prompts  # refused, with the type named, by _encode
         return [_unwrap_prompt(p, i) if isinstance(p, dict) else p for i, p in enumerate(prompts)]
 
+    def get_tokenizer(self):
+        """The Hugging Face tokenizer this model encodes and decodes with (vLLM's name)."""
+        if self.tokenizer is None:
+            raise TokenizerError(f"model {self.config.name!r} has no tokenizer; give a checkpoint directory with "
+                                 "tokenizer files, or tokenizer=DIR")
+        if self.tokenizer.hf is None:
+            raise TokenizerError("get_tokenizer() returns a transformers tokenizer: pip install 'flexoff[hf]'")
+        return self.tokenizer.hf
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call given no sampling parameters runs: flexoff's defaults (greedy, 32 tokens) under
+        the sampling defaults of the checkpoint's generation_config.json, if it has any."""
+        defaults = self.generation_config
+        try:
+            return SamplingParams(**defaults.sampling)
+        except FlexoffError as exc:
+            raise type(exc)(f"the sampling defaults of {defaults.path}: {exc}; pass sampling parameters "
+                            "to override them") from None
+
     def _params(self, params, count: int) -> list[SamplingParams]:
         if params is None:
-            return [SamplingParams()] * count
+            return [self.get_default_sampling_params()] * count
         if isinstance(params, SamplingParams):
             return [params] * count
         if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
@@ -322,6 +347,27 @@ class LLM:
         finally:
             bar.close()
         return GenerationResult(outputs, total)
+
+    def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, *, add_generation_prompt: bool = True, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None) -> GenerationResult:
+        """Generate the next turn of each conversation, as vLLM's ``LLM.chat``: ``messages`` is one
+        conversation (a list of {"role", "content"} dicts) or a list of them. Each goes through the
+        tokenizer's chat template (or ``chat_template``, a Jinja string), then through ``generate``;
+        an output's ``prompt`` is the templated text."""
+        self._check_open()
+        check_bool(add_generation_prompt, "add_generation_prompt")
+        conversations = conversation_list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(chat_prompt(self.tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template, chat_template_kwargs=chat_template_kwargs))
+            except PromptError as exc:  # a template's refusal names the conversation; no template is not one's
+                raise PromptError(f"conversation {i}: {exc}") from None
+        result = self.generate([{"prompt_token_ids": ids} for _, ids in prompts], sampling_params=sampling_params,
+                               use_tqdm=use_tqdm)
+        return GenerationResult([replace(out, prompt=prompts[i][0]) for i, out in enumerate(result)], result.metrics)
 
     def next_token_logits(self, prompts: SequenceOf) -> torch.Tensor:
         """Logits for the token after each prompt: (len(prompts), vocab), fp32 on the CPU."""

@@ -1,9 +1,9 @@
 """Hugging Face Hub ids as checkpoints: the local cache first, else a download of only what flexoff reads.
 
 ``hub_checkpoint("facebook/opt-1.3b", need)`` returns a snapshot folder of the Hub cache holding
-``config.json`` and, as ``need`` asks, the tokenizer files and the weights. Every failure (no such
-repo, a gated one, no network, offline mode with nothing cached, no weights flexoff can read) is one
-``HubError`` line naming the repo.
+``config.json`` (with ``generation_config.json``) and, as ``need`` asks, the tokenizer files and the
+weights. Every failure (no such repo, a gated one, no network, offline mode with nothing cached, no
+weights flexoff can read) is one ``HubError`` line naming the repo.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ NEEDS = ("config", "tokenizer", "weights")
 
 # The files a tokenizer may be made of (transformers reads those present).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "vocab.json", "merges.txt", "added_tokens.json")
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
 # Any one of these makes a tokenizer loadable (as tokenizer.Tokenizer.available checks).
 _TOKENIZER_MAIN = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -73,7 +73,8 @@ def choose_files(repo_id: str, files: list[str], need: str) -> list[str]:
     if "config.json" not in top:
         raise HubError(f"{repo_id} has no config.json on the Hugging Face Hub, so it is not a transformers "
                        "checkpoint flexoff can read")
-    wanted = ["config.json"]
+    # generation_config.json: end-of-sequence ids and sampling defaults (flexoff.generation_config).
+    wanted = ["config.json"] + [name for name in ("generation_config.json",) if name in top]
     if need == "config":
         return wanted
     wanted += [name for name in TOKENIZER_FILES if name in top]

@@ -9,25 +9,28 @@ from pathlib import Path
 
 import torch
 
+from .chat import chat_prompt, check_conversation, is_conversation
 from .checks import is_int
-from .errors import PromptError, TokenizerError
+from .errors import FlexoffError, PromptError, TokenizerError
 from .fileio import jsonl_objects, read_user_text
 from .models import ModelConfig
 
 
-PROMPT_FIELDS = ("id", "prompt", "max_new_tokens", "stop", "meta")
+PROMPT_FIELDS = ("id", "prompt", "messages", "max_new_tokens", "stop", "meta")
 
 
 @dataclass(frozen=True)
 class PromptLine:
-    """One prompt from a file: text or token ids, with optional per-line overrides."""
+    """One prompt from a file: text or token ids, or a chat conversation (``messages``, and no
+    ``prompt``), with optional per-line overrides."""
 
-    prompt: str | list[int]
+    prompt: str | list[int] | None
     id: str | int | None = None
     max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
     meta: object = None  # any JSON value, copied to the line's result by `flexoff batch`
     line: int = 0  # 1-based line (JSONL) or item (JSON) number in the file; 0 when unknown
+    messages: list[dict] | None = None  # a conversation, put through the chat template
 
 
 def check_prompt(prompt, what: str, vocab_size: int | None = None, type_error: type[Exception] = PromptError
@@ -86,9 +89,14 @@ def prompt_record(obj: dict, where: str, line: int = 0, id_required: bool = Fals
     line_id = obj.get("id")
     if line_id is not None and not (is_int(line_id) or (isinstance(line_id, str) and line_id)):
         raise PromptError(f"{where}: field 'id' must be a non-empty string or an integer, got {line_id!r}")
-    if "prompt" not in obj:
-        raise PromptError(f"{where}: missing field 'prompt'")
-    prompt = check_prompt(obj["prompt"], f"{where}: field 'prompt'")
+    if ("prompt" in obj) == ("messages" in obj):
+        raise PromptError(f"{where}: " + ("give 'prompt' or 'messages', not both" if "prompt" in obj
+                                          else "missing field 'prompt' (or 'messages', for a chat)"))
+    prompt = messages = None
+    if "prompt" in obj:
+        prompt = check_prompt(obj["prompt"], f"{where}: field 'prompt'")
+    else:
+        messages = check_conversation(obj["messages"], f"{where}: field 'messages'")
     budget = obj.get("max_new_tokens")
     if budget is not None and not (is_int(budget) and budget >= 1):
         raise PromptError(f"{where}: field 'max_new_tokens' must be an integer >= 1, got {budget!r}")
@@ -98,7 +106,27 @@ def prompt_record(obj: dict, where: str, line: int = 0, id_required: bool = Fals
         raise PromptError(f"{where}: field 'stop' must be a string or a list of strings")
     if any(not s for s in stop):
         raise PromptError(f"{where}: field 'stop' has an empty string")
-    return PromptLine(prompt, line_id, budget, tuple(stop), obj.get("meta"), line)
+    return PromptLine(prompt, line_id, budget, tuple(stop), obj.get("meta"), line, messages)
+
+
+def as_chat(line: PromptLine, what: str) -> PromptLine:
+    """A text prompt as a conversation of one user message (``flexoff run --chat``); chat lines stay."""
+    if line.messages is not None:
+        return line
+    if not isinstance(line.prompt, str):
+        raise PromptError(f"{what} is token ids; chat needs text prompts (or \"messages\")")
+    return replace(line, prompt=None, messages=[{"role": "user", "content": line.prompt}])
+
+
+def line_prompt(line: PromptLine, what: str, cfg: ModelConfig, tokenizer) -> tuple[list[int], str | None]:
+    """A file's prompt as (token ids, its text): chat lines through the tokenizer's chat template."""
+    if line.messages is None:
+        return prompt_ids(line.prompt, what, cfg, tokenizer), line.prompt if isinstance(line.prompt, str) else None
+    try:
+        text, ids = chat_prompt(tokenizer, line.messages)
+    except FlexoffError as exc:
+        raise type(exc)(f"{what}: {exc}") from None
+    return check_prompt(ids, what, cfg.vocab_size), text
 
 
 def read_prompts(path: str | Path) -> list[PromptLine]:
@@ -156,15 +184,15 @@ def synthetic_prompts(cfg: ModelConfig, count: int, length: int, seed: int = 0) 
 
 def prompt_workload(prompts, budgets, model: str, tokenizer: str | None):
     """The planner's workload for a job: its longest prompt in tokens (text tokenized as the model
-    will tokenize it; a Hub id's tokenizer files are fetched, not its weights), its largest generation
-    budget, and its number of prompts."""
+    will tokenize it, a conversation as the chat template makes it; a Hub id's tokenizer files are
+    fetched, not its weights), its largest generation budget, and its number of prompts."""
     from .planner.cost_model import Workload
     from .tokenizer import Tokenizer
 
     encoder = None
     lengths = []
     for prompt in prompts:
-        if not isinstance(prompt, str):
+        if not isinstance(prompt, str) and not is_conversation(prompt):
             lengths.append(len(prompt))
             continue
         if encoder is None:
@@ -172,5 +200,5 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None):
             if encoder is None:
                 raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; give token "
                                      "ids, --tokenizer DIR, or a checkpoint (directory or Hub id) with tokenizer files")
-        lengths.append(len(encoder.encode(prompt)))
+        lengths.append(len(chat_prompt(encoder, prompt)[1] if is_conversation(prompt) else encoder.encode(prompt)))
     return Workload(max(lengths), max(budgets), len(lengths))

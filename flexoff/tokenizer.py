@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import TokenizerError
+from .errors import PromptError, TokenizerError
 from .fileio import nothing_at
 from .models.config import config_from_dir, model_directory
 
@@ -73,10 +73,34 @@ class Tokenizer:
         path = Path(path)
         return any((path / name).exists() for name in TOKENIZER_FILES)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens`` False for text that already holds them (a chat template's output)."""
         if self._hf is not None:
-            return list(self._hf(text)["input_ids"])
-        return self._raw.encode(text).ids
+            return list(self._hf(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return self._raw.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def hf(self):
+        """The transformers tokenizer in use; None where only the tokenizers library is installed."""
+        return self._hf
+
+    @property
+    def chat_template(self) -> str | None:
+        return getattr(self._hf, "chat_template", None) if self._hf is not None else None
+
+    def apply_chat_template(self, conversation: list[dict], *, add_generation_prompt: bool = True,
+                            chat_template: str | None = None, **kwargs) -> str:
+        """The conversation as the prompt text its template makes (special tokens included)."""
+        if self._hf is None:
+            raise TokenizerError("chat templates need transformers: pip install 'flexoff[hf]'")
+        if chat_template is None and not self.chat_template:
+            raise TokenizerError(f"the tokenizer in {self.path} has no chat template; give one (chat_template= "
+                                 "in Python), or use plain prompts")
+        try:
+            return self._hf.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                add_generation_prompt=add_generation_prompt, **kwargs)
+        except Exception as exc:  # jinja2 and transformers raise many types for a template that refuses
+            raise PromptError(f"the chat template failed on it: {type(exc).__name__}: {exc}") from None
 
     def decode(self, ids: list[int]) -> str:
         if self._hf is not None:

@@ -19,7 +19,11 @@ from .report import format_summary, format_table
 BATCH_EPILOG = """\
 input: one JSON object per line
   {"id": "q1", "prompt": "text", "max_new_tokens": 16, "stop": ["\\n"], "meta": {...}}
-  id and prompt are required (prompt may be a list of token ids); the rest are optional.
+  {"id": "c1", "messages": [{"role": "user", "content": "text"}]}   (a chat, through the chat template)
+  id and prompt (or messages) are required (prompt may be a list of token ids); the rest are optional.
+  Or OpenAI Batch API requests (a first line with "custom_id" makes the file one; see the README):
+  {"custom_id": "r1", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body": {...}}
+  whose output lines are OpenAI's: {"id", "custom_id", "response": {"status_code", "body"}, "error"}.
 output: one JSON record per line, as blocks finish (sort by index for input order):
   index, id, kind, prompt, prompt_tokens, text, token_ids, logprobs, generated_tokens,
   finish_reason, error, block_size, block_seconds, finished_at (and meta);

@@ -21,7 +21,7 @@ from .report import format_summary
 
 def cmd_run(args) -> int:
     from ..planner.cost_model import Workload
-    from ..prompts import prompt_workload, read_prompts, synthetic_prompts
+    from ..prompts import as_chat, line_prompt, prompt_workload, read_prompts, synthetic_prompts
     from ..records import Block
 
     # Destinations first: a path that cannot be written should fail now, not after generating.
@@ -30,12 +30,16 @@ def cmd_run(args) -> int:
             check_destination(path, flag)
     job = job_from_args(args)
     lines = read_prompts(args.prompts) if args.prompts else None
+    if args.chat:
+        if lines is None:
+            raise FlexoffError("--chat needs --prompts FILE: each of its prompts becomes one user message")
+        lines = [as_chat(line, f"{args.prompts} line {line.line}") for line in lines]
 
     def workload() -> Workload:
         if lines is None:
             return Workload(args.prompt_len, args.gen_len, args.num_prompts)
-        return prompt_workload([line.prompt for line in lines], [line.max_new_tokens or args.gen_len for line in lines],
-                               job.model, job.tokenizer)
+        return prompt_workload([line.prompt if line.messages is None else line.messages for line in lines],
+                               [line.max_new_tokens or args.gen_len for line in lines], job.model, job.tokenizer)
 
     llm = make_llm(job, workload)
     blocks: dict[int, Block] = {}  # each output's block, for its record
@@ -46,11 +50,16 @@ def cmd_run(args) -> int:
 
     try:
         if lines is not None:
-            prompts = [line.prompt for line in lines]
+            # Chat lines go through the chat template, as LLM.chat does; their records keep its text.
+            encoded = [(line.prompt, None) if line.messages is None else
+                       line_prompt(line, f"{args.prompts} line {line.line}", llm.config, llm.tokenizer)
+                       for line in lines]
+            prompts, texts = [p for p, _ in encoded], [t for _, t in encoded]
             params = [job.sampling(line.max_new_tokens or args.gen_len, line.stop, job.seed) for line in lines]
             ids = [line.id for line in lines]
         else:
             prompts = synthetic_prompts(llm.config, args.num_prompts, args.prompt_len, job.seed)
+            texts = [None] * len(prompts)
             params = [job.sampling(args.gen_len, seed=job.seed)] * len(prompts)
             ids = [None] * len(prompts)
         if args.warmup:
@@ -60,15 +69,16 @@ def cmd_run(args) -> int:
         result = llm.generate(prompts, params, progress=not args.quiet, on_block=on_block)
     finally:
         llm.close()
-    return _write_run_outputs(args, llm, result, ids, blocks)
+    return _write_run_outputs(args, llm, result, ids, blocks, texts)
 
 
-def _write_run_outputs(args, llm, result, ids, blocks) -> int:
+def _write_run_outputs(args, llm, result, ids, blocks, texts) -> int:
     """Write the results and metrics; a write that fails keeps its text elsewhere and ends the run
     with one line naming where. Exit code 1 when some sequences failed, 0 otherwise."""
     from ..records import failure_line, generation_record, record_line
 
-    records = [generation_record(out, blocks[out.index], id=line_id) for out, line_id in zip(result, ids)]
+    records = [generation_record(out, blocks[out.index], id=line_id, prompt=text)
+               for out, line_id, text in zip(result, ids, texts)]
     problems = []
     if args.output:
         problems.append(write_or_keep(args.output, "".join(record_line(r) + "\n" for r in records),
@@ -103,8 +113,12 @@ def register_run(subparsers) -> None:
     source = parser.add_argument_group("prompts")
     source.add_argument("--prompts", metavar="FILE",
                         help="by extension, in any case: .jsonl (one object per line with \"prompt\", text or "
-                             "token ids, and optional \"id\", \"max_new_tokens\", \"stop\", \"meta\"), .json (one "
-                             "list of such objects or of bare prompts), else text with one prompt per line")
+                             "token ids, or \"messages\", a chat conversation, and optional \"id\", "
+                             "\"max_new_tokens\", \"stop\", \"meta\"), .json (one list of such objects or of bare "
+                             "prompts), else text with one prompt per line")
+    source.add_argument("--chat", action="store_true",
+                        help="put each prompt through the model's chat template as one user message (as LLM.chat; "
+                             "JSONL lines with \"messages\" are chats with or without it)")
     source.add_argument("--prompt-len", type=COUNT, default=64, help="synthetic prompt length in tokens (default 64)")
     source.add_argument("--num-prompts", type=COUNT, default=16, help="number of synthetic prompts (default 16)")
     source.add_argument("--gen-len", "--max-new-tokens", dest="gen_len", type=COUNT, default=32,

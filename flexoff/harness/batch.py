@@ -6,10 +6,17 @@ Input, one JSON object per line (blank lines are skipped)::
     {"id": 2, "prompt": [2, 133, 812, 9], "meta": {"source": "set-b"}}
 
 - ``id`` (required): a string or an integer, unique in the file.
-- ``prompt`` (required): non-empty text, or a list of token ids (for models without a tokenizer).
+- ``prompt`` (required, unless ``messages``): non-empty text, or a list of token ids (for models
+  without a tokenizer).
+- ``messages`` (instead of ``prompt``): a chat conversation, ``[{"role": "user", "content": "..."}]``,
+  put through the tokenizer's chat template as ``LLM.chat`` does; its record's ``prompt`` is the
+  templated text.
 - ``max_new_tokens`` (optional): this line's budget instead of ``--max-new-tokens``.
 - ``stop`` (optional): a string or a list of strings, added to the ``--stop`` strings.
 - ``meta`` (optional): any JSON value, copied to the line's result untouched.
+
+A file in the OpenAI Batch API's format (its first line has a ``custom_id``) is read and answered
+in that format instead: see :mod:`flexoff.harness.openai_batch`.
 
 Output: one record per line (the fields of :mod:`flexoff.records`, plus ``meta`` if the line gave
 one), in the order blocks finish; ``index`` is the line's place among the input's prompts, so
@@ -35,30 +42,47 @@ from pathlib import Path
 from ..errors import PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..job import Job
-from ..models import model_directory
-from ..prompts import PromptLine, check_room, prompt_ids, prompt_record
+from ..generation_config import read_generation_config
+from ..models import config_from_dir, model_directory
+from ..prompts import PromptLine, check_room, line_prompt, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
+from .openai_batch import OpenAIRequest, is_openai_line, read_request, response_failures, response_record
 from .runner import GenerationItem, Progress, request_seed, run_generation
 from .store import ResultStore, id_key, make_header
 
+
 def read_batch_input(path: str | Path) -> tuple[list[PromptLine], str]:
     """Parse and check every line; returns the lines and the sha256 of the file's bytes."""
+    lines, digest, _ = read_batch_requests(path)
+    return lines, digest
+
+
+def read_batch_requests(path: str | Path) -> tuple[list[PromptLine], str, dict[str, OpenAIRequest] | None]:
+    """As read_batch_input, with the OpenAI batch requests by their lines' id keys when the file is
+    in that format (its first line has a ``custom_id``; see flexoff.harness.openai_batch), else None."""
     path = Path(path)
     data = read_user_bytes(path, "input file", PromptError)
     text = decode_utf8(data, path, PromptError)
+    objects = list(jsonl_objects(path, text, PromptError))
+    requests = {} if objects and is_openai_line(objects[0][2]) else None
     lines: list[PromptLine] = []
     seen: dict[str, int] = {}
-    for number, where, obj in jsonl_objects(path, text, PromptError):
-        line = prompt_record(obj, where, number, id_required=True)
+    for number, where, obj in objects:
+        if requests is None:
+            line, named = prompt_record(obj, where, number, id_required=True), "id"
+        else:
+            request = read_request(obj, where, number)
+            line, named = request.line, "custom_id"
+            requests[id_key(line.id)] = request
         key = id_key(line.id)
         if key in seen:
-            raise PromptError(f"{where}: duplicate id {line.id!r} (first on line {seen[key]})")
+            raise PromptError(f"{where}: duplicate {named} {obj[named]!r} (first on line {seen[key]})")
         seen[key] = number
         lines.append(line)
     if not lines:
         raise PromptError(f"{path} has no prompts")
-    return lines, hashlib.sha256(data).hexdigest()
+    return lines, hashlib.sha256(data).hexdigest(), requests
 
 
 def model_identity(model: str, dummy: bool, seed: int) -> dict:
@@ -70,6 +94,12 @@ def model_identity(model: str, dummy: bool, seed: int) -> dict:
         config = directory / "config.json"
         identity["path"] = str(directory.resolve())
         identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
+        # End-of-sequence ids that generation_config.json adds change the outputs; named only when it
+        # adds some, so that outputs of jobs whose file adds none still resume.
+        more_eos = [i for i in read_generation_config(directory).eos_token_ids
+                    if config.is_file() and i not in config_from_dir(directory).eos_token_ids]
+        if more_eos:
+            identity["generation_eos_token_ids"] = more_eos
     else:
         identity["name"] = model.lower().rsplit("/", 1)[-1]
     if dummy:
@@ -82,22 +112,26 @@ def sampling_identity(params: SamplingParams, seed: int) -> dict:
             "top_p": params.top_p, "stop": list(params.stop), "ignore_eos": params.ignore_eos, "seed": seed}
 
 
-def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, seed: int, source: str
-                     ) -> list[GenerationItem]:
-    """Tokenize and check every line against the model before anything runs."""
+def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, seed: int, source: str,
+                     requests: dict[str, OpenAIRequest] | None = None) -> list[GenerationItem]:
+    """Tokenize and check every line against the model before anything runs; an OpenAI request's
+    sampling fields override the job's."""
     items = []
     for line in lines:
         where = f"{source} line {line.line} (id {line.id!r})"
-        ids = prompt_ids(line.prompt, f"{where}: the prompt", llm.config, llm.tokenizer)
+        ids, text = line_prompt(line, f"{where}: the prompt", llm.config, llm.tokenizer)
         budget = line.max_new_tokens or defaults.max_new_tokens
         check_room(ids, budget, f"{where}: the prompt", llm.config)
         stop = tuple(dict.fromkeys(defaults.stop + line.stop))
         if stop and llm.tokenizer is None:
             raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
-        params = replace(defaults, max_new_tokens=budget, stop=stop,
-                         seed=request_seed(seed, line.id) if not defaults.greedy else None)
+        request = requests[id_key(line.id)] if requests is not None else None
+        sampling = request.sampling if request is not None else {}
+        params = replace(defaults, max_new_tokens=budget, stop=stop, **sampling)
+        if "seed" not in sampling:
+            params = replace(params, seed=request_seed(seed, line.id) if not params.greedy else None)
         items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {},
-                                    text=line.prompt if isinstance(line.prompt, str) else None))
+                                    text=text, request=request))
     return items
 
 
@@ -114,6 +148,7 @@ class BatchJob:
     defaults: SamplingParams
     store: ResultStore
     already: int  # prompts already in the output when it was opened
+    requests: dict[str, OpenAIRequest] | None = None  # an OpenAI batch file's requests, by id key
 
     @property
     def pending(self) -> list[PromptLine]:
@@ -128,19 +163,27 @@ class BatchJob:
         from ..prompts import prompt_workload
 
         pending = self.pending
-        return prompt_workload([line.prompt for line in pending],
+        return prompt_workload([line.prompt if line.messages is None else line.messages for line in pending],
                                [line.max_new_tokens or self.defaults.max_new_tokens for line in pending],
                                self.job.model, self.job.tokenizer)
 
     def run(self, llm, progress: Progress | None = None):
         """Generate every prompt not yet in the output; the run's Metrics, or None if none was left."""
-        items = generation_items(llm, self.lines, self.defaults, self.job.seed, self.source)
+        items = generation_items(llm, self.lines, self.defaults, self.job.seed, self.source, self.requests)
         self.store.record_policy(llm.policy.to_dict())
-        return run_generation(llm, self.store, items, progress=progress)
+        if self.requests is None:
+            return run_generation(llm, self.store, items, progress=progress)
+        decode = llm.tokenizer.decode if llm.tokenizer is not None else None
+
+        def openai_record(item, out, block):  # OpenAI's output format
+            return response_record(item.request, out, self.job.model, decode)
+
+        return run_generation(llm, self.store, items, progress=progress, make_record=openai_record)
 
     def failures(self) -> str | None:
         """'N of M sequences failed', or None when no result is an error."""
-        return failure_line(self.store.done[id_key(line.id)] for line in self.lines)
+        records = [self.store.done[id_key(line.id)] for line in self.lines]
+        return response_failures(records) if self.requests is not None else failure_line(records)
 
     def close(self) -> None:
         self.store.close()
@@ -150,7 +193,7 @@ def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens:
     """Read and check the input, and open (or resume) the output; the model is not loaded yet."""
     from ..api import resolve_device, resolve_dtype
 
-    lines, digest = read_batch_input(source)
+    lines, digest, requests = read_batch_requests(source)
     defaults = job.sampling(max_new_tokens)
     dtype = resolve_dtype(job.dtype, resolve_device(job.device))
     identity = {
@@ -161,4 +204,4 @@ def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens:
     store = ResultStore.open(output, make_header("batch", identity), fresh_hint="choose another --output",
                              flag="--output")
     already = sum(id_key(line.id) in store.done for line in lines)
-    return BatchJob(job, str(source), lines, defaults, store, already)
+    return BatchJob(job, str(source), lines, defaults, store, already, requests)

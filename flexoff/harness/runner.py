@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -53,6 +54,7 @@ class GenerationItem:
     extra: dict = field(default_factory=dict)  # extra fields copied into the record
     index: int | None = None  # the record's index; by default the item's place in the list
     text: str | None = None  # the prompt's text for the record, where ``prompt`` holds its token ids
+    request: object = None  # what a record builder other than flexoff's needs (an OpenAI batch request)
 
 
 @dataclass
@@ -66,8 +68,10 @@ class ScoreItem:
 
 
 def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, progress: Progress | None = None,
-                   desc: str = "prompts") -> Metrics | None:
-    """Generate for every item not yet in ``store``; None when there was nothing left to do."""
+                   desc: str = "prompts", make_record: Callable[[GenerationItem, object, Block], dict] | None = None
+                   ) -> Metrics | None:
+    """Generate for every item not yet in ``store``; None when there was nothing left to do.
+    ``make_record(item, output, block)`` builds a result line (default: flexoff's record)."""
     pending = [item if item.index is not None else replace(item, index=i)
                for i, item in enumerate(items) if id_key(item.id) not in store.done]
     if not pending:
@@ -82,7 +86,8 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
         records = []
         for out in outputs:
             item = pending[out.index]
-            records.append(generation_record(out, block, index=item.index, id=item.id, prompt=item.text,
+            records.append(make_record(item, out, block) if make_record is not None else
+                           generation_record(out, block, index=item.index, id=item.id, prompt=item.text,
                                              extra=item.extra))
         store.append(records)
         generated[0] += metrics.generated_tokens

@@ -82,6 +82,29 @@ def tiny_llm(tiny_opt):
     llm.close()
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}### assistant:{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_opt(tiny_opt, tmp_path_factory):
+    """(a copy of the tiny checkpoint whose tokenizer has a chat template, its LLM)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from flexoff import LLM, Policy
+
+    path = tmp_path_factory.mktemp("chat") / "opt"
+    shutil.copytree(tiny_opt[0], path)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    llm = LLM(str(path), policy=Policy(gpu_batch_size=4))
+    yield path, llm
+    llm.close()
+
+
 def run_cli(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
     """``python -m flexoff ARGS`` in a subprocess, from the repository root."""
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")

@@ -27,8 +27,7 @@ REPO = "tiny-org/tiny-opt"
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
 # Files a real repo carries beside the ones flexoff reads; none of them may be fetched.
-EXTRAS = ["README.md", "tf_model.h5", "flax_model.msgpack", "onnx/model.onnx", "training_args.bin",
-          "generation_config.json"]
+EXTRAS = ["README.md", "tf_model.h5", "flax_model.msgpack", "onnx/model.onnx", "training_args.bin"]
 
 
 def lay_out(cache: Path, repo_id: str, files: dict[str, Path], revision: str = REVISION) -> Path:
@@ -171,7 +170,8 @@ def test_a_download_fetches_only_what_flexoff_reads_then_the_cache_serves(tiny_m
     hub = FakeHub(monkeypatch, path, extras)
     outs = generate(REPO, None, params=PARAMS)
     weights = ["model.safetensors"] if safetensors else ["pytorch_model.bin"]
-    assert hub.requested == [sorted(["config.json", "tokenizer.json", "tokenizer_config.json", *weights])]
+    assert hub.requested == [sorted(["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                                     *weights])]
     assert_same_outputs(outs, generate(path, None, params=PARAMS))
     assert [o.text for o in outs] == [o.text for o in generate(path, None, params=PARAMS)]
     generate(REPO, None, params=PARAMS)
@@ -182,14 +182,14 @@ def test_a_dummy_download_fetches_only_the_config(tiny_model_dir, cache, monkeyp
     hub = FakeHub(monkeypatch, tiny_model_dir("opt-pre")[0])
     with LLM(REPO, dummy=True) as llm:
         assert llm.config.name == REPO
-    assert hub.requested == [["config.json"]]
+    assert hub.requested == [["config.json", "generation_config.json"]]
 
 
 def test_the_tokenizer_alone_fetches_no_weights(tiny_model_dir, cache, monkeypatch):
     path, _ = tiny_model_dir("opt-pre")
     hub = FakeHub(monkeypatch, path)
     tokenizer = Tokenizer.for_model(REPO)
-    assert hub.requested == [["config.json", "tokenizer.json", "tokenizer_config.json"]]
+    assert hub.requested == [["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]]
     assert tokenizer.encode(PROMPTS[0]) == Tokenizer(path).encode(PROMPTS[0])
 
 
