@@ -151,6 +151,7 @@ def test_generation_config_eos_ids_end_a_sequence(tiny_model_dir, tmp_path):
     ({"do_sample": True, "top_p": 0.9}, dict(temperature=1.0, top_p=0.9)),
     ({"temperature": 0.7, "top_p": 0.8, "max_new_tokens": 4}, dict(max_new_tokens=4)),  # no do_sample: greedy
     ({"eos_token_id": 2}, {}),
+    ({"repetition_penalty": 1.05, "max_new_tokens": 6}, dict(repetition_penalty=1.05, max_new_tokens=6)),
 ])
 def test_generation_config_sampling_defaults_apply_only_when_none_are_given(tiny_model_dir, tmp_path,
                                                                              generation, expected):
