@@ -129,8 +129,10 @@ class LLM:
         """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
         With it, a job that cannot fit the machine is refused before anything is allocated, and with
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
-        planned on ``hardware`` (a HardwareProfile or a callable giving one; default: this
-        machine's saved profile, measured quickly and saved the first time); ``self.plan`` tells.
+        planned on ``hardware`` (a HardwareProfile, a packaged profile's name or a profile file, or
+        a callable giving a profile; default: this machine's saved profile, measured quickly and
+        saved the first time); ``self.plan`` tells. ``policy="auto"`` always runs the planned
+        policy, as ``flexoff run --policy auto`` does.
         ``compress`` is what that planning may do with lossy 4-bit compression: "off" (lossless),
         "auto" (try both) or "on"."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
@@ -141,10 +143,12 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.seed = seed
-        if policy == "auto":
-            raise FlexoffError("policy 'auto' is for the command line, which knows the job; in Python, pass "
-                               "flexoff.planner.search_policy(config, Workload(...), hardware).policy")
-        given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else None
+        searched = policy == "auto"
+        if searched and workload is None:
+            raise FlexoffError("policy 'auto' plans for a job: pass workload=Workload(prompt_len, gen_len, "
+                               "num_prompts) too, or pass the policy flexoff.planner.search_policy(config, "
+                               "Workload(...), hardware).policy")
+        given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy and not searched else None
         self.policy = given or DEFAULT_POLICY
         self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
         source = DummyWeights(seed) if dummy else CheckpointWeights(checkpoint)
@@ -163,8 +167,12 @@ class LLM:
 
                 def hardware():
                     return saved_or_measured_profile(device, disk_dir, lambda message: print(message, file=sys.stderr))
+            elif isinstance(hardware, (str, os.PathLike)):
+                from .planner.hardware import resolve_hardware
+
+                hardware = resolve_hardware(str(hardware))
             self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir,
-                                compress)
+                                compress, search=searched)
             self.policy = self.plan.policy
             if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
                 offload_dir = offload_dir or self.plan.offload_dir
