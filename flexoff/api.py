@@ -10,13 +10,13 @@ import sys
 import tempfile
 
 import torch
-from tqdm import tqdm
 
 from .checks import check_bool, check_device_name, check_optional_path, check_seed, check_size
 from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
 from .models import ModelConfig, resolve_model, stage_specs, stages
 from .outputs import RequestOutput
+from .progress import TokenBar
 from .prompts import check_room, prompt_ids
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
@@ -255,12 +255,15 @@ class LLM:
                  *, progress: bool | None = None,
                  on_block: Callable[[list[RequestOutput], Metrics], None] | None = None,
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> GenerationResult:
+                 use_tqdm: bool | None = None, tracker=None) -> GenerationResult:
         """Generate a continuation of every prompt. Outputs come back in input order.
 
         ``prompts``: one prompt or a list; each is text, a list of token ids, or vLLM's
         ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``. ``sampling_params`` and ``use_tqdm``
-        are vLLM's names for ``params`` and ``progress`` (the progress bar, off by default)."""
+        are vLLM's names for ``params`` and ``progress`` (the progress bar, off by default; its
+        time left counts the prefills to come). ``tracker``: instead of that bar, an object told
+        of the job's work, each block's start and prefill, and its tokens, as
+        ``flexoff.progress.TokenBar`` is."""
         self._check_open()
         params = _one_of(params, sampling_params, "params", "sampling_params")
         progress = _one_of(progress, use_tqdm, "progress", "use_tqdm")
@@ -276,25 +279,26 @@ class LLM:
                              gpu_batch_size=self.policy.gpu_batch_size)
         outputs: list[RequestOutput | None] = [None] * len(ids)
         total = Metrics()
-        bar = tqdm(total=sum(p.max_new_tokens for p in params), unit="tok", disable=not progress,
-                   desc="generating", dynamic_ncols=True)
+        tracker = TokenBar(enabled=progress) if tracker is None else tracker
+        tracker.start(sum(map(len, ids)), sum(p.max_new_tokens for p in params))
         try:
             for block in blocks:
                 seqs = [Sequence(i, ids[i], params[i], SequenceSampler(params[i], self.seed + i)) for i in block]
                 budget = sum(s.params.max_new_tokens for s in seqs)
+                tracker.block_started(sum(len(s.prompt_ids) for s in seqs))
                 metrics = self.engine.generate_block(
-                    seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=bar.update)
+                    seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=tracker.generated,
+                    on_prefill=tracker.prefilled)
                 # Sequences that stopped early leave part of their budget unused; count it as done.
-                bar.update(budget - metrics.generated_tokens)
+                tracker.block_done(budget - metrics.generated_tokens)
                 block_outputs = [self._finish(seq, prompts[seq.index]) for seq in seqs]
                 for out in block_outputs:
                     outputs[out.index] = out
                 total.add(metrics)
-                bar.set_postfix(tok_s=f"{total.total_throughput:.1f}")
                 if on_block is not None:
                     on_block(block_outputs, metrics)
         finally:
-            bar.close()
+            tracker.close()
         return GenerationResult(outputs, total)
 
     def next_token_logits(self, prompts: SequenceOf) -> torch.Tensor:
