@@ -243,3 +243,17 @@ def test_policy_auto_plans_once_for_the_calls_longest_request(tiny_opt, tmp_path
     fixed = FlexoffLM(policy=str(policy), **common)
     assert fixed.generate_until(requests, disable_tqdm=True) == texts
     fixed.close()
+
+
+def test_import_flexoff_registers_the_model_by_path_without_loading_it():
+    import subprocess
+
+    from .conftest import REPO
+
+    code = ("import sys, flexoff\n"
+            "from lm_eval.api.registry import get_model\n"
+            "print('flexoff.harness.lm_eval_adapter' in sys.modules, 'torch' in sys.modules)\n"
+            "print(get_model('flexoff').__module__)\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == ["False False", "flexoff.harness.lm_eval_adapter"]
