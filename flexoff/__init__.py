@@ -7,6 +7,7 @@ parsing) does not import torch.
 from __future__ import annotations
 
 from importlib import import_module
+from importlib.util import find_spec
 from typing import TYPE_CHECKING
 
 # name -> the module that defines it
@@ -40,3 +41,21 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+def _register_with_lm_eval() -> None:
+    """Name the ``flexoff`` model in lm-evaluation-harness's registry, so that
+    ``lm_eval.simple_evaluate(model="flexoff")`` finds it after ``import flexoff``: lm_eval has no
+    plugin discovery of its own. Only the model's import path is registered (lm_eval loads the
+    adapter when asked for it), and only where lm_eval is installed and its registry imports."""
+    if find_spec("lm_eval") is None:
+        return
+    try:
+        from lm_eval.api.registry import model_registry
+    except Exception:  # an lm_eval too old for lazy entries, or a broken install: flexoff works without it
+        return
+    if "flexoff" not in model_registry:
+        model_registry.register("flexoff", target="flexoff.harness.lm_eval_adapter:FlexoffLM")
+
+
+_register_with_lm_eval()

@@ -11,7 +11,6 @@ import sys
 import tempfile
 
 import torch
-from tqdm import tqdm
 
 from .chat import chat_prompt, conversation_list
 from .checks import check_bool, check_device_name, check_optional_path, check_seed, check_size
@@ -20,6 +19,7 @@ from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, 
 from .generation_config import read_generation_config
 from .models import ModelConfig, resolve_model, stage_specs, stages
 from .outputs import CompletionOutput, Logprob, RequestOutput
+from .progress import TokenBar
 from .prompts import check_room, prompt_ids
 from .runtime.batching import form_blocks
 from .runtime.batch import Sequence
@@ -132,8 +132,10 @@ class LLM:
         """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
         With it, a job that cannot fit the machine is refused before anything is allocated, and with
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
-        planned on ``hardware`` (a HardwareProfile or a callable giving one; default: this
-        machine's saved profile, measured quickly and saved the first time); ``self.plan`` tells.
+        planned on ``hardware`` (a HardwareProfile, a packaged profile's name or a profile file, or
+        a callable giving a profile; default: this machine's saved profile, measured quickly and
+        saved the first time); ``self.plan`` tells. ``policy="auto"`` always runs the planned
+        policy, as ``flexoff run --policy auto`` does.
         ``compress`` is what that planning may do with lossy 4-bit compression: "off" (lossless),
         "auto" (try both) or "on"."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
@@ -144,10 +146,12 @@ class LLM:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.seed = seed
-        if policy == "auto":
-            raise FlexoffError("policy 'auto' is for the command line, which knows the job; in Python, pass "
-                               "flexoff.planner.search_policy(config, Workload(...), hardware).policy")
-        given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy else None
+        searched = policy == "auto"
+        if searched and workload is None:
+            raise FlexoffError("policy 'auto' plans for a job: pass workload=Workload(prompt_len, gen_len, "
+                               "num_prompts) too, or pass the policy flexoff.planner.search_policy(config, "
+                               "Workload(...), hardware).policy")
+        given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy and not searched else None
         self.policy = given or DEFAULT_POLICY
         self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
         self.generation_config = read_generation_config(checkpoint)
@@ -170,8 +174,12 @@ class LLM:
 
                 def hardware():
                     return saved_or_measured_profile(device, disk_dir, lambda message: print(message, file=sys.stderr))
+            elif isinstance(hardware, (str, os.PathLike)):
+                from .planner.hardware import resolve_hardware
+
+                hardware = resolve_hardware(str(hardware))
             self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir,
-                                compress)
+                                compress, search=searched)
             self.policy = self.plan.policy
             if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
                 offload_dir = offload_dir or self.plan.offload_dir
@@ -292,12 +300,15 @@ class LLM:
                  *, progress: bool | None = None,
                  on_block: Callable[[list[RequestOutput], Metrics], None] | None = None,
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> GenerationResult:
+                 use_tqdm: bool | None = None, tracker=None) -> GenerationResult:
         """Generate a continuation of every prompt. Outputs come back in input order.
 
         ``prompts``: one prompt or a list; each is text, a list of token ids, or vLLM's
         ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``. ``sampling_params`` and ``use_tqdm``
-        are vLLM's names for ``params`` and ``progress`` (the progress bar, off by default)."""
+        are vLLM's names for ``params`` and ``progress`` (the progress bar, off by default; its
+        time left counts the prefills to come). ``tracker``: instead of that bar, an object told
+        of the job's work, each block's start and prefill, and its tokens, as
+        ``flexoff.progress.TokenBar`` is."""
         self._check_open()
         params = _one_of(params, sampling_params, "params", "sampling_params")
         progress = _one_of(progress, use_tqdm, "progress", "use_tqdm")
@@ -322,16 +333,18 @@ class LLM:
         outputs: list[RequestOutput | None] = [None] * len(ids)
         done: dict[int, list[Sequence]] = {}  # a prompt's finished samples, until all n are
         total = Metrics()
-        bar = tqdm(total=sum(p.max_new_tokens * p.n for p in params), unit="tok", disable=not progress,
-                   desc="generating", dynamic_ncols=True)
+        tracker = TokenBar(enabled=progress) if tracker is None else tracker
+        tracker.start(sum(len(ids[i]) for i, _ in rows), sum(p.max_new_tokens * p.n for p in params))
         try:
             for block in blocks:
                 seqs = [Sequence(r, ids[rows[r][0]], row_params[r], seeds[r]) for r in block]
                 budget = sum(s.params.max_new_tokens for s in seqs)
+                tracker.block_started(sum(len(s.prompt_ids) for s in seqs))
                 metrics = self.engine.generate_block(
-                    seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=bar.update)
+                    seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=tracker.generated,
+                    on_prefill=tracker.prefilled)
                 # Sequences that stopped early leave part of their budget unused; count it as done.
-                bar.update(budget - metrics.generated_tokens)
+                tracker.block_done(budget - metrics.generated_tokens)
                 block_outputs = []
                 for seq in seqs:
                     i = rows[seq.index][0]
@@ -341,11 +354,10 @@ class LLM:
                         outputs[i] = self._finish(samples, i, prompts[i])
                         block_outputs.append(outputs[i])
                 total.add(metrics)
-                bar.set_postfix(tok_s=f"{total.total_throughput:.1f}")
                 if on_block is not None:  # a block may finish no prompt when its samples span blocks
                     on_block(block_outputs, metrics)
         finally:
-            bar.close()
+            tracker.close()
         return GenerationResult(outputs, total)
 
     def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,

@@ -11,6 +11,7 @@ import sys
 import time
 
 from ..errors import FlexoffError, OutputError
+from ..progress import TOKEN_BAR_FORMAT
 from .args import COUNT, SEED, add_model_args, add_policy_args, add_sampling_args, integer, job_from_args
 from .llm import make_llm
 from .report import format_summary, format_table
@@ -54,13 +55,17 @@ class TqdmProgress:
     def start(self, desc: str, unit: str, total: int, done: int) -> None:
         from tqdm import tqdm
 
+        # Token counts come with their own time left in the note (it counts prefill; tqdm's would not).
+        layout = {"bar_format": TOKEN_BAR_FORMAT} if unit == "tok" else {}
         self.bar = tqdm(total=total, initial=done, unit=unit, desc=desc, disable=not self.enabled,
-                        dynamic_ncols=True, file=sys.stderr)
+                        dynamic_ncols=True, file=sys.stderr, **layout)
 
     def advance(self, count: int, note: str = "") -> None:
-        self.bar.update(count)
         if note:
-            self.bar.set_postfix_str(note)
+            self.bar.set_postfix_str(note, refresh=False)
+        self.bar.update(count)
+        if not count:
+            self.bar.refresh()
 
     def finish(self) -> None:
         self.bar.close()

@@ -1,5 +1,10 @@
-"""``python -m flexoff.commands.lm_eval ARGS``: lm-evaluation-harness's command line with the ``flexoff``
-model registered (lm_eval has no plugin discovery of its own; see flexoff.harness.lm_eval_adapter)."""
+"""``flexoff eval ARGS``: lm-evaluation-harness's own command line, with the ``flexoff`` model
+registered (lm_eval has no plugin discovery of its own; see flexoff.harness.lm_eval_adapter).
+
+Every argument goes to lm_eval's parser unchanged, so its flags and help are lm_eval's:
+``flexoff eval --model flexoff --model_args pretrained=DIR --tasks hellaswag``.
+``python -m flexoff.commands.lm_eval ARGS`` does the same.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +13,29 @@ import sys
 from ..errors import FlexoffError, error_line
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        from ..harness import lm_eval_adapter  # noqa: F401  (registers the model)
-    except FlexoffError as exc:  # lm_eval is not installed
+        from ..harness import lm_eval_adapter  # noqa: F401  (registers the model, or says lm_eval is missing)
+    except FlexoffError as exc:
         print(error_line(exc), file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv[0] = "lm_eval"
+    # lm_eval's parser reads sys.argv itself (and inserts its `run` subcommand there).
+    saved = sys.argv
+    sys.argv = ["flexoff eval", *argv]
     try:
         cli_evaluate()
     except FlexoffError as exc:  # a bad model_args value or path: one line, as the flexoff command says it
         print(error_line(exc), file=sys.stderr)
-        raise SystemExit(2) from None
+        return 2
+    except SystemExit as exc:  # lm_eval's --help, or a usage error its parser printed
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    finally:
+        sys.argv = saved
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

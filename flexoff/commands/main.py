@@ -143,10 +143,18 @@ def build_parser() -> argparse.ArgumentParser:
     register_run(subparsers)
     search.register(subparsers)
     harness.register(subparsers)
+    # Listed for --help only: main() hands `eval` and its arguments to lm_eval before parsing.
+    subparsers.add_parser("eval", help="lm-evaluation-harness with the flexoff model: `flexoff eval --model "
+                                       "flexoff --model_args pretrained=DIR --tasks TASK` (see `flexoff eval --help`)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "eval":  # every other argument is lm_eval's, for its own parser
+        from .lm_eval import main as evaluate
+
+        return evaluate(argv[1:])
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error the parser printed as one line

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -99,6 +100,18 @@ def write_frontier_csv(predictions: list[Prediction], path: str | Path) -> None:
 
 def plot_frontier(predictions: list[Prediction], path: str | Path, title: str = "") -> None:
     """Save the latency-throughput frontier as an image (matplotlib is imported only here)."""
+    fig = frontier_figure(predictions, title)
+    try:
+        fig.savefig(path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot write plot {path}: {exc}") from None
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+
+
+def frontier_figure(predictions: list[Prediction], title: str = ""):
     try:
         import matplotlib
 
@@ -107,17 +120,24 @@ def plot_frontier(predictions: list[Prediction], path: str | Path, title: str = 
     except ImportError:
         raise ConfigError("plotting needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(6, 4))
-    draw_frontier(ax, predictions, title)
+    draw_frontier(ax, predictions, title, label="predicted frontier")
+    ax.legend(fontsize=8)
     fig.tight_layout()
-    try:
-        fig.savefig(path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot write plot {path}: {exc}") from None
-    finally:
-        plt.close(fig)
+    return fig
 
 
-def draw_frontier(ax, predictions: list[Prediction], title: str = "", label: str | None = None) -> None:
+def frontier_title(model: str, hardware: HardwareProfile, prompt_len: int, gen_len: int) -> str:
+    """A plot's title: the model, the machine with the memory the planner may fill (its cap), the workload."""
+    return (f"{model} on {hardware.name} (GPU {format_size(hardware.capacity('gpu'))}, "
+            f"CPU {format_size(hardware.capacity('cpu'))})\nprompt {prompt_len}, generate {gen_len}")
+
+
+def draw_frontier(ax, predictions: list[Prediction], title: str = "", label: str | None = None,
+                  explain: bool = True) -> None:
+    """The frontier on ``ax``: one marker a policy, about ten of them labelled with their GPU batch
+    size x number of GPU batches (``explain`` says so on the axes)."""
+    from matplotlib.ticker import NullFormatter, StrMethodFormatter
+
     latencies = [p.block_latency for p in predictions]
     throughputs = [p.total_throughput for p in predictions]
     ax.plot(latencies, throughputs, marker="o", drawstyle="steps-post", label=label)
@@ -128,12 +148,48 @@ def draw_frontier(ax, predictions: list[Prediction], title: str = "", label: str
             ax.annotate(f"{p.policy.gpu_batch_size}x{p.policy.num_gpu_batches}",
                         (p.block_latency, p.total_throughput), textcoords="offset points", xytext=(4, -10),
                         fontsize=7)
+    if explain:
+        ax.text(0.01, 0.99, "point labels: GPU batch size x GPU batches", transform=ax.transAxes, fontsize=7,
+                va="top", color="0.3")
     ax.set_xscale("log")
+    # Few plain ticks, slanted, and no minor labels: log axes otherwise label minor ticks when the
+    # range is under a decade or two, and the labels crowd into each other.
+    ax.xaxis.set_major_locator(_LogTicks())
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.set_xlabel("block latency (s)")
     ax.set_ylabel("generation throughput (token/s)")
     if title:
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
+
+
+def _LogTicks():
+    """A matplotlib locator of log_ticks over the axis's view, whatever else is drawn on it."""
+    from matplotlib.ticker import Locator
+
+    class LogTicks(Locator):
+        def __call__(self):
+            low, high = sorted(self.axis.get_view_interval())
+            return log_ticks(max(low, 1e-12), max(high, 1e-12))
+
+    return LogTicks()
+
+
+def log_ticks(low: float, high: float, most: int = 6) -> list[float]:
+    """At most ``most`` ticks in [low, high]: of the 1-2-5 series, or of a finer one where that
+    gives fewer than three, evenly thinned."""
+    for series in ((1, 2, 5), (1, 2, 3, 5, 7), tuple(range(1, 10))):
+        exponent = math.floor(math.log10(low))
+        inside = []
+        while exponent <= math.log10(high):
+            inside += [m * 10.0 ** exponent for m in series if low <= m * 10.0 ** exponent <= high]
+            exponent += 1
+        if len(inside) >= 3:
+            break
+    step = math.ceil(len(inside) / most) if inside else 1
+    return inside[::step] or [low, high]
 
 
 def describe_hardware(hardware: HardwareProfile) -> str:

@@ -12,7 +12,8 @@ from ..planner.search import pareto_frontier, search_policy
 from ..policy import CHOICES
 from ..units import parse_size
 from .args import COUNT, SIZE, add_compress_arg, number
-from .report import describe_hardware, format_frontier, format_prediction, plot_frontier, write_frontier_csv
+from .report import (describe_hardware, format_frontier, format_prediction, frontier_title, plot_frontier,
+                     write_frontier_csv)
 
 
 def register(subparsers) -> None:
@@ -93,7 +94,8 @@ def run_search(args) -> int:
             write_frontier_csv(frontier, args.pareto_csv)
             print(f"wrote {args.pareto_csv}")
         if args.pareto_plot:
-            plot_frontier(frontier, args.pareto_plot, title=f"{config.name} on {hardware.name}")
+            plot_frontier(frontier, args.pareto_plot, title=frontier_title(config.name, hardware, workload.prompt_len,
+                                                                            workload.gen_len))
             print(f"wrote {args.pareto_plot}")
     if args.output:
         try:

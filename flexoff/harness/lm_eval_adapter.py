@@ -1,32 +1,39 @@
 """lm-evaluation-harness model ``flexoff``: evaluate any flexoff model with ``lm_eval`` tasks.
 
-lm_eval finds models in its registry, and this module registers ``flexoff`` when imported.
-lm_eval has no plugin discovery of its own, so run its command line through flexoff's::
+``import flexoff`` names the model in lm_eval's registry (lm_eval has no plugin discovery of its
+own), so from Python ``lm_eval.simple_evaluate(model="flexoff", model_args="pretrained=DIR")``
+works after it. lm_eval's own command line never imports flexoff: run it through flexoff's::
 
-    python -m flexoff.commands.lm_eval --model flexoff \\
-        --model_args pretrained=/models/opt-30b,policy=opt30b.json --tasks hellaswag
+    flexoff eval --model flexoff --model_args pretrained=/models/opt-30b,policy=opt30b.json --tasks hellaswag
 
-or, from Python, ``import flexoff.harness.lm_eval_adapter`` before ``lm_eval.simple_evaluate(
-model="flexoff", model_args="pretrained=DIR")``. Needs ``pip install lm-eval``.
+Needs ``pip install lm-eval``.
 
 ``--model_args``: ``pretrained`` (a checkpoint directory, or a registry name with ``dummy=True``),
-``policy`` (a policy JSON file), ``dtype``, ``device``, ``seed``, ``tokenizer``, and
-``greedy_check`` (default true: loglikelihood's is-greedy flag costs one greedy generation of
-the continuation's length; false reports it as false and skips that work). lm_eval's
-``batch_size`` is accepted and ignored: the policy sets the batch sizes.
+``policy`` (a policy JSON file, or ``auto``: planned once per request type for its longest
+request, on ``hardware``, a packaged profile's name or a profile file, by default this machine's
+saved profile), ``dtype``, ``device``, ``seed``, ``tokenizer``, ``gpu_mem``, ``cpu_mem``,
+``offload_dir``, ``compress`` (as the command line's flags), and ``greedy_check`` (default true:
+loglikelihood's is-greedy flag costs one greedy generation of the continuation's length; false
+reports it as false and skips that work). lm_eval's ``batch_size`` is accepted and ignored: the
+policy sets the batch sizes.
 
 Request types: ``loglikelihood`` (scored in one prefill pass by ``LLM.score``),
 ``loglikelihood_rolling`` (disjoint windows of the model's context, each token predicted once)
-and ``generate_until`` (``until``, ``max_gen_toks``, ``do_sample``, ``temperature``, ``top_k``,
-``top_p``). Requests are handed to flexoff all at once, which sorts them into blocks by length.
+and ``generate_until`` (``until``, ``max_gen_toks``, ``do_sample`` and the settings in
+GEN_KWARGS; any other setting is refused by name rather than ignored). ``--apply_chat_template``
+uses the tokenizer's chat template. Requests are handed to flexoff a few blocks at a time,
+sorted by length, under a progress bar.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
+from tqdm import tqdm
+
 from ..checks import MAX_SEED, is_int
-from ..errors import ConfigError, FlexoffError
+from ..errors import ConfigError, FlexoffError, SamplingError
 
 try:
     import lm_eval.models  # noqa: F401  (register lm_eval's own models before ours; see get_model)
@@ -37,6 +44,23 @@ except ImportError:  # pragma: no cover - exercised only without the optional pa
     raise FlexoffError("the lm_eval adapter needs lm-evaluation-harness: pip install 'flexoff[lm-eval]'") from None
 
 _IGNORED_ARGS = ("batch_size", "max_batch_size")
+_LLM_ARGS = ("dtype", "device", "seed", "tokenizer", "gpu_mem", "cpu_mem", "offload_dir", "compress")
+
+# lm_eval's generation settings (in HF's and vLLM's spellings, as tasks write them) -> the
+# SamplingParams field that means the same. A setting whose field SamplingParams lacks, or whose
+# value it refuses, is refused by name; one missing here is refused too.
+GEN_KWARGS = {
+    "max_gen_toks": "max_new_tokens", "max_new_tokens": "max_new_tokens", "max_tokens": "max_new_tokens",
+    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "seed": "seed",
+    "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "min_p": "min_p",
+    "min_new_tokens": "min_tokens", "min_tokens": "min_tokens", "stop_token_ids": "stop_token_ids",
+}
+# Settings that change nothing at the value given (HF's beam search of one beam is greedy search).
+NEUTRAL_GEN_KWARGS = {"num_beams": 1}
+# Settings that only apply when sampling: a greedy request ignores them, as HF's generate does.
+SAMPLING_ONLY = ("temperature", "top_k", "top_p", "min_p", "seed")
+DEFAULT_MAX_GEN_TOKS = 256  # lm_eval's hf model's default
 
 
 def _flag(value, name: str) -> bool:
@@ -56,48 +80,160 @@ def _seed(value) -> int:
     return number
 
 
+def sampling_fields(gen_kwargs: dict) -> tuple[dict, bool]:
+    """(SamplingParams fields, whether to sample) for one request's lm_eval generation settings
+    other than ``until``; a setting flexoff cannot honour raises, naming it."""
+    kwargs = dict(gen_kwargs)
+    sample = _flag(kwargs.pop("do_sample", False), "do_sample")
+    known = {f.name for f in dataclasses.fields(_sampling_params())}
+    fields = {}
+    for key, value in kwargs.items():
+        if value is None:  # a task's "not set"
+            continue
+        if key in NEUTRAL_GEN_KWARGS and value == NEUTRAL_GEN_KWARGS[key]:
+            continue
+        if not sample and key in SAMPLING_ONLY:
+            continue
+        field = GEN_KWARGS.get(key)
+        if field is None or field not in known:
+            raise SamplingError(f"lm_eval generation setting {key}={value!r} is not supported by flexoff; "
+                                f"supported: until, do_sample, {', '.join(k for k in GEN_KWARGS if GEN_KWARGS[k] in known)}")
+        try:
+            _sampling_params()(**{field: value})
+        except FlexoffError as exc:
+            raise SamplingError(f"lm_eval generation setting {key}={value!r}: {exc}") from None
+        fields[field] = value
+    if sample and fields.get("temperature", 1.0) == 0:
+        sample = False
+    if sample:
+        fields.setdefault("temperature", 1.0)
+    else:
+        fields["temperature"] = 0.0
+    return fields, sample
+
+
+def _sampling_params():
+    from ..runtime.sampling import SamplingParams
+
+    return SamplingParams
+
+
 @register_model("flexoff")
 class FlexoffLM(LM):
     def __init__(self, pretrained: str, policy: str | None = None, dummy=False, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, tokenizer: str | None = None, greedy_check=True,
-                 **kwargs):
+                 hardware: str | None = None, gpu_mem: str | None = None, cpu_mem: str | None = None,
+                 offload_dir: str | None = None, compress: str = "off", **kwargs):
         super().__init__()
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS))
         if unknown:
             raise FlexoffError(f"unknown flexoff model_args {unknown}; known: pretrained, policy, dummy, dtype, "
-                               "device, seed, tokenizer, greedy_check")
+                               "device, seed, tokenizer, greedy_check, hardware, gpu_mem, cpu_mem, offload_dir, "
+                               "compress")
         import torch
 
-        from .. import LLM
+        from ..api import check_llm_args
+        from ..models import resolve_model
+        from ..tokenizer import Tokenizer
 
         if device and str(device).startswith("cuda") and not torch.cuda.is_available():
             # lm_eval's command line asks for cuda:0 unless told otherwise, even on machines without it.
             warnings.warn(f"flexoff: device {device!r} is not available here; running on the CPU", stacklevel=2)
             device = "cpu"
         seed = _seed(seed)
+        dummy = _flag(dummy, "dummy")
         self.greedy_check = _flag(greedy_check, "greedy_check")
-        self.llm = LLM(str(pretrained), dummy=_flag(dummy, "dummy"), policy=policy, dtype=dtype,
-                       device=device or "auto", seed=seed, tokenizer=tokenizer)
-        if self.llm.tokenizer is None:
-            self.llm.close()
+        self.auto = policy == "auto"
+        self._llm_args = dict(model=str(pretrained), dummy=dummy, dtype=dtype, device=device or "auto", seed=seed,
+                              tokenizer=tokenizer, gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir,
+                              compress=compress)
+        check_llm_args(policy=policy, **{k: v for k, v in self._llm_args.items() if k != "model"})
+        self._hardware = hardware
+        self._planned = None  # (prompt_len, gen_len) the auto policy was planned for
+        self.llm = None
+        if self.auto:  # the policy waits for the requests; the model's config and tokenizer do not
+            self.config, checkpoint = resolve_model(str(pretrained), dummy)
+            self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
+        else:
+            self.llm = self._make_llm(policy)
+            self.config, self.tokenizer = self.llm.config, self.llm.tokenizer
+        if self.tokenizer is None:
+            self.close()
             raise FlexoffError(f"lm_eval works on text; model {pretrained!r} has no tokenizer")
         self.seed = seed
-        self.max_length = self.llm.config.max_positions
-        cfg = self.llm.config
+        self.max_length = self.config.max_positions
+        cfg = self.config
         self.prefix_token_id = cfg.bos_token_id if cfg.bos_token_id is not None else cfg.eos_token_ids[0]
 
-    # Tokens
+    def _make_llm(self, policy, workload=None):
+        from .. import LLM
+
+        return LLM(**self._llm_args, policy=policy, workload=workload, hardware=self._hardware)
+
+    def _llm_for(self, prompt_len: int, gen_len: int, count: int):
+        """The LLM to run a call's requests: with policy auto, planned for the call's longest prompt
+        and generation (kept while later calls fit in what it was planned for)."""
+        if self.auto and (self._planned is None or prompt_len > self._planned[0] or gen_len > self._planned[1]):
+            from ..planner.cost_model import Workload
+
+            self.close()
+            self.llm = self._make_llm("auto", Workload(prompt_len, max(gen_len, 1), count))
+            self._planned = (prompt_len, gen_len)
+            if self.llm.plan is not None and self.llm.plan.message:
+                warnings.warn(f"flexoff: {self.llm.plan.message}", stacklevel=3)
+        return self.llm
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+
+    # Tokens and chat
     def _encode(self, text: str) -> list[int]:
-        return self.llm.tokenizer.encode(text)
+        ids = self.tokenizer.encode(text)
+        bos = self.config.bos_token_id
+        # A text that starts with the BOS (a chat template writes it) gets no second one, as lm_eval's hf model does.
+        return ids[1:] if bos is not None and ids[:2] == [bos, bos] else ids
 
     def _without_bos(self, ids: list[int]) -> list[int]:
-        bos = self.llm.config.bos_token_id
+        bos = self.config.bos_token_id
         return ids[1:] if bos is not None and ids and ids[0] == bos else ids
 
-    # Request types
-    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        from .. import SamplingParams
+    def _chat_tokenizer(self):
+        hf = self.tokenizer.hf  # transformers' tokenizer holds the chat template
+        if hf is None or not getattr(hf, "chat_template", None):
+            raise FlexoffError(f"model {self._llm_args['model']!r} has no chat template (in its tokenizer_config.json "
+                               "or chat_template.jinja); run without --apply_chat_template")
+        return hf
 
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tokenizer, "path", self._llm_args["model"])).replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        if chat_template is False or chat_template is None:
+            return None
+        template = self._chat_tokenizer().chat_template
+        if isinstance(template, dict):  # named templates: the one asked for by name, else "default"
+            name = chat_template if isinstance(chat_template, str) else "default"
+            if name not in template:
+                raise FlexoffError(f"chat template {name!r} is not among the model's: {sorted(template)}")
+            return template[name]
+        return template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self._chat_tokenizer().apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt)
+
+    # Request types
+    def _chunks(self, lengths: list[int]) -> list[list[int]]:
+        """Request indices, shortest first, in chunks of a few blocks: each chunk's blocks carry little
+        padding, and the progress bar moves after each."""
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        size = 4 * (self.llm.policy.block_size if self.llm is not None else 32)
+        return [order[start:start + size] for start in range(0, len(order), size)]
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         prompts, continuations = [], []
         for request in requests:
             context, continuation = request.args
@@ -105,70 +241,82 @@ class FlexoffLM(LM):
             spaces = len(context) - len(context.rstrip())
             if spaces:
                 context, continuation = context[:-spaces], context[-spaces:] + continuation
-            prompt = context if context else [self.prefix_token_id]
+            ids = self._encode(context) if context else [self.prefix_token_id]
             cont_ids = self._without_bos(self._encode(continuation))
-            prompt_len = len(self._encode(prompt)) if isinstance(prompt, str) else len(prompt)
-            if prompt_len + len(cont_ids) > self.max_length:
+            if len(ids) + len(cont_ids) > self.max_length:
                 # Keep the continuation and as much of the context as fits, from its end.
-                ids = self._encode(context) if context else prompt
-                prompt, continuation = ids[len(ids) - (self.max_length - len(cont_ids)):], cont_ids
-            prompts.append(prompt)
-            continuations.append(continuation)
-        scores = self.llm.score(prompts, continuations)
-        greedy = [False] * len(scores)
-        if self.greedy_check:
-            lengths = [len(s.token_ids) for s in scores]
-            params = [SamplingParams(max_new_tokens=max(n, 1), ignore_eos=True) for n in lengths]
-            outputs = self.llm.generate(prompts, params)
-            greedy = [out.token_ids[:n] == s.token_ids for out, s, n in zip(outputs, scores, lengths)]
-        results = [(float(sum(s.logprobs)), bool(g)) for s, g in zip(scores, greedy)]
-        for request, result in zip(requests, results):
-            self.cache_hook.add_partial("loglikelihood", request.args, result)
+                ids = ids[len(ids) - (self.max_length - len(cont_ids)):]
+            prompts.append(ids)
+            continuations.append(cont_ids)
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        if not requests:
+            return []
+        lengths = [len(p) + len(c) for p, c in zip(prompts, continuations)]
+        llm = self._llm_for(max(lengths), max(len(c) for c in continuations), len(requests))
+        with tqdm(total=len(requests), desc="Running loglikelihood requests", disable=disable_tqdm) as bar:
+            for chunk in self._chunks(lengths):
+                for i, result in zip(chunk, self._score(llm, [prompts[i] for i in chunk],
+                                                        [continuations[i] for i in chunk])):
+                    results[i] = result
+                    self.cache_hook.add_partial("loglikelihood", requests[i].args, result)
+                bar.update(len(chunk))
         return results
 
+    def _score(self, llm, prompts, continuations) -> list[tuple[float, bool]]:
+        scores = llm.score(prompts, continuations)
+        greedy = [False] * len(scores)
+        if self.greedy_check:
+            params = [_sampling_params()(max_new_tokens=max(len(s.token_ids), 1), ignore_eos=True) for s in scores]
+            outputs = llm.generate(prompts, params)
+            greedy = [out.token_ids[:len(s.token_ids)] == s.token_ids for out, s in zip(outputs, scores)]
+        return [(float(sum(s.logprobs)), bool(g)) for s, g in zip(scores, greedy)]
+
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
-        windows, owners = [], []
-        for number, request in enumerate(requests):
+        windows = []  # per request, its (context, target) windows
+        for request in requests:
             (text,) = request.args
             tokens = self._without_bos(self._encode(text))
             # A window of n inputs scores n tokens, and flexoff feeds the last one too: n + 1 positions.
-            for context, target in map(make_disjoint_window, get_rolling_token_windows(
-                    tokens, self.prefix_token_id, self.max_length - 1, context_len=1)):
-                windows.append((context, target))
-                owners.append(number)
+            windows.append(list(map(make_disjoint_window, get_rolling_token_windows(
+                tokens, self.prefix_token_id, self.max_length - 1, context_len=1))))
         totals = [0.0] * len(requests)
-        if windows:
-            scores = self.llm.score([w[0] for w in windows], [w[1] for w in windows])
-            for owner, score in zip(owners, scores):
-                totals[owner] += float(sum(score.logprobs))
+        spans = [max((len(c) + len(t) for c, t in w), default=0) for w in windows]
+        if any(windows):
+            llm = self._llm_for(max(spans), 1, sum(map(len, windows)))
+        with tqdm(total=len(requests), desc="Running loglikelihood_rolling requests", disable=disable_tqdm) as bar:
+            for chunk in self._chunks(spans):
+                flat = [(i, w) for i in chunk for w in windows[i]]
+                if flat:
+                    scores = llm.score([w[0] for _, w in flat], [w[1] for _, w in flat])
+                    for (i, _), score in zip(flat, scores):
+                        totals[i] += float(sum(score.logprobs))
+                bar.update(len(chunk))
         for request, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        from .. import SamplingParams
-
         prompts, params, stops = [], [], []
         for number, request in enumerate(requests):
             context, kwargs = request.args
             kwargs = dict(kwargs or {})
             until = kwargs.pop("until", None) or []
             until = [until] if isinstance(until, str) else list(until)
-            budget = min(int(kwargs.pop("max_gen_toks", 256)), self.max_length - 1)
-            sample = _flag(kwargs.pop("do_sample", False), "do_sample")
-            temperature = float(kwargs.pop("temperature", 1.0 if sample else 0.0))
-            if not sample:
-                temperature = 0.0
+            fields, sample = sampling_fields(kwargs)
+            budget = min(int(fields.pop("max_new_tokens", DEFAULT_MAX_GEN_TOKS)), self.max_length - 1)
             ids = self._encode(context) if context else [self.prefix_token_id]
             if len(ids) + budget > self.max_length:
                 ids = ids[len(ids) - (self.max_length - budget):]
+            if sample:
+                fields.setdefault("seed", self.seed + number)
             prompts.append(ids)
             stops.append(until)
-            params.append(SamplingParams(
-                max_new_tokens=budget, temperature=temperature, top_k=int(kwargs.pop("top_k", 0) or 0),
-                top_p=float(kwargs.pop("top_p", 1.0) or 1.0), stop=tuple(s for s in until if s),
-                seed=self.seed + number if temperature > 0 else None))
-        outputs = self.llm.generate(prompts, params) if prompts else []
+            params.append(_sampling_params()(max_new_tokens=budget, stop=tuple(s for s in until if s), **fields))
+        if not prompts:
+            return []
+        llm = self._llm_for(max(map(len, prompts)), max(p.max_new_tokens for p in params), len(prompts))
+        with tqdm(total=len(requests), desc="Running generate_until requests", disable=disable_tqdm) as bar:
+            outputs = llm.generate(prompts, params, on_block=lambda outs, metrics: bar.update(len(outs)))
         texts = []
         for request, out, until in zip(requests, outputs, stops):
             text = out.text or ""
@@ -177,4 +325,3 @@ class FlexoffLM(LM):
             self.cache_hook.add_partial("generate_until", request.args, text)
             texts.append(text)
         return texts
-

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from ..progress import TokenProgress
 from ..records import Block, generation_record, score_record
 from ..runtime.metrics import Metrics
 from ..runtime.sampling import SamplingParams
@@ -77,9 +78,10 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
     if not pending:
         return None
     bar = progress or _Silent()
-    bar.start(desc, "prompt", len(items), len(items) - len(pending))
-    started = time.perf_counter()
-    generated = [0]
+    budgets = [item.params.max_new_tokens for item in pending]
+    done_budget = sum(item.params.max_new_tokens for item in items) - sum(budgets)
+    bar.start(desc, "tok", done_budget + sum(budgets), done_budget)
+    tracker = _ProgressTracker(bar, len(items), len(items) - len(pending))
 
     def on_block(outputs, metrics: Metrics) -> None:
         block = Block.now(len(outputs), metrics.total_time)
@@ -90,15 +92,47 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
                            generation_record(out, block, index=item.index, id=item.id, prompt=item.text,
                                              extra=item.extra))
         store.append(records)
-        generated[0] += metrics.generated_tokens
-        bar.advance(len(outputs), f"{generated[0] / max(time.perf_counter() - started, 1e-9):.1f} tok/s")
+        tracker.prompts_done += len(outputs)
 
     try:
         result = llm.generate([item.prompt for item in pending], [item.params for item in pending],
-                              on_block=on_block)
+                              on_block=on_block, tracker=tracker)
     finally:
         bar.finish()
     return result.metrics
+
+
+class _ProgressTracker:
+    """LLM.generate's progress events, shown on a harness Progress in tokens, with the time left
+    (prefill included) and the prompts done in its note."""
+
+    def __init__(self, bar: Progress, prompts: int, prompts_done: int):
+        self.bar, self.prompts, self.prompts_done = bar, prompts, prompts_done
+        self.progress: TokenProgress | None = None
+
+    def start(self, prompt_tokens: int, new_tokens: int) -> None:
+        self.progress = TokenProgress(prompt_tokens, new_tokens)
+
+    def block_started(self, prompt_tokens: int) -> None:
+        self.progress.block_started(prompt_tokens)
+
+    def prefilled(self) -> None:
+        self.progress.prefilled()
+        self.bar.advance(0, self._note())
+
+    def generated(self, count: int) -> None:
+        self.progress.generated(count)
+        self.bar.advance(count, self._note())
+
+    def block_done(self, unused: int) -> None:
+        self.progress.block_done(unused)
+        self.bar.advance(unused, self._note())
+
+    def close(self) -> None:
+        pass
+
+    def _note(self) -> str:
+        return f"{self.progress.note()}, {self.prompts_done}/{self.prompts} prompts"
 
 
 def run_scoring(llm, store: ResultStore, items: list[ScoreItem], *, chunk_size: int = 256,

@@ -54,11 +54,11 @@ class DefaultPlan:
 
 def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtype: torch.dtype,
             capacity: Capacity, hardware: HardwareProfile | Callable[[], HardwareProfile], default: Policy,
-            offload_dir: str | None, compress: str = "off") -> DefaultPlan:
+            offload_dir: str | None, compress: str = "off", search: bool = False) -> DefaultPlan:
     """The policy a job runs: ``policy`` if given, checked against ``capacity``; else
     :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None),
     ``hardware`` (a profile, or a callable giving one, called only when needed) and ``compress``
-    (what planning may do with lossy compression)."""
+    (what planning may do with lossy compression). ``search``: plan even where the default fits."""
     # A job past the model's positions is refused later, naming its prompt; sized as it asks, it
     # could overflow the sizing first.
     prompt_len = min(workload.prompt_len, config.max_positions - 1)
@@ -68,26 +68,30 @@ def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtyp
         check_job(config, policy, dtype, workload, capacity)
         return DefaultPlan(policy, None, None)
     return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir or tempfile.gettempdir(),
-                        compress)
+                        compress, search)
 
 
 def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dtype: torch.dtype,
                  hardware: HardwareProfile | Callable[[], HardwareProfile], default: Policy,
-                 offload_dir: str | None = None, compress: str = "off") -> DefaultPlan:
+                 offload_dir: str | None = None, compress: str = "off", search: bool = False) -> DefaultPlan:
     """``default`` when the job fits the machine under it; otherwise the best policy for the job on
     ``hardware`` (a profile, or a callable giving one, called only when needed) within ``capacity``
     and the free space of ``offload_dir`` (None: no disk), lossless unless ``compress`` ("auto",
-    "on") lets it compress. Raises PolicyError when planning cannot help (the device is the CPU,
-    whose RAM the cpu tier shares, and no --gpu-mem sets it apart) or no policy fits."""
+    "on") lets it compress; with ``search``, the searched policy even where ``default`` fits. Raises
+    PolicyError when planning cannot help (the device is the CPU, whose RAM the cpu tier shares, and
+    no --gpu-mem sets it apart) or no policy fits."""
     needed = job_needs(config, default, dtype, workload)
     tier = overflow(needed, capacity)
-    if tier is None:
+    if tier is None and not search:
         return DefaultPlan(default, None, None)
-    if capacity.shared and capacity.gpu is None:
-        check_fits(needed, capacity, job_what(config, default, workload))  # raises: only disk could help
-    limit = tier_limits(needed, capacity)[tier]
-    short = (f"{config.name} needs {format_size(needed[tier])} on the {tier_name(tier, capacity.device)} tier "
-             f"with everything there ({format_size(limit)} available)")
+    if tier is None:
+        short = f"policy auto for prompt {workload.prompt_len}, generate {workload.gen_len}"
+    else:
+        if capacity.shared and capacity.gpu is None:
+            check_fits(needed, capacity, job_what(config, default, workload))  # raises: only disk could help
+        limit = tier_limits(needed, capacity)[tier]
+        short = (f"{config.name} needs {format_size(needed[tier])} on the {tier_name(tier, capacity.device)} tier "
+                 f"with everything there ({format_size(limit)} available)")
     if dtype.itemsize != 2:
         raise PolicyError(f"{short}; the planner plans 16-bit weights and cache: pass --dtype float16 or bfloat16 "
                           "to plan a policy, or place the data yourself (--percent, --policy FILE)")

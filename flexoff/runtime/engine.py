@@ -118,12 +118,14 @@ class Engine:
         BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer).run(num_tokens)
 
     def generate_block(self, seqs: list[Sequence], decode: Decode | None = None,
-                       on_step: Callable[[int], None] | None = None) -> Metrics:
+                       on_step: Callable[[int], None] | None = None,
+                       on_prefill: Callable[[], None] | None = None) -> Metrics:
         """Generate for every sequence of one block; fills each Sequence in place.
 
         ``decode`` (token ids to text) lets stop strings be matched; without it they are not.
 
-        ``on_step`` receives the number of tokens each batch's step produced, for progress bars.
+        ``on_step`` receives the number of tokens each batch's step produced, and ``on_prefill`` is
+        called once the block's prefill is done (after that step's ``on_step``), for progress bars.
         """
         arch = architecture(self.cfg)
         max_new = max(s.params.max_new_tokens for s in seqs)
@@ -167,6 +169,8 @@ class Engine:
                 self.memory.sample()
             if on_step:
                 on_step(produced)
+            if on_prefill and clock["heads"] == len(batches):
+                on_prefill()
 
         self._execute(batches, max_new, sample)
         self._sync()

@@ -131,9 +131,9 @@ def failing(monkeypatch, bad_prompt: str | list[int], reason: str = "logits turn
             return out
         return replace(out, text=None, token_ids=[], logprobs=[], finish_reason="error", error=reason)
 
-    def generate(self, prompts, params=None, *, progress=False, on_block=None):
+    def generate(self, prompts, params=None, *, progress=False, on_block=None, **kwargs):
         hook = None if on_block is None else (lambda outs, metrics: on_block([broken(o) for o in outs], metrics))
-        result = original(self, prompts, params, progress=progress, on_block=hook)
+        result = original(self, prompts, params, progress=progress, on_block=hook, **kwargs)
         return GenerationResult([broken(o) for o in result], result.metrics)
 
     monkeypatch.setattr(LLM, "generate", generate)

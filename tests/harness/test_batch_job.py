@@ -179,7 +179,7 @@ def test_a_second_job_on_the_same_output_exits_2_and_a_third_resumes_the_first(t
     second = {}
     original = LLM.generate
 
-    def first_job(self, prompts, params=None, *, progress=False, on_block=None):
+    def first_job(self, prompts, params=None, *, progress=False, on_block=None, **kwargs):
         def after_a_block(outputs, metrics):
             on_block(outputs, metrics)
             capsys.readouterr()
@@ -187,7 +187,7 @@ def test_a_second_job_on_the_same_output_exits_2_and_a_third_resumes_the_first(t
             second["err"] = capsys.readouterr().err
             raise KeyboardInterrupt  # then the first job stops, as if killed
 
-        return original(self, prompts, params, progress=progress, on_block=after_a_block)
+        return original(self, prompts, params, progress=progress, on_block=after_a_block, **kwargs)
 
     monkeypatch.setattr(LLM, "generate", first_job)
     assert main(batch_args(tiny_opt[0], source, output, *flags)) == 130
@@ -274,3 +274,34 @@ def test_a_full_disk_mid_job_is_one_line_and_the_rerun_finishes(tiny_opt, tmp_pa
     assert main(batch_args(tiny_opt[0], source, output, "--max-new-tokens", "2")) == 0
     assert "(2 from an earlier run)" in capsys.readouterr().out
     assert len(by_id(output)[1]) == 6
+
+
+def test_the_progress_bar_moves_with_tokens_and_tells_the_time_left(tiny_opt, tmp_path, monkeypatch):
+    import flexoff.commands.harness as commands
+
+    calls = []
+
+    class Recorder:
+        def __init__(self, enabled=True):
+            pass
+
+        def start(self, desc, unit, total, done):
+            calls.append(("start", unit, total, done))
+
+        def advance(self, count, note=""):
+            calls.append(("advance", count, note))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    monkeypatch.setattr(commands, "TqdmProgress", Recorder)
+    source = write_jsonl(tmp_path / "in.jsonl", prompts(4))
+    assert main(batch_args(tiny_opt[0], source, tmp_path / "out.jsonl", "--max-new-tokens", "5",
+                           "--ignore-eos")) == 0
+    assert calls[0] == ("start", "tok", 20, 0) and calls[-1] == ("finish",)
+    advances = [c for c in calls if c[0] == "advance"]
+    assert sum(c[1] for c in advances) == 20
+    # Tokens move the bar before the first block is written, and the time left is known by then.
+    before_first_block = [c for c in advances if "0/4 prompts" in c[2]]
+    assert sum(c[1] for c in before_first_block) >= 5
+    assert any(" left, " in c[2] and not c[2].startswith("?") for c in before_first_block)

@@ -111,3 +111,33 @@ def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
     assert profile.measurements["cpu_attention"]["rows"] == [2, 4]
     assert not profile.pinned_host_memory  # no CUDA: the runtime does not pin
     assert "wrote" in out
+
+
+@pytest.mark.parametrize("model, compress", [("opt-175b", "on"), ("opt-30b", "off")])
+def test_the_frontier_plots_tick_labels_do_not_overlap_and_its_title_names_workload_and_cap(model, compress):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from flexoff.commands.report import frontier_figure, frontier_title
+    from flexoff.models.config import REGISTRY
+    from flexoff.planner import Workload, packaged_profile, pareto_frontier
+
+    hardware = packaged_profile("t4")
+    frontier = [r.prediction for r in pareto_frontier(REGISTRY[model], Workload(512, 32), hardware,
+                                                      compress=compress)]
+    fig = frontier_figure(frontier, frontier_title(model, hardware, 512, 32))
+    fig.set_size_inches(5.5, 4)  # a notebook's half-width panel
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        for axis in (fig.axes[0].xaxis, fig.axes[0].yaxis):
+            boxes = [label.get_window_extent(renderer) for label in axis.get_ticklabels(which="both")
+                     if label.get_visible() and label.get_text()]
+            assert 2 <= len(boxes) <= (7 if axis is fig.axes[0].xaxis else 12)
+            # Apart by more than a character's width, not only just clear of one another.
+            assert not any(a.padded(8).overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+        title = fig.axes[0].get_title()
+        assert "prompt 512, generate 32" in title and "GiB" in title and hardware.name in title
+        assert fig.axes[0].get_legend() is not None
+    finally:
+        plt.close(fig)
