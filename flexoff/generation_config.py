@@ -10,12 +10,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checks import is_int
 from .errors import ConfigError
+from .fileio import read_user_json
 
 FILE = "generation_config.json"
 _SAMPLED = ("temperature", "top_p", "top_k", "min_p")  # meaningful only with do_sample
@@ -34,10 +34,7 @@ def read_generation_config(directory: str | Path | None) -> GenerationDefaults:
     if directory is None or not (Path(directory) / FILE).is_file():
         return GenerationDefaults()
     path = Path(directory) / FILE
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    raw = read_user_json(path, "generation config", ConfigError)
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object, not {type(raw).__name__}")
     eos = raw.get("eos_token_id")

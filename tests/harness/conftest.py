@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -137,3 +139,18 @@ def failing(monkeypatch, bad_prompt: str | list[int], reason: str = "logits turn
         return GenerationResult([broken(o) for o in result], result.metrics)
 
     monkeypatch.setattr(LLM, "generate", generate)
+
+
+def kill_after_lines(argv: list[str], output: Path, lines: int, env: dict) -> int:
+    """Run ``argv`` in a child, kill it with SIGKILL once ``output`` holds ``lines`` lines, and
+    return how many it held then."""
+    job = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and job.poll() is None:
+        if output.exists() and output.read_bytes().count(b"\n") >= lines:
+            break
+        time.sleep(0.005)
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=30)
+    assert job.returncode == -signal.SIGKILL, "the job finished before it could be killed"
+    return output.read_bytes().count(b"\n")

@@ -2,10 +2,8 @@
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -13,7 +11,7 @@ from flexoff import SamplingParams
 from flexoff.commands.main import main
 from flexoff.harness.store import read_records
 
-from .conftest import REPO, failing, write_jsonl
+from .conftest import REPO, failing, kill_after_lines, write_jsonl
 
 WORDS = "the cat sat on the mat and the dog ran to the house".split()
 
@@ -73,18 +71,8 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_opt, tmp_path):
     assert done.returncode == 0, done.stderr
 
     output = tmp_path / "out.jsonl"
-    job = subprocess.Popen(cli_command() + batch_args(tiny_opt[0], source, output, *flags), env=env, cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and job.poll() is None:
-        if output.exists() and output.read_bytes().count(b"\n") >= 8:
-            break
-        time.sleep(0.005)
-    job.send_signal(signal.SIGKILL)
-    job.wait(timeout=30)
-    assert job.returncode == -signal.SIGKILL, "the job finished before it could be killed"
-    written = output.read_bytes().count(b"\n")  # one record a line, no header
-    assert 8 <= written < 160
+    written = kill_after_lines(cli_command() + batch_args(tiny_opt[0], source, output, *flags), output, 8, env)
+    assert 8 <= written < 160  # one record a line, no header
     with open(output, "ab") as handle:  # as if the kill had landed in the middle of a write
         handle.write(b'{"id": "p3", "text": "half a li')
 

@@ -4,10 +4,8 @@ runs; a killed job resumed equals an uninterrupted one."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -15,7 +13,7 @@ from flexoff import SamplingParams
 from flexoff.commands.main import main
 from flexoff.harness.store import read_records
 
-from .conftest import REPO, write_jsonl
+from .conftest import REPO, kill_after_lines, write_jsonl
 from .test_chat_jobs import CHATS
 
 WORDS = "the cat sat on the mat and the dog ran to the house".split()
@@ -136,17 +134,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(chat_opt, tmp_path):
     assert done.returncode == 0, done.stderr
 
     output = tmp_path / "out.jsonl"
-    job = subprocess.Popen(command + batch_args(chat_opt[0], source, output, *flags), env=env, cwd=REPO,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and job.poll() is None:
-        if output.exists() and output.read_bytes().count(b"\n") >= 6:
-            break
-        time.sleep(0.005)
-    job.send_signal(signal.SIGKILL)
-    job.wait(timeout=30)
-    assert job.returncode == -signal.SIGKILL, "the job finished before it could be killed"
-    written = output.read_bytes().count(b"\n")
+    written = kill_after_lines(command + batch_args(chat_opt[0], source, output, *flags), output, 6, env)
     assert 6 <= written < 100
     with open(output, "ab") as handle:  # as if the kill had landed in the middle of a write
         handle.write(b'{"id": "batch_req_0", "custom_id": "r3", "resp')
