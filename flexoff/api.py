@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as SequenceOf
-import dataclasses
 from dataclasses import dataclass, replace
 import math
 import os
@@ -327,7 +326,7 @@ class LLM:
         seeds = [self.seed + r if params[i].seed is None else params[i].seed + j for r, (i, j) in enumerate(rows)]
         # The prompt's logprobs come from its first sample's row only.
         row_params = [params[i] if j == 0 or params[i].prompt_logprobs is None
-                      else dataclasses.replace(params[i], prompt_logprobs=None) for i, j in rows]
+                      else replace(params[i], prompt_logprobs=None) for i, j in rows]
         blocks = form_blocks([len(ids[i]) for i, _ in rows], [params[i].max_new_tokens for i, _ in rows],
                              self.policy.block_size, gpu_batch_size=self.policy.gpu_batch_size)
         outputs: list[RequestOutput | None] = [None] * len(ids)

@@ -61,8 +61,8 @@ class OpenAIRequest:
     line: PromptLine
     custom_id: str
     kind: str  # "completion" or "chat"
-    sampling: dict = field(default_factory=dict)  # SamplingParams fields the body sets
-    logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
+    # SamplingParams fields the body sets; "logprobs" (alternatives per token) when it asks for them
+    sampling: dict = field(default_factory=dict)
 
 
 def output_id(custom_id: str) -> str:
@@ -116,7 +116,7 @@ def read_request(obj: dict, where: str, number: int) -> OpenAIRequest:
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     line = PromptLine(prompt, output_id(custom_id), budget, tuple(stop), None, number, messages)
-    return OpenAIRequest(line, custom_id, kind, sampling, logprobs)
+    return OpenAIRequest(line, custom_id, kind, sampling)
 
 
 def _budget(body: dict, where: str) -> int | None:
@@ -156,9 +156,10 @@ def response_record(request: OpenAIRequest, out, model: str, decode) -> dict:
         return {**record, "response": {"status_code": 500, "request_id": f"flexoff-{digest}", "body": None},
                 "error": {"code": "generation_failed", "message": out.error}}
     chat = request.kind == "chat"
+    top = request.sampling.get("logprobs")
     choices = []
     for choice in out.outputs:
-        logprobs = None if request.logprobs is None else _choice_logprobs(choice, request.logprobs, decode, chat)
+        logprobs = None if top is None else _choice_logprobs(choice, top, decode, chat)
         if chat:
             choices.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
                             "logprobs": logprobs, "finish_reason": choice.finish_reason,
