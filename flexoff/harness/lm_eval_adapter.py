@@ -198,12 +198,12 @@ class FlexoffLM(LM):
         bos = self.config.bos_token_id
         return ids[1:] if bos is not None and ids and ids[0] == bos else ids
 
-    def _chat_tokenizer(self):
-        hf = self.tokenizer.hf  # transformers' tokenizer holds the chat template
-        if hf is None or not getattr(hf, "chat_template", None):
+    def _chat_template(self):
+        template = self.tokenizer.chat_template
+        if not template:
             raise FlexoffError(f"model {self._llm_args['model']!r} has no chat template (in its tokenizer_config.json "
                                "or chat_template.jinja); run without --apply_chat_template")
-        return hf
+        return template
 
     @property
     def tokenizer_name(self) -> str:
@@ -212,7 +212,7 @@ class FlexoffLM(LM):
     def chat_template(self, chat_template: bool | str = False) -> str | None:
         if chat_template is False or chat_template is None:
             return None
-        template = self._chat_tokenizer().chat_template
+        template = self._chat_template()
         if isinstance(template, dict):  # named templates: the one asked for by name, else "default"
             name = chat_template if isinstance(chat_template, str) else "default"
             if name not in template:
@@ -221,9 +221,9 @@ class FlexoffLM(LM):
         return template
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self._chat_tokenizer().apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt)
+        self._chat_template()
+        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt)
 
     # Request types
     def _chunks(self, lengths: list[int]) -> list[list[int]]:
