@@ -73,39 +73,61 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60:02d}:{rest % 60:02d}"
 
 
-class TokenBar:
-    """A tqdm bar on stderr over a generation's new tokens, with TokenProgress's time left. The
-    events are TokenProgress's, after ``start`` with the job's work. ``enabled`` false: silent."""
+class TokenTracker:
+    """LLM.generate's progress events (its ``tracker``), kept in a TokenProgress; a subclass shows
+    them in ``show``, told how many new tokens to advance by."""
 
-    def __init__(self, desc: str = "generating", enabled: bool = True,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.desc, self.enabled, self.clock = desc, enabled, clock
-        self.progress = self.bar = None
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    progress: TokenProgress | None = None
 
     def start(self, prompt_tokens: int, new_tokens: int) -> None:
-        import sys
-
-        from tqdm import tqdm
-
         self.progress = TokenProgress(prompt_tokens, new_tokens, self.clock)
-        self.bar = tqdm(total=new_tokens, desc=self.desc, disable=not self.enabled, bar_format=TOKEN_BAR_FORMAT,
-                        dynamic_ncols=True, file=sys.stderr)
 
     def block_started(self, prompt_tokens: int) -> None:
         self.progress.block_started(prompt_tokens)
 
     def prefilled(self) -> None:
         self.progress.prefilled()
-        self.bar.set_postfix_str(self.progress.note())
+        self.show(0)
 
     def generated(self, count: int) -> None:
         self.progress.generated(count)
-        self.bar.set_postfix_str(self.progress.note(), refresh=False)
-        self.bar.update(count)
+        self.show(count)
 
     def block_done(self, unused: int) -> None:
         self.progress.block_done(unused)
-        self.bar.update(unused)
+        self.show(unused)
+
+    def show(self, advance: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class TokenBar(TokenTracker):
+    """A tqdm bar on stderr over a generation's new tokens, with TokenProgress's time left in its
+    note. ``enabled`` false: silent."""
+
+    def __init__(self, desc: str = "generating", enabled: bool = True,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.desc, self.enabled, self.clock = desc, enabled, clock
+        self.bar = None
+
+    def start(self, prompt_tokens: int, new_tokens: int) -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        super().start(prompt_tokens, new_tokens)
+        self.bar = tqdm(total=new_tokens, desc=self.desc, disable=not self.enabled, bar_format=TOKEN_BAR_FORMAT,
+                        dynamic_ncols=True, file=sys.stderr)
+
+    def show(self, advance: int) -> None:
+        self.bar.set_postfix_str(self.progress.note(), refresh=False)
+        self.bar.update(advance)
+        if not advance:
+            self.bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from ..progress import TokenProgress
+from ..progress import TokenTracker
 from ..records import Block, generation_record, score_record
 from ..runtime.metrics import Metrics
 from ..runtime.sampling import SamplingParams
@@ -102,37 +102,15 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
     return result.metrics
 
 
-class _ProgressTracker:
+class _ProgressTracker(TokenTracker):
     """LLM.generate's progress events, shown on a harness Progress in tokens, with the time left
     (prefill included) and the prompts done in its note."""
 
     def __init__(self, bar: Progress, prompts: int, prompts_done: int):
         self.bar, self.prompts, self.prompts_done = bar, prompts, prompts_done
-        self.progress: TokenProgress | None = None
 
-    def start(self, prompt_tokens: int, new_tokens: int) -> None:
-        self.progress = TokenProgress(prompt_tokens, new_tokens)
-
-    def block_started(self, prompt_tokens: int) -> None:
-        self.progress.block_started(prompt_tokens)
-
-    def prefilled(self) -> None:
-        self.progress.prefilled()
-        self.bar.advance(0, self._note())
-
-    def generated(self, count: int) -> None:
-        self.progress.generated(count)
-        self.bar.advance(count, self._note())
-
-    def block_done(self, unused: int) -> None:
-        self.progress.block_done(unused)
-        self.bar.advance(unused, self._note())
-
-    def close(self) -> None:
-        pass
-
-    def _note(self) -> str:
-        return f"{self.progress.note()}, {self.prompts_done}/{self.prompts} prompts"
+    def show(self, advance: int) -> None:
+        self.bar.advance(advance, f"{self.progress.note()}, {self.prompts_done}/{self.prompts} prompts")
 
 
 def run_scoring(llm, store: ResultStore, items: list[ScoreItem], *, chunk_size: int = 256,
