@@ -96,7 +96,8 @@ class Timeline:
             self._open = None
         if step.kind == SYNC:
             return
-        stream = self.streams.load if step.kind in LOADS else self.streams.compute
+        stream = {LOAD_CACHE: self.streams.cache}.get(step.kind, self.streams.load) if step.kind in LOADS \
+            else self.streams.compute
         self._open = {"step": step, "stream": stream, "host_start": now, "gpu_start": self._event(stream),
                       "bytes": self._bytes(step)}
 
@@ -137,7 +138,8 @@ class Timeline:
             step = entry["step"]
             rows.append({
                 "kind": step.kind, "token": step.token, "stage": step.stage, "batch": step.batch,
-                "stream": "load" if entry["stream"] is self.streams.load else "compute",
+                # both load streams draw on the same link: the copy engine's use is their union
+                "stream": "compute" if entry["stream"] is self.streams.compute else "load",
                 "host_start": (entry["host_start"] - self._ref_host) * 1e3,
                 "host_end": (entry["host_end"] - self._ref_host) * 1e3,
                 "gpu_start": self._ref.elapsed_time(entry["gpu_start"]),

@@ -87,7 +87,7 @@ class KVWorkspace:
     def take(self) -> int:
         index = self._next
         self._next = (self._next + 1) % len(self.sets)
-        self.streams.wait(self.streams.load, self.free_events[index])
+        self.streams.wait(self.streams.cache, self.free_events[index])
         return index
 
     @property
@@ -290,12 +290,12 @@ class BatchKV:
         if written is not None:
             written.result()  # the host rows' last slot, written by the worker
         index = self.workspace.take()
-        self.streams.wait(self.streams.load, self._stored.pop(layer, None))  # ... or by the store stream
+        self.streams.wait(self.streams.cache, self._stored.pop(layer, None))  # ... or by the store stream
         if self._staging_copied is not None:
             # The staging pair is about to be refilled from disk: the host waits until the last
-            # copy out of it has finished (on CUDA it runs asynchronously on the load stream).
+            # copy out of it has finished (on CUDA it runs asynchronously on the cache stream).
             self._staging_copied.synchronize()
-        with self.streams.on(self.streams.load):
+        with self.streams.on(self.streams.cache):
             for group in groups:
                 group.load(layer, start)
                 offset = group.rows.start - groups[0].rows.start
@@ -303,7 +303,7 @@ class BatchKV:
                 for target, source in zip(self.workspace.sets[index], group.pair(layer)):
                     target.narrow(1, offset, count).narrow(0, 0, start).copy_(source.narrow(0, 0, start),
                                                                              non_blocking=True)
-        ready = self.streams.record(self.streams.load)
+        ready = self.streams.record(self.streams.cache)
         self._loaded[layer] = (index, ready)
         if any(group.tier == "disk" for group in groups):
             self._staging_copied = ready

@@ -133,7 +133,12 @@ def _unregister(buffers: list[torch.Tensor]) -> None:
 
 
 class Streams:
-    """Compute, load and store streams on CUDA; plain in-order calls elsewhere."""
+    """Compute, load and store streams on CUDA; plain in-order calls elsewhere.
+
+    Weights and the travelling cache load on streams of their own: a stage's weight load (issued
+    with its first batch) would otherwise hold every later batch's cache load of the stage behind
+    it, and with them the batches' compute, and the next weight load waits for that compute.
+    """
 
     def __init__(self, device: torch.device, overlap: bool):
         self.cuda = device.type == "cuda"
@@ -141,9 +146,10 @@ class Streams:
         if self.overlap:
             self.compute = torch.cuda.current_stream(device)
             self.load = torch.cuda.Stream(device)
+            self.cache = torch.cuda.Stream(device)
             self.store = torch.cuda.Stream(device)
         else:
-            self.compute = self.load = self.store = None
+            self.compute = self.load = self.cache = self.store = None
 
     def on(self, stream):
         """Context manager running enqueued work on ``stream`` (a no-op without overlap)."""
