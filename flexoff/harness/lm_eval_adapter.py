@@ -28,6 +28,7 @@ sorted by length, under a progress bar.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 
 from tqdm import tqdm
@@ -99,7 +100,9 @@ def sampling_fields(gen_kwargs: dict) -> tuple[dict, bool]:
             raise SamplingError(f"lm_eval generation setting {key}={value!r} is not supported by flexoff; "
                                 f"supported: until, do_sample, {', '.join(k for k in GEN_KWARGS if GEN_KWARGS[k] in known)}")
         try:
-            _sampling_params()(**{field: value})
+            # The value alone, under a budget no min_tokens exceeds: min_tokens is checked against the
+            # request's own budget once that is known (generate_until's SamplingParams).
+            _sampling_params()(**{"max_new_tokens": sys.maxsize, field: value})
         except FlexoffError as exc:
             raise SamplingError(f"lm_eval generation setting {key}={value!r}: {exc}") from None
         fields[field] = value

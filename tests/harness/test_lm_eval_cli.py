@@ -196,6 +196,11 @@ def test_generation_settings_map_to_sampling_params_by_name_or_are_refused():
     assert fields == {"min_tokens": 3, "max_new_tokens": 5, "repetition_penalty": 1.2, "temperature": 0.0}
     with pytest.raises(SamplingError, match="lm_eval generation setting repetition_penalty=0: "):
         sampling_fields({"repetition_penalty": 0})
+    # A minimum past flexoff's default budget of 32 is checked against the request's own budget, not that one.
+    fields, _ = sampling_fields({"min_new_tokens": 50, "max_gen_toks": 100})
+    assert fields == {"min_tokens": 50, "max_new_tokens": 100, "temperature": 0.0}
+    with pytest.raises(SamplingError, match="lm_eval generation setting min_new_tokens=-1: "):
+        sampling_fields({"min_new_tokens": -1})
 
 
 def test_a_generation_setting_flexoff_cannot_honour_ends_flexoff_eval_with_one_line(tiny_opt, tasks_dir, capsys):
