@@ -96,10 +96,12 @@ def model_identity(model: str, dummy: bool, seed: int) -> dict:
         identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None
         # End-of-sequence ids that generation_config.json adds change the outputs; named only when it
         # adds some, so that outputs of jobs whose file adds none still resume.
-        more_eos = [i for i in read_generation_config(directory).eos_token_ids
-                    if config.is_file() and i not in config_from_dir(directory).eos_token_ids]
-        if more_eos:
-            identity["generation_eos_token_ids"] = more_eos
+        added = read_generation_config(directory).eos_token_ids
+        if added and config.is_file():
+            known = config_from_dir(directory).eos_token_ids  # read once, not per id
+            more_eos = [i for i in added if i not in known]
+            if more_eos:
+                identity["generation_eos_token_ids"] = more_eos
     else:
         identity["name"] = model.lower().rsplit("/", 1)[-1]
     if dummy:
