@@ -119,6 +119,19 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
+def write_lm_eval_tasks(directory: Path, tasks: dict, docs: list) -> Path:
+    """lm_eval task files in ``directory``, one per entry of ``tasks`` (name -> the task's fields),
+    each with ``docs`` as its test split."""
+    import yaml
+
+    data = write_jsonl(directory / "docs.json", docs)
+    for name, spec in tasks.items():
+        config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                  "test_split": "test", **spec}
+        (directory / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    return directory
+
+
 def failing(monkeypatch, bad_prompt: str | list[int], reason: str = "logits turned non-finite at decode step 1"):
     """Make ``LLM.generate`` report the sequence of ``bad_prompt`` as failed, as the runtime does for
     non-finite logits: no tokens, finish reason "error", and the reason."""

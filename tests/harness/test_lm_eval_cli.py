@@ -11,9 +11,11 @@ from importlib.util import find_spec
 import pytest
 
 pytest.importorskip("lm_eval")
-yaml = pytest.importorskip("yaml")
+pytest.importorskip("yaml")
 
 from flexoff.commands.main import main  # noqa: E402
+
+from .conftest import write_lm_eval_tasks  # noqa: E402
 
 DOCS = [
     {"question": "The cat sat on the", "choices": ["mat", "dog", "river"], "answer": 0},
@@ -44,14 +46,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
 
 @pytest.fixture(scope="module")
 def tasks_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("eval-tasks")
-    data = directory / "docs.json"
-    data.write_text("\n".join(json.dumps(d) for d in DOCS) + "\n")
-    for name, spec in TASKS.items():
-        config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-                  "test_split": "test", **spec}
-        (directory / f"{name}.yaml").write_text(yaml.safe_dump(config))
-    return directory
+    return write_lm_eval_tasks(tmp_path_factory.mktemp("eval-tasks"), TASKS, DOCS)
 
 
 @pytest.fixture(scope="module")

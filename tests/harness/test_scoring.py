@@ -1,12 +1,13 @@
 """LLM.score against transformers, and the lm-evaluation-harness adapter against LLM.score."""
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from flexoff import SamplingParams
+
+from .conftest import write_lm_eval_tasks
 
 PAIRS = [
     ("The cat sat on the", " mat"),
@@ -61,19 +62,13 @@ DOCS = [
 @pytest.fixture(scope="module")
 def lm_eval_results(tiny_opt, tmp_path_factory):
     pytest.importorskip("lm_eval")
-    yaml = pytest.importorskip("yaml")
+    pytest.importorskip("yaml")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     import flexoff.harness.lm_eval_adapter  # noqa: F401  (registers the model)
 
-    tasks_dir = tmp_path_factory.mktemp("lm-eval-tasks")
-    data = tasks_dir / "docs.json"
-    data.write_text("\n".join(json.dumps(d) for d in DOCS) + "\n")
-    for name, spec in TASKS.items():
-        config = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-                  "test_split": "test", **spec}
-        (tasks_dir / f"{name}.yaml").write_text(yaml.safe_dump(config))
+    tasks_dir = write_lm_eval_tasks(tmp_path_factory.mktemp("lm-eval-tasks"), TASKS, DOCS)
     return lm_eval.simple_evaluate(
         model="flexoff", model_args=f"pretrained={tiny_opt[0]}", tasks=list(TASKS),
         task_manager=TaskManager(include_path=str(tasks_dir)), log_samples=True, num_fewshot=0,
