@@ -319,9 +319,9 @@ class LLM:
         ids = self._encode(prompts)
         params = self._params(params, len(ids))
         self._check_lengths(ids, params)
-        # n samples of a prompt are n rows, each prefilled: sharing one prefill's cache among them
-        # is not done yet. Row r's default seed is the LLM's seed + r (the prompt's index when n = 1);
-        # a seeded prompt's sample j draws from seed + j.
+        # n samples of a prompt are n rows, side by side in their block; rows of one prompt in a
+        # GPU batch share its prefill (GpuBatch). Row r's default seed is the LLM's seed + r (the
+        # prompt's index when n = 1); a seeded prompt's sample j draws from seed + j.
         rows = [(i, j) for i, p in enumerate(params) for j in range(p.n)]
         seeds = [self.seed + r if params[i].seed is None else params[i].seed + j for r, (i, j) in enumerate(rows)]
         # The prompt's logprobs come from its first sample's row only.
@@ -333,12 +333,13 @@ class LLM:
         done: dict[int, list[Sequence]] = {}  # a prompt's finished samples, until all n are
         total = Metrics()
         tracker = TokenBar(enabled=progress) if tracker is None else tracker
-        tracker.start(sum(len(ids[i]) for i, _ in rows), sum(p.max_new_tokens * p.n for p in params))
+        tracker.start(sum(len(prompt) for prompt in ids), sum(p.max_new_tokens * p.n for p in params))
         try:
             for block in blocks:
                 seqs = [Sequence(r, ids[rows[r][0]], row_params[r], seeds[r]) for r in block]
                 budget = sum(s.params.max_new_tokens for s in seqs)
-                tracker.block_started(sum(len(s.prompt_ids) for s in seqs))
+                # A prompt shared by rows is prefilled once.
+                tracker.block_started(sum(len(p) for p in {tuple(s.prompt_ids) for s in seqs}))
                 metrics = self.engine.generate_block(
                     seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=tracker.generated,
                     on_prefill=tracker.prefilled)

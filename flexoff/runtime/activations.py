@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import split_rows
+from ..layout import Piece, split_rows
 from ..policy import TierFractions
 from .tiers import DiskTier, HostMemory, read_pinned
 
@@ -38,14 +38,20 @@ class BatchActivations:
         self._hidden: torch.Tensor | None = None
         self._shape = None
 
+    def _pieces(self, rows: int) -> list:
+        """The pieces of a hidden state of ``rows`` rows: a shared prefill holds fewer rows than the
+        batch, and they take the first pieces' places (each piece then holds no more than its buffer)."""
+        return [Piece(p.tier, p.start, min(p.stop, rows)) for p in self.pieces if p.start < rows]
+
     def put(self, hidden: torch.Tensor) -> None:
         """Keep ``hidden`` (batch, seq, hidden) after a stage, sending off-GPU rows to their tier."""
         if not self.offloaded:
             self._hidden = hidden
             return
         self._shape = hidden.shape
-        self._hidden = hidden[self.pieces[0].start:self.pieces[0].stop] if self.pieces[0].tier == "gpu" else None
-        for piece in self.pieces:
+        pieces = self._pieces(hidden.shape[0])
+        self._hidden = hidden[pieces[0].start:pieces[0].stop] if pieces[0].tier == "gpu" else None
+        for piece in pieces:
             if piece.tier == "gpu":
                 continue
             rows = hidden[piece.start:piece.stop]
@@ -59,7 +65,7 @@ class BatchActivations:
         if not self.offloaded:
             return self._hidden
         parts = []
-        for piece in self.pieces:
+        for piece in self._pieces(self._shape[0]):
             if piece.tier == "gpu":
                 parts.append(self._hidden)
                 continue

@@ -65,6 +65,20 @@ class GpuBatch:
         rows = [[pad] * (self.prompt_len - len(s.prompt_ids)) + s.prompt_ids for s in seqs]
         self.prompt_ids = torch.tensor(rows, device=device)  # (batch, prompt_len)
         self.lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=device)
+        # Rows with one prompt (a prompt's n samples) share its prefill: the prefill computes each
+        # distinct prompt once, from its first row, and every row's cache is filled from its prompt's.
+        firsts: dict[tuple[int, ...], int] = {}
+        for row, seq in enumerate(seqs):
+            firsts.setdefault(tuple(seq.prompt_ids), row)
+        self.prefill_rows = len(firsts)
+        self.prefill_tokens = sum(len(prompt) for prompt in firsts)  # prompt tokens the prefill computes
+        self._source: list[int] | None = None  # row -> its prompt's row in the prefill, when shared
+        self._expand = self._firsts = None
+        if len(firsts) < len(seqs):
+            place = {prompt: i for i, prompt in enumerate(firsts)}
+            self._source = [place[tuple(seq.prompt_ids)] for seq in seqs]
+            self._expand = torch.tensor(self._source, device=device)
+            self._firsts = torch.tensor(list(firsts.values()), device=device)
         slot = torch.arange(self.slots, device=device)
         # (batch, slots): False on left padding; every generated slot is real.
         self.valid = slot[None, :] >= (self.prompt_len - self.lengths)[:, None]
@@ -87,24 +101,36 @@ class GpuBatch:
 
     def begin_token(self, token: int) -> None:
         """Set the token's input ids, positions, slot range and attention mask."""
+        valid = self.valid
         if token == 0:
-            self.input_ids = self.prompt_ids
-            self.positions = (torch.cumsum(self.valid[:, :self.prompt_len].long(), dim=1) - 1).clamp(min=0)
+            if self._firsts is not None:
+                valid = valid[self._firsts]
+            self.input_ids = self.prompt_ids if self._firsts is None else self.prompt_ids[self._firsts]
+            self.positions = (torch.cumsum(valid[:, :self.prompt_len].long(), dim=1) - 1).clamp(min=0)
         else:
             # A failed sequence has no tokens; its row, isolated from the others, is fed padding.
             last = [s.token_ids[-1] if s.token_ids else self.pad for s in self.seqs]
             self.input_ids = torch.tensor(last, device=self.device)[:, None]
             self.positions = (self.lengths + token - 1)[:, None]
         self.start = self.slot_start(token)
-        self.mask = attention_mask(self.valid, self.start, self.input_ids.shape[1])
+        self.mask = attention_mask(valid, self.start, self.input_ids.shape[1])
         self.context = self.arch.step_context(self.cfg, self.positions, self.dtype)
+
+    def prefill_row(self, row: int) -> int:
+        """The row of the prefill's hidden state that holds ``row``'s prompt."""
+        return row if self._source is None else self._source[row]
+
+    def row_hidden(self, positions: slice) -> torch.Tensor:
+        """The hidden state at ``positions``, one row per sequence (after a shared prefill too)."""
+        hidden = self.hidden[:, positions]
+        return hidden if self.start > 0 or self._expand is None else hidden.index_select(0, self._expand)
 
     def embed(self, weights: dict) -> None:
         self.hidden = self.arch.embed(self.cfg, weights, self.input_ids, self.positions)
 
     def layer(self, layer: int, weights: dict) -> None:
         """Decoder layer ``layer``, attention included (on the GPU, or waited for)."""
-        attend = self.kv.attender(layer, self.start, self.mask)
+        attend = self.kv.attender(layer, self.start, self.mask, self._expand if self.start == 0 else None)
         self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend)
 
     def start_attention(self, layer: int, weights: dict) -> None:

@@ -141,7 +141,7 @@ class Engine:
         def sample(batch: GpuBatch, weights: dict) -> None:
             if batch.start == 0:
                 self._prompt_logprobs(arch, batch, weights)
-            logits = arch.head(self.cfg, weights, batch.hidden[:, -1:])[:, 0]
+            logits = arch.head(self.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0]
             choice = samplers[id(batch)].choose(logits, [not s.finished for s in batch.seqs])
             top = choice.top or [None] * len(batch.seqs)
             produced = 0
@@ -177,8 +177,9 @@ class Engine:
         end = time.perf_counter()
         metrics.prefill_time = clock["prefill_end"] - clock["start"]
         metrics.decode_time = end - clock["prefill_end"]
-        metrics.prompt_tokens = sum(len(s.prompt_ids) for s in seqs)
-        metrics.padded_prompt_tokens = sum(b.prompt_len * len(b.seqs) for b in batches)
+        # Prompt tokens the prefill computed: rows sharing a prompt in a GPU batch count it once.
+        metrics.prompt_tokens = sum(b.prefill_tokens for b in batches)
+        metrics.padded_prompt_tokens = sum(b.prompt_len * b.prefill_rows for b in batches)
         metrics.generated_tokens = sum(len(s.token_ids) for s in seqs)
         metrics.peak_memory = self.peak_memory()
         for seq in failed:  # outside the timed span: the scan reads every weight
@@ -193,7 +194,8 @@ class Engine:
             if k is None:
                 continue
             length = len(seq.prompt_ids)
-            hidden = batch.hidden[row:row + 1, batch.prompt_len - length:-1]  # predicts prompt tokens 1..
+            # Positions predicting prompt tokens 1.., in the prefill's row of this row's prompt.
+            hidden = batch.hidden[batch.prefill_row(row)][None, batch.prompt_len - length:-1]
             entries = [None]
             for start in range(0, length - 1, PROMPT_LOGPROBS_SPAN):
                 logits = arch.head(self.cfg, weights, hidden[:, start:start + PROMPT_LOGPROBS_SPAN])[0].float()
@@ -234,7 +236,7 @@ class Engine:
         out = torch.empty(len(token_lists), self.cfg.vocab_size)
 
         def keep(batch: GpuBatch, weights: dict) -> None:
-            logits = arch.head(self.cfg, weights, batch.hidden[:, -1:])[:, 0].float().cpu()
+            logits = arch.head(self.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0].float().cpu()
             for row, seq in enumerate(batch.seqs):
                 out[seq.index] = logits[row]
 
@@ -250,7 +252,7 @@ class Engine:
         def score(batch: GpuBatch, weights: dict) -> None:
             span = max(lengths[s.index] for s in batch.seqs)
             # Logits at slot j predict the token at slot j + 1; continuations end at the right edge.
-            logits = arch.head(self.cfg, weights, batch.hidden[:, -span - 1:-1]).float()
+            logits = arch.head(self.cfg, weights, batch.row_hidden(slice(-span - 1, -1))).float()
             logprobs = torch.log_softmax(logits, dim=-1)
             targets = batch.prompt_ids[:, -span:]
             picked = logprobs.gather(2, targets[..., None])[..., 0].cpu()

@@ -308,16 +308,20 @@ class BatchKV:
         if any(group.tier == "disk" for group in groups):
             self._staging_copied = ready
 
-    def attender(self, layer: int, start: int, mask: torch.Tensor):
+    def attender(self, layer: int, start: int, mask: torch.Tensor, expand: torch.Tensor | None = None):
+        """What a layer calls to store its new keys and values and attend. ``expand`` (prefill only):
+        the prefill computed each distinct prompt once; row r's cache comes from its row expand[r]."""
         def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return self._attend(layer, start, mask, q, k, v)
+            return self._attend(layer, start, mask, q, k, v, expand)
 
         return attend
 
-    def _attend(self, layer, start, mask, q, k, v) -> torch.Tensor:
+    def _attend(self, layer, start, mask, q, k, v, expand=None) -> torch.Tensor:
         if start == 0:
             # Prefill: attend on the fresh keys, then send them to their tiers.
             out = attention(q, k, v, mask)
+            if expand is not None:
+                k, v = k.index_select(0, expand), v.index_select(0, expand)
             self._store(layer, 0, k, v, self.groups)
             return out
         if self.attends_on_cpu(start):
