@@ -184,11 +184,12 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
     output_dir = _check_output_dir(Path(output_dir or Path("flexoff-bench") / scenario.name))
     if max_instances is not None and max_instances < 1:
         raise FlexoffError(f"--max-instances must be >= 1, got {max_instances}")
+    drawn = False
     if data is not None and looks_like_scenario_state(data):
-        scenario, instances = read_scenario_state(scenario, data)
+        scenario, instances, drawn = read_scenario_state(scenario, data)
     else:
         instances = load_instances(scenario, data, seed=job.seed, max_instances=max_instances)
-    evaluated = helm_sample(instances, max_instances)
+    evaluated = helm_sample(instances, max_instances, drawn=drawn)
     k = scenario.num_in_context if num_in_context is None else num_in_context
     if k < 0:
         raise FlexoffError(f"--num-in-context must be >= 0, got {k}")
