@@ -7,6 +7,7 @@ import pytest
 
 import flexoff.harness.bench as bench
 from flexoff.commands.main import main
+from flexoff.job import Job
 
 from .conftest import DATA
 
@@ -21,25 +22,28 @@ def helm_ids(run: str) -> list[str]:
     return [state["instance"]["id"] for state in helm_states(run)]
 
 
-def run_bench(model, run: str, output_dir, *extra) -> list[dict]:
+def run_bench(model, run: str | None, output_dir, *extra) -> list[dict]:
+    data = ["--data", str(HELM / run / "scenario_state.json")] if run else []
     assert main(["bench", "--scenario", "synthetic_reasoning", "--model", str(model), "--output-dir", str(output_dir),
-                 "--data", str(HELM / run / "scenario_state.json"), "--no-progress", "--gpu-batch-size", "4",
-                 *extra]) == 0
+                 *data, "--no-progress", "--gpu-batch-size", "4", *extra]) == 0
     return [json.loads(line) for line in (output_dir / "instances.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("run", ["synthetic_reasoning_m10", "simple_classification_m10"])
-def test_helms_requests_run_as_helm_made_them(tiny_opt, tmp_path, monkeypatch, run):
-    sent = []
-
-    def recording(llm, store, items, **kwargs):
-        sent.extend(items)
-        return run_generation(llm, store, items, **kwargs)
-
+@pytest.fixture
+def sent(monkeypatch):
+    """The generation requests bench hands the model, in order."""
+    items = []
     run_generation = bench.run_generation
+
+    def recording(llm, store, generation_items, **kwargs):
+        items.extend(generation_items)
+        return run_generation(llm, store, generation_items, **kwargs)
+
     monkeypatch.setattr(bench, "run_generation", recording)
-    rows = run_bench(tiny_opt[0], run, tmp_path / "out")
-    states = helm_states(run)
+    return items
+
+
+def assert_helms_requests(rows, sent, states):
     assert [row["id"] for row in rows] == [s["instance"]["id"] for s in states]
     assert len(sent) == len(states)
     for item, state in zip(sent, states):
@@ -54,6 +58,18 @@ def test_helms_requests_run_as_helm_made_them(tiny_opt, tmp_path, monkeypatch, r
         assert row["num_in_context"] == state["num_train_instances"]
 
 
+@pytest.mark.parametrize("run", ["synthetic_reasoning_m10", "simple_classification_m10"])
+def test_helms_requests_run_as_helm_made_them(tiny_opt, tmp_path, sent, run):
+    rows = run_bench(tiny_opt[0], run, tmp_path / "out")
+    assert_helms_requests(rows, sent, helm_states(run))
+
+
+def test_flexoffs_own_synthetic_reasoning_makes_helms_requests(tiny_opt, tmp_path, sent):
+    # No --data: flexoff generates the scenario, draws 10 and builds the prompts, in-context examples included.
+    rows = run_bench(tiny_opt[0], None, tmp_path / "out", "--max-instances", "10")
+    assert_helms_requests(rows, sent, helm_states("synthetic_reasoning_m10"))
+
+
 def test_max_instances_on_all_instances_picks_what_helm_picked(tiny_opt, tmp_path):
     # HELM kept all 79 instances under -m 1000; its own -m 10 run drew 10 of them.
     rows = run_bench(tiny_opt[0], "simple_classification_all", tmp_path / "out", "--max-instances", "10")
@@ -65,3 +81,13 @@ def test_max_instances_on_helms_draw_picks_what_helm_picked(tiny_opt, tmp_path):
     assert helm_ids("synthetic_reasoning_m4") == helm_ids("synthetic_reasoning_m10")[:4]
     rows = run_bench(tiny_opt[0], "synthetic_reasoning_m10", tmp_path / "out", "--max-instances", "4")
     assert [row["id"] for row in rows] == helm_ids("synthetic_reasoning_m4")
+
+
+def test_without_max_instances_synthetic_reasoning_evaluates_helms_draw_of_1000(tmp_path):
+    run = bench.open_bench(Job(), "synthetic_reasoning", None, tmp_path / "out")
+    try:
+        ids = [instance.id for instance in run.evaluated]
+    finally:
+        run.close()
+    assert len(ids) == len(set(ids)) == 1000
+    assert ids[:10] == helm_ids("synthetic_reasoning_m10")  # HELM's -m 1000 draw begins with its -m 10 draw
