@@ -3,8 +3,9 @@
 import pytest
 
 from flexoff.harness.errors import ScenarioError
-from flexoff.harness.scenarios import (SCENARIOS, SYNTHETIC_SPLITS, Instance, build_prompt, choose_examples, default_subject,
-                                       fit_prompt, get_scenario, load_instances, reference_continuation)
+from flexoff.harness.scenarios import (SCENARIOS, SYNTHETIC_SPLITS, Instance, build_prompt, choose_examples,
+                                       default_subject, fit_prompt, get_scenario, load_instances,
+                                       reference_continuation)
 from flexoff.harness.synthetic import pattern_match_problems
 
 from .conftest import DATA, write_jsonl
