@@ -180,7 +180,7 @@ def register(subparsers) -> None:
                             "for synthetic_reasoning, which generates them)")
     bench.add_argument("--max-instances", type=COUNT, metavar="N",
                        help="evaluate N instances, sampled as HELM samples them (seed 0), so that small runs compare "
-                            "(default: all; synthetic_reasoning generates 1000)")
+                            "(default: all; synthetic_reasoning: 1000 of its 10000)")
     bench.add_argument("--num-in-context", type=integer(0), metavar="K",
                        help="in-context examples per prompt (default: the scenario's, 3 or 5)")
     bench.add_argument("--subject", help="mmlu: the subject named in the instructions (default: from the data file name)")

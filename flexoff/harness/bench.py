@@ -31,7 +31,7 @@ from .batch import model_identity
 from .helm_state import helm_sample, looks_like_scenario_state, read_scenario_state
 from .metrics import best_score
 from .runner import GenerationItem, Progress, ScoreItem, request_seed, run_generation, run_scoring
-from .scenarios import (Scenario, choose_examples, default_subject, fit_prompt, get_scenario,
+from .scenarios import (SYNTHETIC_EVAL_DEFAULT, Scenario, choose_examples, default_subject, fit_prompt, get_scenario,
                         load_instances, reference_continuation)
 from .store import ResultStore, id_key, make_header
 
@@ -184,11 +184,14 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
     output_dir = _check_output_dir(Path(output_dir or Path("flexoff-bench") / scenario.name))
     if max_instances is not None and max_instances < 1:
         raise FlexoffError(f"--max-instances must be >= 1, got {max_instances}")
+    drawn = False
     if data is not None and looks_like_scenario_state(data):
-        scenario, instances = read_scenario_state(scenario, data)
+        scenario, instances, drawn = read_scenario_state(scenario, data)
     else:
-        instances = load_instances(scenario, data, seed=job.seed, max_instances=max_instances)
-    evaluated = helm_sample(instances, max_instances)
+        instances = load_instances(scenario, data, seed=job.seed)
+        if data is None and max_instances is None:
+            max_instances = SYNTHETIC_EVAL_DEFAULT  # HELM's generated scenario holds 10000
+    evaluated = helm_sample(instances, max_instances, drawn=drawn)
     k = scenario.num_in_context if num_in_context is None else num_in_context
     if k < 0:
         raise FlexoffError(f"--num-in-context must be >= 0, got {k}")

@@ -9,7 +9,10 @@ are of the same prompts; only the first train trial is run.
 
 Instances to evaluate are subsampled for ``--max-instances`` as HELM's runner does it (numpy's
 generator seeded with 0, ``choice`` without replacement), so a small run evaluates the instances
-HELM would.
+HELM would. A run HELM itself capped (as many instances as its ``max_eval_instances``) already
+lists its draw, in the order drawn, and a smaller draw is a prefix of a larger one: there the first
+N are the N HELM picks. A file holding exactly ``max_eval_instances`` instances because the
+scenario had no more reads as a capped run too; make it with a larger ``--max-eval-instances``.
 """
 
 from __future__ import annotations
@@ -40,12 +43,15 @@ def looks_like_scenario_state(path: str | Path) -> bool:
     return head.startswith(b"{") and b'"adapter_spec"' in head
 
 
-def helm_sample(instances: list[Instance], max_instances: int | None) -> list[Instance]:
+def helm_sample(instances: list[Instance], max_instances: int | None, *, drawn: bool = False) -> list[Instance]:
     """The instances to evaluate, at most ``max_instances`` of them chosen as HELM chooses: a seed-0
-    draw without replacement, in the order drawn (a smaller draw is a prefix of a larger one)."""
+    draw without replacement, in the order drawn (a smaller draw is a prefix of a larger one).
+    ``drawn`` says the instances already are such a draw, so the first ``max_instances`` are HELM's."""
     evaluated = [i for i in instances if i.split in EVAL_SPLITS]
     if max_instances is None or len(evaluated) <= max_instances:
         return evaluated
+    if drawn:
+        return evaluated[:max_instances]
     picked = np.random.RandomState(0).choice(len(evaluated), max_instances, replace=False)
     return [evaluated[int(i)] for i in picked]
 
@@ -111,9 +117,9 @@ def _settings(scenario: Scenario, spec: dict, where: str) -> Scenario:
     return replace(scenario, **changes)
 
 
-def read_scenario_state(scenario: Scenario, path: str | Path) -> tuple[Scenario, list[Instance]]:
-    """HELM's settings applied to ``scenario``, and the instances of the first train trial, each
-    carrying the prompt HELM built for it."""
+def read_scenario_state(scenario: Scenario, path: str | Path) -> tuple[Scenario, list[Instance], bool]:
+    """HELM's settings applied to ``scenario``, the instances of the first train trial, each
+    carrying the prompt HELM built for it, and whether they are HELM's capped draw (see above)."""
     path = Path(path)
     try:
         state = json.loads(read_user_text(path, "data file", ScenarioError))
@@ -135,6 +141,10 @@ def read_scenario_state(scenario: Scenario, path: str | Path) -> tuple[Scenario,
             raise ScenarioError(f"{at}: instance id {instance.id!r} appears twice in train trial 0")
         seen.add(key)
         instances.append(instance)
-    if not any(i.split in EVAL_SPLITS for i in instances):
+    evaluated = sum(i.split in EVAL_SPLITS for i in instances)
+    if not evaluated:
         raise ScenarioError(f"{path} has no instances to evaluate")
-    return scenario, instances
+    spec = state["adapter_spec"]
+    cap = spec.get("max_eval_instances")
+    # HELM keeps exactly max_eval_instances when it drew them from more, fewer only when it kept all.
+    return scenario, instances, isinstance(cap, int) and not isinstance(cap, bool) and evaluated == cap

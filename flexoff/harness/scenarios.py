@@ -2,8 +2,9 @@
 
 The five scenarios of FlexGen's HELM run (its Table 9) ship here: ``wikifact``, ``mmlu``,
 ``synthetic_reasoning`` (pattern_match), ``synthetic_reasoning_natural`` and ``xsum``. Their
-templates and settings follow HELM's run specs. ``synthetic_reasoning`` generates its own data
-from a seed; the others read a local JSONL file (nothing is downloaded), one instance a line::
+templates and settings follow HELM's run specs. ``synthetic_reasoning`` generates its own data,
+HELM's instances with HELM's ids (``--seed`` 0) or another seeded set; the others read a local
+JSONL file (nothing is downloaded), one instance a line::
 
     {"id": "q17", "input": "Roe v. Wade's plaintiff is", "references": ["Norma McCorvey", "Jane Roe"]}
     {"input": "What is 2 + 2?", "choices": ["3", "4", "5", "22"], "answer": "B", "split": "train"}
@@ -132,9 +133,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
     ),
 )}
 
-# Instances synthetic_reasoning generates: an in-context pool, then instances to evaluate.
-SYNTHETIC_TRAIN = 1000
-SYNTHETIC_EVAL_DEFAULT = 1000
+# synthetic_reasoning's instances as HELM's scenario makes them (its seed 42, these splits, ids id0,
+# id1, ...), so that a run's --max-instances draw is HELM's own -m draw of the same instances.
+SYNTHETIC_SPLITS = (("train", 1000), ("valid", 5000), ("test", 5000))
+HELM_DATA_SEED = 42
+SYNTHETIC_EVAL_DEFAULT = 1000  # instances evaluated when --max-instances is not given
 
 
 def get_scenario(name: str) -> Scenario:
@@ -188,19 +191,17 @@ def _instance(scenario: Scenario, obj, number: int, where: str) -> Instance:
     return Instance(instance_id, text, tuple(references), split)
 
 
-def load_instances(scenario: Scenario, path: str | Path | None, *, seed: int = 0,
-                   max_instances: int | None = None) -> list[Instance]:
-    """All in-context candidates and instances to evaluate, checked field by field."""
+def load_instances(scenario: Scenario, path: str | Path | None, *, seed: int = 0) -> list[Instance]:
+    """All in-context candidates and instances to evaluate, checked field by field. Generated
+    data is HELM's own for ``seed`` 0; another seed shifts HELM's seed by as much."""
     if path is None:
         if not scenario.generated:
             raise ScenarioError(f"scenario {scenario.name} reads its data from a local JSONL file: pass --data FILE "
                                 "(format: `python -m pydoc flexoff.harness.scenarios`)")
-        # All of them, then subsampled as HELM does, so that --max-instances picks HELM's instances.
-        count = max(SYNTHETIC_EVAL_DEFAULT, max_instances or 0)
-        problems = pattern_match_problems(seed, SYNTHETIC_TRAIN + count)
-        return [Instance(f"{'train' if i < SYNTHETIC_TRAIN else 'test'}-{i}", text, (target,),
-                         "train" if i < SYNTHETIC_TRAIN else "test")
-                for i, (text, target) in enumerate(problems)]
+        splits = [split for split, count in SYNTHETIC_SPLITS for _ in range(count)]
+        problems = pattern_match_problems((HELM_DATA_SEED + seed) % 2**32, len(splits))
+        return [Instance(f"id{i}", text, (target,), split)
+                for i, ((text, target), split) in enumerate(zip(problems, splits))]
     path = Path(path)
     text = read_user_text(path, "data file", ScenarioError)
     instances, seen = [], {}

@@ -8,8 +8,9 @@ symbols shuffled) and the result, and must name the pattern::
     Rules: Z = Y + Y | Y + Z = Y | Y = Y + Z | Z + Y = Y | Result: lion grape + kiwi = lion grape
     Target: Y + Z = Y
 
-Generation is a pure function of the seed: the first ``num_train`` problems are the in-context
-pool, the rest are evaluated, and problem *i* is the same whatever the number asked for.
+Generation is a pure function of the seed, and problem *i* is the same whatever the number asked
+for. Seeded with 42 it is HELM's stream: its first 1000 problems are HELM's in-context pool, the
+next 5000 its valid split and the last 5000 its test split (see ``scenarios.SYNTHETIC_SPLITS``).
 """
 
 from __future__ import annotations

@@ -80,8 +80,11 @@ def test_a_scenario_state_runs_with_helms_prompts_and_picks(tiny_opt, tmp_path):
         assert row["references"] == list(instance.references)  # the reference tagged correct, not the decoy
         assert row["num_in_context"] == 2
         assert row["prompt_tokens"] == len(tokenizer.encode(by_id[row["id"]]))
-        # HELM's max_tokens (3), not the scenario's 50
-        assert len(tokenizer.encode(row["predictions"][0], add_special_tokens=False)) <= 3
+    records = [json.loads(line) for line in (output_dir / "results.jsonl").read_text().splitlines()]
+    generated = [r for r in records if r.get("kind") == "generate"]
+    assert sorted(r["prompt"] for r in generated) == sorted(by_id[i.id] for i in picked)
+    # HELM's max_tokens (3) ends them, not the scenario's 50
+    assert {(r["generated_tokens"], r["finish_reason"]) for r in generated} == {(3, "length")}
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["instances"] == 5
 

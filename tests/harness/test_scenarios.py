@@ -3,8 +3,9 @@
 import pytest
 
 from flexoff.harness.errors import ScenarioError
-from flexoff.harness.scenarios import (SCENARIOS, SYNTHETIC_EVAL_DEFAULT, Instance, build_prompt, choose_examples, default_subject,
-                                       fit_prompt, get_scenario, load_instances, reference_continuation)
+from flexoff.harness.scenarios import (SCENARIOS, SYNTHETIC_SPLITS, Instance, build_prompt, choose_examples,
+                                       default_subject, fit_prompt, get_scenario, load_instances,
+                                       reference_continuation)
 from flexoff.harness.synthetic import pattern_match_problems
 
 from .conftest import DATA, write_jsonl
@@ -139,7 +140,7 @@ def test_pattern_match_data_is_seeded_and_well_formed():
 
 
 def test_generated_scenario_needs_no_file():
-    instances = load_instances(get_scenario("synthetic_reasoning"), None, seed=1, max_instances=7)
-    # all of them: --max-instances subsamples them as HELM does
-    assert sum(i.split == "test" for i in instances) == SYNTHETIC_EVAL_DEFAULT
-    assert sum(i.split == "train" for i in instances) >= 5
+    instances = load_instances(get_scenario("synthetic_reasoning"), None, seed=1)
+    # HELM's splits, whatever the seed; --max-instances subsamples them as HELM does
+    assert [sum(i.split == split for i in instances) for split, _ in SYNTHETIC_SPLITS] == [1000, 5000, 5000]
+    assert instances != load_instances(get_scenario("synthetic_reasoning"), None, seed=0)
