@@ -90,3 +90,18 @@ def test_rows_sorted_in_groups_match_each_row_alone(params):
     for row in (0, SORTED_ROWS - 1, SORTED_ROWS, ROWS - 1):
         alone = BatchSampler(rows(params, 1), [2], VOCAB, torch.device("cpu")).warped(logits[row:row + 1])
         assert torch.equal(together[row], alone[0])
+
+
+def test_a_blocks_gpu_memory_counts_the_head_step_and_the_samplers_state_by_hand():
+    from flexoff.layout import block_bytes, kv_cache_bytes
+    from flexoff.models.config import ModelConfig
+    from flexoff.policy import Policy
+
+    cfg = ModelConfig(name="tiny-opt", family="opt", vocab_size=10, hidden_size=4, num_layers=2, num_heads=2,
+                      intermediate_size=8, max_positions=8)
+    policy = Policy(gpu_batch_size=2, num_gpu_batches=3)  # everything on the GPU, 6 sequences a block
+    beyond_cache = block_bytes(cfg, policy, 4, 3, 2)["gpu"] - kv_cache_bytes(cfg, policy, 7, 2)["gpu"]
+    # hidden states 6 rows x 4 tokens x 4 x 2 B = 192; the prefill's MLP and q/k/v 2 x 4 x (8 + 16) x 2 B
+    # = 384; the head step of a batch: fp16 logits 2 x 10 x 2 B = 40, the sampler's work 20 entries x
+    # 14 B and its sort of both rows 20 x 44 B = 1160; the block's samplers' state 6 x 10 x 5 B = 300
+    assert beyond_cache == 192 + 384 + 40 + 1160 + 300
