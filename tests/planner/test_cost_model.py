@@ -237,6 +237,18 @@ def test_everything_on_gpu_memory_by_hand(model):
     assert p.peak_memory == {"gpu": pytest.approx(3044), "cpu": 0, "disk": 0}
 
 
+def test_a_long_prompt_makes_attention_the_prefills_largest_transient(tiny_llama, round_hardware):
+    p = CostModel(tiny_llama, Workload(32, 3), round_hardware).predict(offloaded(weights=GPU, cache=GPU))
+    # Weights, cache and buffers are the same in both phases: the difference is the hidden states
+    # (16 B x 2 sequences x 31 more tokens = 992) and the transients. Prefill: attention for 64
+    # query rows over 32 keys (q,k,v and output 24 x 2 B, mask and bias 32 x 3 B, log-sum-exp 4 x
+    # 4 B: 64 x 160 = 10240) over the MLP's 3 x 64 x 12 x 2 B = 4608 and the head step's 1200, and
+    # two hidden copies 2048. Decode: the head step's 1200 (attention takes 2 x (48 + 35 x 3 + 16)
+    # = 338), two hidden copies 64.
+    difference = p.memory_by_phase[("gpu", "prefill")] - p.memory_by_phase[("gpu", "decode")]
+    assert difference == pytest.approx(992 + 10240 + 2048 - 1200 - 64)
+
+
 def test_offloaded_activations_add_their_copies_to_the_compute(model):
     # Hidden states leave the GPU after each layer and come back before the next, on the compute
     # stream: half the rows through the CPU only, half on through the disk too.
