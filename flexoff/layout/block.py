@@ -1,6 +1,6 @@
 """One block's memory under a policy, in bytes: each GPU batch's KV cache per tier (disk rows with
 their host staging), the GPU workspace the batches share, offloaded activations, the host worker's
-share, and the working memory of the largest step."""
+share, the working memory of the largest step, and the token samplers' state."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from ..models import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy
+from .head import sampler_state_bytes, sampler_step_bytes
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
 from .placement import split_rows
 from .weights import stored_parts
@@ -112,10 +113,11 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
     if pinned:
         sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize))
     # Working memory of the largest step, one batch at a time: the prefill's MLP intermediate,
-    # q/k/v, and fp32 logits of the last position.
+    # q/k/v, and the head step's logits of the last position and the sampler's work on them; and
+    # the samplers' state, kept for every sequence of the block.
     working = rows * prompt_len * (cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize
-    working += rows * cfg.vocab_size * 4 * 2
-    sizes["gpu"] += working
+    working += rows * cfg.vocab_size * itemsize + sampler_step_bytes(rows, cfg.vocab_size)
+    sizes["gpu"] += working + sampler_state_bytes(policy.block_size, cfg.vocab_size)
     # The host worker's queued prefill jobs each keep one batch's new keys and values of the rows
     # they store in host memory on the GPU until copied, through two pinned chunks.
     off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")

@@ -38,8 +38,8 @@ import torch
 
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
-                      dequantizes_once, largest_matrix_numel, registered_bytes, slab_bytes, weight_buffer_bytes,
-                      weight_host_requests)
+                      dequantizes_once, largest_matrix_numel, registered_bytes, sampler_state_bytes,
+                      sampler_step_bytes, slab_bytes, weight_buffer_bytes, weight_host_requests)
 from ..models.config import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy, TierFractions
 from .hardware import HardwareProfile
@@ -370,29 +370,31 @@ class CostModel:
         kv_total = kv * s_max * bls * layers
         c_off = p.cc + p.cd
         gpu_att = p.cg + (0.0 if frame.cpu_attention else c_off)
-        weight_buffers = self.weight_buffer_bytes(frame, p.wg)
+        # Held through both phases: the weight buffers and the block's token samplers' state.
+        buffers = self.weight_buffer_bytes(frame, p.wg) + sampler_state_bytes(bls, c.vocab_size)
 
         def intermediates(rows: int, keys: int) -> float:
-            """Largest transient of one GPU batch: attention, MLP activations or logits."""
+            """Largest transient of one GPU batch: attention, MLP activations or the head step (the
+            last position's logits and the sampler's work on them, as the layout counts it)."""
             # The memory-efficient kernel keeps no scores: q, k, v and the output, the boolean mask
             # and its fp16 bias over the keys, and a float32 log-sum-exp per query and head.
             attention = rows * ((2 * self.query_width + 2 * self.kv_width) * FP16_BYTES
                                 + keys * (1 + FP16_BYTES) + c.num_heads * FP32_BYTES)
             mlp = self.mlp_buffers * rows * c.intermediate_size * FP16_BYTES
-            logits = gbs * c.vocab_size * FP32_BYTES
+            logits = gbs * c.vocab_size * FP16_BYTES + sampler_step_bytes(gbs, c.vocab_size)
             hidden_copies = 2 * rows * act  # normalized input and residual
             return max(attention, mlp, logits) + hidden_copies
 
         # Buffers of off-GPU data come in pairs: the batch computed now and the one being loaded.
         gpu_prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
-                       + weight_buffers
+                       + buffers
                        + 2 * (1 - p.hg) * act * s * gbs
                        # new cache waiting to be stored, in the compute dtype whatever the stored
                        # format: this batch's, and the host worker's queue
                        + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16 * s * gbs
                        + intermediates(gbs * s, s))
         gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
-                      + weight_buffers
+                      + buffers
                       + 2 * (1 - p.hg) * act * gbs
                       + (0.0 * c_off if frame.cpu_attention else 2 * c_off * kv * s_max * gbs)
                       + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att)

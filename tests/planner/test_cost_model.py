@@ -223,15 +223,30 @@ def test_without_overlap_the_terms_add_up(model):
 
 def test_everything_on_gpu_memory_by_hand(model):
     p = model.predict(offloaded(weights=GPU, cache=GPU))
-    # prefill: weights 2 x 472, hidden 8 x 4 tokens x 2, cache 16 x 7 tokens x 2 x 2 layers,
-    # and the attention transient of the memory-efficient kernel for 8 query rows over 4 keys
-    # (q,k,v and output 16 x 2 B, mask and bias 4 x 3 B, log-sum-exp 2 x 4 B: 8 x 52 = 416) plus
-    # two hidden copies (128); the buffer terms keep room for a tensor split across tiers: two of
-    # the largest matrix (40 x 2 B)
-    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 64 + 448 + 416 + 128 + 160)
-    # decode: hidden 8 x 2; transient: 2 rows x (32 + 7 keys x 3 + 8) = 122, two hidden copies 32
-    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 16 + 448 + 122 + 32 + 160)
-    assert p.peak_memory == {"gpu": pytest.approx(2160), "cpu": 0, "disk": 0}
+    # prefill: weights 2 x 472, hidden 8 x 4 tokens x 2, cache 16 x 7 tokens x 2 x 2 layers, the
+    # largest transient plus two hidden copies (128), and the buffer terms: room for a tensor split
+    # across tiers (two of the largest matrix, 40 x 2 B) and the sampler's state for the block's 2
+    # rows x 10 tokens (int32 counts and a seen mask: 5 B each, 100). The largest transient is the
+    # head step's, not the memory-efficient kernel's for 8 query rows over 4 keys (q,k,v and output
+    # 16 x 2 B, mask and bias 4 x 3 B, log-sum-exp 2 x 4 B: 8 x 52 = 416): fp16 logits 2 x 10 x 2 B
+    # and the sampler's 20 entries x 14 B of work, and x 44 B of sort (2 rows sorted at once): 1200.
+    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 64 + 448 + 1200 + 128 + 160 + 100)
+    # decode: hidden 8 x 2; attention's 2 rows x (32 + 7 keys x 3 + 8) = 122 is below the head
+    # step's 1200 too; two hidden copies 32
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 16 + 448 + 1200 + 32 + 160 + 100)
+    assert p.peak_memory == {"gpu": pytest.approx(3044), "cpu": 0, "disk": 0}
+
+
+def test_a_long_prompt_makes_attention_the_prefills_largest_transient(tiny_llama, round_hardware):
+    p = CostModel(tiny_llama, Workload(32, 3), round_hardware).predict(offloaded(weights=GPU, cache=GPU))
+    # Weights, cache and buffers are the same in both phases: the difference is the hidden states
+    # (16 B x 2 sequences x 31 more tokens = 992) and the transients. Prefill: attention for 64
+    # query rows over 32 keys (q,k,v and output 24 x 2 B, mask and bias 32 x 3 B, log-sum-exp 4 x
+    # 4 B: 64 x 160 = 10240) over the MLP's 3 x 64 x 12 x 2 B = 4608 and the head step's 1200, and
+    # two hidden copies 2048. Decode: the head step's 1200 (attention takes 2 x (48 + 35 x 3 + 16)
+    # = 338), two hidden copies 64.
+    difference = p.memory_by_phase[("gpu", "prefill")] - p.memory_by_phase[("gpu", "decode")]
+    assert difference == pytest.approx(992 + 10240 + 2048 - 1200 - 64)
 
 
 def test_offloaded_activations_add_their_copies_to_the_compute(model):
@@ -253,11 +268,12 @@ def test_offloaded_memory_counts_double_buffers(model):
     p = model.predict(offloaded(activations=CPU))
     # weight buffers as the runtime counts them (a ring of two layers, the embedding's and the head's:
     # 944; no tensor is split with nothing on the GPU), two batches of hidden (8 x 4 x 2 each), and the new
-    # cache (16 x 4 x 2) of this batch and of the three the host worker may still be copying, and
-    # the transients (416 + 128, as with everything on the GPU)
-    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 4 * 128 + 544)
-    # decode: two hidden buffers (8 x 2 each), two batches of cache (16 x 7 x 2 each), transients 154
-    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 154)
+    # cache (16 x 4 x 2) of this batch and of the three the host worker may still be copying, the
+    # transients (1200 + 128) and the sampler's state (100), as with everything on the GPU
+    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 4 * 128 + 1328 + 100)
+    # decode: two hidden buffers (8 x 2 each), two batches of cache (16 x 7 x 2 each), transients
+    # 1200 + 32, state 100
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 1232 + 100)
     assert p.memory_by_phase[("cpu", "prefill")] == pytest.approx(944 + 448 + 64)
     assert p.peak_memory["cpu"] == pytest.approx(1456)
 
