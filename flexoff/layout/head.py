@@ -36,3 +36,15 @@ def sampler_step_bytes(rows: int, vocab: int) -> int:
 def sampler_state_bytes(rows: int, vocab: int) -> int:
     """Device bytes the samplers of a block of ``rows`` sequences keep for the whole block."""
     return STATE_BYTES * rows * vocab
+
+
+# Bytes per (position, vocabulary entry) where log-probabilities are made for many positions at once
+# (prompt logprobs, scoring): the head's logits in the compute dtype (at most 4), an fp32 copy, the
+# fp32 log-probabilities and a comparison mask for ranks (4 + 4 + 1).
+LOGPROB_BYTES = 13
+
+
+def logprob_positions(rows: int, vocab: int, itemsize: int) -> int:
+    """Positions whose log-probabilities may be made at once, so that they take no more than what a
+    head step of ``rows`` sequences is counted for (its logits and the sampler's work); at least one."""
+    return max(1, (rows * vocab * itemsize + sampler_step_bytes(rows, vocab)) // (LOGPROB_BYTES * vocab))

@@ -16,7 +16,7 @@ from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
 from .interpreter import BlockInterpreter, HeadHook, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
-from ..layout import Capacity, check_fits, job_bytes, pins_host_memory, weight_bytes
+from ..layout import Capacity, check_fits, job_bytes, logprob_positions, pins_host_memory, weight_bytes
 from .metrics import MemoryMeter, Metrics
 from ..policy import TIERS, Policy
 from .sampler import BatchSampler, prompt_ranked
@@ -26,8 +26,17 @@ from .tiers import DiskTier, HostMemory, HostWorker, Streams
 from .weight_store import TieredWeights
 
 
-# Prompt positions whose logits are made at once for prompt logprobs: 512 × a 128k vocabulary is 256 MiB in fp32.
-PROMPT_LOGPROBS_SPAN = 512
+def logprob_chunks(rows: int, positions: int, per_chunk: int):
+    """(rows, positions) slices covering a (rows, positions) grid once, each of at most ``per_chunk``
+    positions in all: whole rows together where a row fits, else a row cut into spans."""
+    if positions <= per_chunk:
+        group = per_chunk // positions
+        for start in range(0, rows, group):
+            yield slice(start, min(start + group, rows)), slice(0, positions)
+        return
+    for row in range(rows):
+        for start in range(0, positions, per_chunk):
+            yield slice(row, row + 1), slice(start, min(start + per_chunk, positions))
 
 
 class Engine:
@@ -48,6 +57,8 @@ class Engine:
         self.weights: TieredWeights | None = None
         self.pins_host = pins_host_memory(policy.pin_cpu_memory)
         self._non_finite_cause: str | None = None
+        # Prompt logprobs and scores are made a few positions at a time, within the memory a head step is counted for.
+        self.logprob_positions = logprob_positions(policy.gpu_batch_size, cfg.vocab_size, dtype.itemsize)
         self.observer: Observer | None = None  # sees every step of the block schedule as it runs
         self._weight_bytes = weight_bytes(cfg, policy, dtype, self.pins_host)
         check_fits(self._weight_bytes, self.capacity, "placing the weights")
@@ -189,6 +200,7 @@ class Engine:
     def _prompt_logprobs(self, arch, batch: GpuBatch, weights: dict) -> None:
         """vLLM's prompt logprobs of the rows asking, from the prefill's hidden states: one row, and
         a bounded span of positions, at a time, so that (positions, vocab) logits stay small."""
+        span = self.logprob_positions
         for row, seq in enumerate(batch.seqs):
             k = seq.params.prompt_logprobs
             if k is None:
@@ -197,9 +209,9 @@ class Engine:
             # Positions predicting prompt tokens 1.., in the prefill's row of this row's prompt.
             hidden = batch.hidden[batch.prefill_row(row)][None, batch.prompt_len - length:-1]
             entries = [None]
-            for start in range(0, length - 1, PROMPT_LOGPROBS_SPAN):
-                logits = arch.head(self.cfg, weights, hidden[:, start:start + PROMPT_LOGPROBS_SPAN])[0].float()
-                span_ids = seq.prompt_ids[start:start + PROMPT_LOGPROBS_SPAN + 1]
+            for start in range(0, length - 1, span):
+                logits = arch.head(self.cfg, weights, hidden[:, start:start + span])[0].float()
+                span_ids = seq.prompt_ids[start:start + span + 1]
                 entries += prompt_ranked(torch.log_softmax(logits, dim=-1), span_ids, k)[1:]
             seq.prompt_logprobs = entries
 
@@ -252,10 +264,13 @@ class Engine:
         def score(batch: GpuBatch, weights: dict) -> None:
             span = max(lengths[s.index] for s in batch.seqs)
             # Logits at slot j predict the token at slot j + 1; continuations end at the right edge.
-            logits = arch.head(self.cfg, weights, batch.row_hidden(slice(-span - 1, -1))).float()
-            logprobs = torch.log_softmax(logits, dim=-1)
+            hidden = batch.row_hidden(slice(-span - 1, -1))
             targets = batch.prompt_ids[:, -span:]
-            picked = logprobs.gather(2, targets[..., None])[..., 0].cpu()
+            picked = torch.empty(targets.shape)
+            for rows, positions in logprob_chunks(len(batch.seqs), span, self.logprob_positions):
+                logits = arch.head(self.cfg, weights, hidden[rows, positions]).float()
+                logprobs = torch.log_softmax(logits, dim=-1)
+                picked[rows, positions] = logprobs.gather(2, targets[rows, positions][..., None])[..., 0].cpu()
             for row, seq in enumerate(batch.seqs):
                 n = lengths[seq.index]
                 results[seq.index] = picked[row, span - n:].tolist()
