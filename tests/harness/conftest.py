@@ -79,7 +79,8 @@ def tiny_opt(tmp_path_factory):
 def tiny_llm(tiny_opt):
     from flexoff import LLM, Policy
 
-    llm = LLM(str(tiny_opt[0]), policy=Policy(gpu_batch_size=4))
+    # On the CPU in fp32 wherever the tests run: they compare with transformers' fp32 figures.
+    llm = LLM(str(tiny_opt[0]), policy=Policy(gpu_batch_size=4), device="cpu", dtype="float32")
     yield llm
     llm.close()
 
