@@ -68,7 +68,7 @@ def _opt(pre_norm: bool, proj_dim: int | None):
 
 
 def _llama(model_type: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=40, num_attention_heads=4,
@@ -77,6 +77,8 @@ def _llama(model_type: str):
     )
     if model_type == "qwen2":
         return Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0)), ("<s>", "</s>", "<pad>")
+    if model_type == "qwen3":  # head_dim 16, not hidden_size / heads = 8, as Qwen3-32B's 128 is not 5120 / 64
+        return Qwen3ForCausalLM(Qwen3Config(**common, head_dim=16, rope_theta=1000000.0)), ("<s>", "</s>", "<pad>")
     if model_type == "llama3":
         scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 16}
@@ -91,6 +93,7 @@ BUILDERS = {
     "llama-gqa": lambda: _llama("llama"),
     "llama3-rope": lambda: _llama("llama3"),
     "qwen2-bias": lambda: _llama("qwen2"),
+    "qwen3-qk-norm": lambda: _llama("qwen3"),
 }
 
 

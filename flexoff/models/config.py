@@ -56,7 +56,7 @@ _MODEL_RULES = {
     "num_kv_heads": _size(minimum=0), "head_dim": _size(minimum=0), "word_embed_proj_dim": _size(minimum=0),
     "norm_eps": _positive_number, "rope_theta": _positive_number,
     "tie_word_embeddings": _boolean, "do_layer_norm_before": _boolean, "remove_final_layer_norm": _boolean,
-    "enable_bias": _boolean, "attention_bias": _boolean,
+    "enable_bias": _boolean, "attention_bias": _boolean, "qk_norm": _boolean,
     "bos_token_id": _optional_token, "pad_token_id": _optional_token, "eos_token_ids": _tokens,
     "rope_scaling": lambda value: None if isinstance(value, RopeScaling) else "a RopeScaling",
 }
@@ -167,6 +167,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)
     attention_bias: bool = False  # Qwen2 puts a bias on q, k and v
+    qk_norm: bool = False  # Qwen3 RMS-normalises each head's queries and keys before RoPE
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -212,6 +213,7 @@ def _llama(name, hidden, layers, heads, kv_heads, ffn, vocab, max_pos, theta, **
 
 _LLAMA3_ROPE = RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                            original_max_positions=8192)
+_QWEN3 = dict(head_dim=128, norm_eps=1e-6, qk_norm=True, bos_token_id=151643, eos_token_ids=(151645,))
 
 REGISTRY: dict[str, ModelConfig] = {
     cfg.name: cfg
@@ -235,6 +237,8 @@ REGISTRY: dict[str, ModelConfig] = {
         _llama("mistral-7b", 4096, 32, 32, 8, 14336, 32768, 32768, 1000000.0),
         _llama("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, 32768, 1000000.0, norm_eps=1e-6,
                attention_bias=True, bos_token_id=None, eos_token_ids=(151643,)),
+        _llama("qwen3-8b", 4096, 36, 32, 8, 12288, 151936, 40960, 1000000.0, **_QWEN3),
+        _llama("qwen3-32b", 5120, 64, 64, 8, 25600, 151936, 40960, 1000000.0, **_QWEN3),
     )
 }
 # Llama 3.1 keeps the Llama 3 sizes and adds frequency scaling; named so users can plan for it.
@@ -293,7 +297,7 @@ def model_directory(model: str | Path, need: str = "weights") -> Path | None:
     )
 
 
-_LLAMA_TYPES = ("llama", "mistral", "qwen2")
+_LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED = object()
 
 # ModelConfig field -> (its key in config.json, its default when the key is absent or null).
@@ -401,8 +405,13 @@ def _llama_from_json(where: str, raw: dict) -> tuple[dict, dict]:
     validate_fields(switches, dict.fromkeys(switches, _boolean), where)
     if switches.get("mlp_bias"):
         raise UnsupportedModelError(f"{where}: MLP biases are not supported")
+    if model_type == "qwen3" and switches.get("attention_bias"):  # Qwen3 then biases o_proj too
+        raise UnsupportedModelError(f"{where}: attention_bias true is not supported for qwen3")
     values, names = _read_keys(raw, _LLAMA_KEYS)
     values["attention_bias"] = switches.get("attention_bias", False)
+    values["qk_norm"] = model_type == "qwen3"
+    if model_type == "qwen3" and raw.get("head_dim") is None:
+        values["head_dim"] = 128  # transformers' Qwen3 default, not hidden_size / num_attention_heads
     window = raw.get("sliding_window")
     if switches.get("use_sliding_window") and window is not None:
         validate_fields({"max_positions": values["max_positions"], "sliding_window": window},

@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3, Mistral, Qwen2): RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+"""Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU, grouped-query attention."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def layer_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
     if cfg.attention_bias:
         for name, size in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
             specs.append(spec(f"self_attn.{name}.bias", (size,), prefixes, "bias"))
+    if cfg.qk_norm:
+        specs += [spec(f"self_attn.{name}.weight", (cfg.head_dim,), prefixes, "norm") for name in ("q_norm", "k_norm")]
     return specs
 
 
@@ -104,9 +106,10 @@ def attention_inputs(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context):
         out = linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias"))
         return out.view(batch, seq, heads, cfg.head_dim).transpose(1, 2)
 
-    q = _rotate(project("q_proj", cfg.num_heads), cos, sin)
-    k = _rotate(project("k_proj", cfg.num_kv_heads), cos, sin)
-    return q, k, project("v_proj", cfg.num_kv_heads)
+    q, k = project("q_proj", cfg.num_heads), project("k_proj", cfg.num_kv_heads)
+    if cfg.qk_norm:  # over each head's head_dim, before the rotation
+        q, k = _rms_norm(cfg, q, w["self_attn.q_norm.weight"]), _rms_norm(cfg, k, w["self_attn.k_norm.weight"])
+    return _rotate(q, cos, sin), _rotate(k, cos, sin), project("v_proj", cfg.num_kv_heads)
 
 
 def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

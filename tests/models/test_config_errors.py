@@ -50,6 +50,8 @@ CASES = {
     "bias switch as text": ("qwen2-bias", {"attention_bias": "no"}, "attention_bias"),
     "mlp bias as text": ("llama-gqa", {"mlp_bias": "false"}, "mlp_bias"),
     "window as text": ("llama-gqa", {"use_sliding_window": True, "sliding_window": "x"}, "sliding_window"),
+    "qwen3 odd head size": ("qwen3-qk-norm", {"head_dim": 11}, "head_dim"),
+    "qwen3 with an o_proj bias": ("qwen3-qk-norm", {"attention_bias": True}, "attention_bias"),
 }
 
 
@@ -106,6 +108,9 @@ def test_config_errors_name_the_field_in_python_too():
     with pytest.raises(ConfigError, match="norm_eps must be a positive finite number"):
         ModelConfig(name="m", family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
                     intermediate_size=8, max_positions=8, norm_eps=-1e-5)
+    with pytest.raises(ConfigError, match="qk_norm must be true or false, got 'yes'"):
+        ModelConfig(name="m", family="llama", vocab_size=8, hidden_size=8, num_layers=1, num_heads=2,
+                    intermediate_size=8, max_positions=8, qk_norm="yes")
     with pytest.raises(ConfigError, match="kind must be one of default, linear, llama3, got 'yarn'"):
         RopeScaling(kind="yarn")
 
@@ -114,6 +119,13 @@ def test_a_negative_pad_id_means_no_padding_token(corrupted):
     from flexoff.models import config_from_dir
 
     assert config_from_dir(corrupted("llama-gqa", {"pad_token_id": -1})).pad_token_id is None
+
+
+def test_qwen3_head_size_defaults_as_transformers_does(corrupted):
+    """Without head_dim, transformers' Qwen3 takes 128, where the Llama family takes hidden / heads (8 here)."""
+    from flexoff.models import config_from_dir
+
+    assert config_from_dir(corrupted("qwen3-qk-norm", {"head_dim": DROP})).head_dim == 128
 
 
 def test_a_config_error_is_not_blamed_on_the_tokenizer(corrupted):

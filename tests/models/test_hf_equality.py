@@ -6,7 +6,7 @@ import torch
 from flexoff import LLM, SamplingParams
 from tests.conftest import PROMPTS
 
-KINDS = ["opt-pre", "opt-post-proj", "llama-gqa", "llama3-rope", "qwen2-bias"]
+KINDS = ["opt-pre", "opt-post-proj", "llama-gqa", "llama3-rope", "qwen2-bias", "qwen3-qk-norm"]
 
 
 def hf_greedy(model, tokenizer_ids, max_new_tokens):

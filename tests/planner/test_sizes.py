@@ -36,12 +36,14 @@ def test_llama_layer_by_hand_counts_gqa_and_swiglu(tiny_llama):
     ("llama-2-7b", 6_738_415_616),
     ("llama-3-8b", 8_030_261_248),
     ("qwen2.5-7b", 7_615_616_512),
+    ("qwen3-8b", 8_190_735_360),
+    ("qwen3-32b", 32_762_123_264),
 ])
 def test_whole_model_counts_match_published_checkpoints(name, params):
     assert parameter_count(REGISTRY[name]) == params
 
 
-@pytest.mark.parametrize("kind", ["opt-pre", "opt-post-proj", "llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("kind", ["opt-pre", "opt-post-proj", "llama-gqa", "qwen2-bias", "qwen3-qk-norm"])
 def test_counts_match_the_transformers_model(tiny_model_dir, kind):
     """The counts, read off flexoff's weight specs, against the parameters of the model they load."""
     path, model = tiny_model_dir(kind)

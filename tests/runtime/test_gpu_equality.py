@@ -6,7 +6,7 @@ import torch
 from flexoff import LLM, Policy, SamplingParams
 from tests.conftest import PROMPTS
 from tests.models.test_hf_equality import assert_last_logits_match
-from tests.runtime.test_offload_equality import POLICIES
+from tests.runtime.test_offload_equality import KINDS, POLICIES
 
 pytestmark = pytest.mark.gpu
 
@@ -18,14 +18,14 @@ def cuda_reference(tiny_model_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     refs = {}
-    for kind in ("opt-post-proj", "llama-gqa"):
+    for kind in KINDS:
         path, _ = tiny_model_dir(kind)
         refs[kind] = LLM(str(path), policy=Policy(gpu_batch_size=8), device="cuda", dtype="float32").generate(
             PROMPTS, PARAMS)
     return refs
 
 
-@pytest.mark.parametrize("kind", ["opt-post-proj", "llama-gqa"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_policy_matches_plain_run_on_cuda(tiny_model_dir, cuda_reference, tmp_path, kind, name):
     path, _ = tiny_model_dir(kind)
@@ -37,7 +37,7 @@ def test_policy_matches_plain_run_on_cuda(tiny_model_dir, cuda_reference, tmp_pa
                                rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa", "qwen3-qk-norm"])
 def test_cuda_fp32_matches_transformers(tiny_model_dir, kind):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

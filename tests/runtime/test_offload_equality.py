@@ -40,12 +40,14 @@ POLICIES = {
                                  activations=TierFractions(0, 0.5, 0.5), cpu_attention=True),
 }
 
+KINDS = ["opt-post-proj", "llama-gqa", "qwen3-qk-norm"]
+
 
 @pytest.fixture(scope="module")
 def references(tiny_model_dir):
     """The plain run: everything on the device, one block holding every prompt."""
     refs = {}
-    for kind in ("opt-post-proj", "llama-gqa"):
+    for kind in KINDS:
         path, _ = tiny_model_dir(kind)
         refs[kind] = generate(path, Policy(gpu_batch_size=8), params=PARAMS)
     return refs
@@ -54,7 +56,7 @@ def references(tiny_model_dir):
 PARAMS = SamplingParams(max_new_tokens=7, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kind", ["opt-post-proj", "llama-gqa"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_policy_matches_plain_run(tiny_model_dir, references, tmp_path, kind, name):
     path, _ = tiny_model_dir(kind)
