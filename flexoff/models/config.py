@@ -405,8 +405,8 @@ def _llama_from_json(where: str, raw: dict) -> tuple[dict, dict]:
     validate_fields(switches, dict.fromkeys(switches, _boolean), where)
     if switches.get("mlp_bias"):
         raise UnsupportedModelError(f"{where}: MLP biases are not supported")
-    if model_type == "qwen3" and switches.get("attention_bias"):  # Qwen3 then biases o_proj too
-        raise UnsupportedModelError(f"{where}: attention_bias true is not supported for qwen3")
+    if model_type != "qwen2" and switches.get("attention_bias"):  # transformers then biases o_proj too
+        raise UnsupportedModelError(f"{where}: attention_bias true is not supported for {model_type}")
     values, names = _read_keys(raw, _LLAMA_KEYS)
     values["attention_bias"] = switches.get("attention_bias", False)
     values["qk_norm"] = model_type == "qwen3"

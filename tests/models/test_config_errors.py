@@ -52,6 +52,7 @@ CASES = {
     "window as text": ("llama-gqa", {"use_sliding_window": True, "sliding_window": "x"}, "sliding_window"),
     "qwen3 odd head size": ("qwen3-qk-norm", {"head_dim": 11}, "head_dim"),
     "qwen3 with an o_proj bias": ("qwen3-qk-norm", {"attention_bias": True}, "attention_bias"),
+    "llama with an o_proj bias": ("llama-gqa", {"attention_bias": True}, "attention_bias"),
 }
 
 
