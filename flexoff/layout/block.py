@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..models import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy
-from .head import sampler_state_bytes, sampler_step_bytes
+from .head import head_step_bytes, sampler_state_bytes
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
 from .placement import split_rows
 from .weights import stored_parts
@@ -116,7 +116,7 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
     # q/k/v, and the head step's logits of the last position and the sampler's work on them; and
     # the samplers' state, kept for every sequence of the block.
     working = rows * prompt_len * (cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize
-    working += rows * cfg.vocab_size * itemsize + sampler_step_bytes(rows, cfg.vocab_size)
+    working += head_step_bytes(rows, cfg.vocab_size, itemsize)
     sizes["gpu"] += working + sampler_state_bytes(policy.block_size, cfg.vocab_size)
     # The host worker's queued prefill jobs each keep one batch's new keys and values of the rows
     # they store in host memory on the GPU until copied, through two pinned chunks.

@@ -33,6 +33,12 @@ def sampler_step_bytes(rows: int, vocab: int) -> int:
     return vocab * (STEP_BYTES * rows + SORT_BYTES * min(rows, SORTED_ROWS))
 
 
+def head_step_bytes(rows: int, vocab: int, itemsize: int) -> int:
+    """Device bytes of one GPU batch's head step: the last position's logits in the compute dtype
+    (``itemsize`` bytes an entry) and the sampler's work on them."""
+    return rows * vocab * itemsize + sampler_step_bytes(rows, vocab)
+
+
 def sampler_state_bytes(rows: int, vocab: int) -> int:
     """Device bytes the samplers of a block of ``rows`` sequences keep for the whole block."""
     return STATE_BYTES * rows * vocab
@@ -47,4 +53,4 @@ LOGPROB_BYTES = 13
 def logprob_positions(rows: int, vocab: int, itemsize: int) -> int:
     """Positions whose log-probabilities may be made at once, so that they take no more than what a
     head step of ``rows`` sequences is counted for (its logits and the sampler's work); at least one."""
-    return max(1, (rows * vocab * itemsize + sampler_step_bytes(rows, vocab)) // (LOGPROB_BYTES * vocab))
+    return max(1, head_step_bytes(rows, vocab, itemsize) // (LOGPROB_BYTES * vocab))

@@ -38,8 +38,8 @@ import torch
 
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
-                      dequantizes_once, largest_matrix_numel, registered_bytes, sampler_state_bytes,
-                      sampler_step_bytes, slab_bytes, weight_buffer_bytes, weight_host_requests)
+                      dequantizes_once, head_step_bytes, largest_matrix_numel, registered_bytes,
+                      sampler_state_bytes, slab_bytes, weight_buffer_bytes, weight_host_requests)
 from ..models.config import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy, TierFractions
 from .hardware import HardwareProfile
@@ -381,7 +381,7 @@ class CostModel:
             attention = rows * ((2 * self.query_width + 2 * self.kv_width) * FP16_BYTES
                                 + keys * (1 + FP16_BYTES) + c.num_heads * FP32_BYTES)
             mlp = self.mlp_buffers * rows * c.intermediate_size * FP16_BYTES
-            logits = gbs * c.vocab_size * FP16_BYTES + sampler_step_bytes(gbs, c.vocab_size)
+            logits = head_step_bytes(gbs, c.vocab_size, FP16_BYTES)
             hidden_copies = 2 * rows * act  # normalized input and residual
             return max(attention, mlp, logits) + hidden_copies
 
