@@ -67,18 +67,21 @@ class GpuBatch:
         self.lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=device)
         # Rows with one prompt (a prompt's n samples) share its prefill: the prefill computes each
         # distinct prompt once, from its first row, and every row's cache is filled from its prompt's.
-        firsts: dict[tuple[int, ...], int] = {}
+        place: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in the prefill
+        firsts: list[int] = []  # the first row of each distinct prompt
+        source: list[int] = []  # row -> its prompt's row in the prefill
         for row, seq in enumerate(seqs):
-            firsts.setdefault(tuple(seq.prompt_ids), row)
+            key = tuple(seq.prompt_ids)
+            if key not in place:
+                place[key] = len(firsts)
+                firsts.append(row)
+            source.append(place[key])
         self.prefill_rows = len(firsts)
-        self.prefill_tokens = sum(len(prompt) for prompt in firsts)  # prompt tokens the prefill computes
-        self._source: list[int] | None = None  # row -> its prompt's row in the prefill, when shared
-        self._expand = self._firsts = None
-        if len(firsts) < len(seqs):
-            place = {prompt: i for i, prompt in enumerate(firsts)}
-            self._source = [place[tuple(seq.prompt_ids)] for seq in seqs]
-            self._expand = torch.tensor(self._source, device=device)
-            self._firsts = torch.tensor(list(firsts.values()), device=device)
+        self.prefill_tokens = sum(len(seqs[row].prompt_ids) for row in firsts)  # tokens the prefill computes
+        shared = len(firsts) < len(seqs)
+        self._source = source if shared else None
+        self._expand = torch.tensor(source, device=device) if shared else None
+        self._firsts = torch.tensor(firsts, device=device) if shared else None
         slot = torch.arange(self.slots, device=device)
         # (batch, slots): False on left padding; every generated slot is real.
         self.valid = slot[None, :] >= (self.prompt_len - self.lengths)[:, None]
