@@ -45,7 +45,7 @@ from bench.calibration.cases import CASES, resolve, select  # noqa: E402
 from bench.calibration.grid import neighbours  # noqa: E402
 from bench.calibration.runner import device_info, measure, measure_profile  # noqa: E402
 from flexoff.errors import FlexoffError  # noqa: E402
-from flexoff.models.config import REGISTRY  # noqa: E402
+from flexoff.models import REGISTRY  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.hardware import HardwareProfile, resolve_hardware  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flexoff.runtime.kv as kv_module  # noqa: E402
 from flexoff import LLM, Policy, SamplingParams  # noqa: E402
-from flexoff.models.config import resolve_model_config  # noqa: E402
+from flexoff.models import resolve_model_config  # noqa: E402
 from flexoff.runtime.interpreter import BlockInterpreter  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402

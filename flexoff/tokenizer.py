@@ -6,7 +6,7 @@ from pathlib import Path
 
 from .errors import PromptError, TokenizerError
 from .fileio import nothing_at
-from .models.config import config_from_dir, model_directory
+from .models import config_from_dir, model_directory
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 

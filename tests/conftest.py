@@ -87,6 +87,30 @@ def _llama(model_type: str):
     return LlamaForCausalLM(LlamaConfig(**common)), ("<s>", "</s>", "<pad>")
 
 
+def _moe(model_type: str):
+    """Tiny mixtures of experts, each with a twist of its family: Mixtral's experts in every layer;
+    Qwen3-MoE renormalising its top-k, with layer 1 dense (mlp_only_layers); Qwen2-MoE with a gated
+    shared expert, every second layer sparse (decoder_sparse_step), top-k not renormalised."""
+    import transformers
+
+    common = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=40, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False, rms_norm_eps=1e-6, num_experts_per_tok=2,
+    )
+    tokens = ("<s>", "</s>", "<pad>")
+    if model_type == "mixtral":
+        config = transformers.MixtralConfig(**{**common, "intermediate_size": 16}, num_local_experts=4)
+        return transformers.MixtralForCausalLM(config), tokens
+    if model_type == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=16, head_dim=16,
+                                             norm_topk_prob=True, mlp_only_layers=[1])
+        return transformers.Qwen3MoeForCausalLM(config), tokens
+    config = transformers.Qwen2MoeConfig(**common, num_experts=4, moe_intermediate_size=16, decoder_sparse_step=2,
+                                         shared_expert_intermediate_size=24, norm_topk_prob=False)
+    return transformers.Qwen2MoeForCausalLM(config), tokens
+
+
 BUILDERS = {
     "opt-pre": lambda: _opt(True, None),
     "opt-post-proj": lambda: _opt(False, 16),
@@ -94,6 +118,9 @@ BUILDERS = {
     "llama3-rope": lambda: _llama("llama3"),
     "qwen2-bias": lambda: _llama("qwen2"),
     "qwen3-qk-norm": lambda: _llama("qwen3"),
+    "mixtral": lambda: _moe("mixtral"),
+    "qwen3-moe": lambda: _moe("qwen3_moe"),
+    "qwen2-moe": lambda: _moe("qwen2_moe"),
 }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from flexoff.models.config import REGISTRY
+from flexoff.models import REGISTRY
 from flexoff.planner.cost_model import CostModel, Workload
 from flexoff.planner.hardware import HardwareProfile
 from flexoff.planner.reference import PAPER_T4_POLICIES

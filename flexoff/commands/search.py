@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ..errors import ConfigError
-from ..models.config import resolve_model_config
+from ..models import resolve_model_config
 from ..planner.cost_model import Workload
 from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
 from ..planner.search import pareto_frontier, search_policy

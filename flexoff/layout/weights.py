@@ -17,8 +17,9 @@ from .placement import TensorPlacement, place_stage
 
 
 def compressible(spec: WeightSpec) -> bool:
-    """Matrices are compressed; norms and biases are too small to matter."""
-    return len(spec.shape) == 2
+    """Matrices (and a layer's experts' matrices, stacked) are compressed, but for those the model
+    keeps exact (a router); norms and biases are too small to matter."""
+    return len(spec.shape) >= 2 and spec.quantizable
 
 
 def buffer_copies(cfg: ModelConfig, kind: str) -> int:
@@ -110,9 +111,11 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> Weigh
     staging: dict[str, int] = {}
     requests: list[int] = []
     compression = policy.compress_weight
+    # Per stage kind, the stored bytes of each tensor some stage of the kind streams: its buffers
+    # have a place for each (a MoE model's dense and sparse layers stream different tensors).
+    streamed: dict[str, dict[str, int]] = {}
     for stage, placed in stage_placements(cfg, policy).items():
         sizes = dict.fromkeys(TIERS, 0)
-        streamed = 0
         for placement in placed:
             spec = placement.spec
             compressed = compression if compression is not None and compressible(spec) else None
@@ -122,10 +125,10 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> Weigh
                 if piece.tier == "cpu":
                     requests += parts
             if placement.only_tier != "gpu":  # assembled whole, compressed or not
-                streamed += sum(stored_parts(spec.shape, compressed, dtype.itemsize))
+                streamed.setdefault(stage.kind, {})[spec.name] = sum(
+                    stored_parts(spec.shape, compressed, dtype.itemsize))
         stage_tiers[stage] = sizes
-        copies = buffer_copies(cfg, stage.kind)
-        buffers[stage.kind] = max(buffers.get(stage.kind, 0), copies * streamed)
+        buffers[stage.kind] = buffer_copies(cfg, stage.kind) * sum(streamed.get(stage.kind, {}).values())
         staging[stage.kind] = max(staging.get(stage.kind, 0), sizes["disk"])
     # Each buffer set has its host staging for disk pieces, made after every stage's pieces.
     for kind, disk in staging.items():

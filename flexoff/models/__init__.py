@@ -13,8 +13,9 @@ import torch
 
 from . import llama, opt
 from .common import Attend, WeightSpec
-from .config import (REGISTRY, ModelConfig, config_from_dir, known_model_names, model_directory, resolve_model,
-                     resolve_model_config)
+from .config import ModelConfig
+from .hf_config import config_from_dir
+from .registry import REGISTRY, known_model_names, model_directory, resolve_model, resolve_model_config
 
 class Architecture(Protocol):
     """A model family's math, as the runtime calls it: one module of pure functions (``opt``,

@@ -30,6 +30,11 @@ class WeightSpec:
     checkpoint_keys: tuple[str, ...]  # first match wins; later keys cover other exports and tied weights
     shape: tuple[int, ...]
     init: str = "normal"  # "normal" | "norm" | "bias": how dummy weights are drawn
+    # Where checkpoints store the tensor in pieces (experts saved one by one): alternatives, tried
+    # after checkpoint_keys, each listing per row of the first dimension the keys whose tensors,
+    # concatenated along their rows, make that row.
+    stacked: tuple[tuple[tuple[str, ...], ...], ...] = ()
+    quantizable: bool = True  # False keeps a matrix exact under weight compression (a router)
 
     @property
     def numel(self) -> int:
@@ -40,8 +45,8 @@ class WeightSpec:
 
 
 def spec(name: str, shape: tuple[int, ...], prefixes: tuple[str, ...], init: str = "normal",
-         extra_keys: tuple[str, ...] = ()) -> WeightSpec:
-    return WeightSpec(name, tuple(prefix + name for prefix in prefixes) + extra_keys, shape, init)
+         extra_keys: tuple[str, ...] = (), **fields) -> WeightSpec:
+    return WeightSpec(name, tuple(prefix + name for prefix in prefixes) + extra_keys, shape, init, **fields)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): RoPE, RMSNorm, SwiGLU, grouped-query attention."""
+"""Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, and the mixtures of experts Mixtral, Qwen2-MoE and
+Qwen3-MoE): RoPE, RMSNorm, SwiGLU or routed experts, grouped-query attention."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from . import moe
 from .common import Attend, WeightSpec, linear, spec
 from .config import ModelConfig
 
@@ -28,10 +30,12 @@ def layer_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
         spec("self_attn.v_proj.weight", (kv_dim, h), prefixes),
         spec("self_attn.o_proj.weight", (h, q_dim), prefixes),
         spec("post_attention_layernorm.weight", (h,), prefixes, "norm"),
-        spec("mlp.gate_proj.weight", (ffn, h), prefixes),
-        spec("mlp.up_proj.weight", (ffn, h), prefixes),
-        spec("mlp.down_proj.weight", (h, ffn), prefixes),
     ]
+    if cfg.sparse_layer(index):
+        specs += moe.mlp_specs(cfg, index)
+    else:
+        specs += [spec("mlp.gate_proj.weight", (ffn, h), prefixes), spec("mlp.up_proj.weight", (ffn, h), prefixes),
+                  spec("mlp.down_proj.weight", (h, ffn), prefixes)]
     if cfg.attention_bias:
         for name, size in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
             specs.append(spec(f"self_attn.{name}.bias", (size,), prefixes, "bias"))
@@ -119,8 +123,8 @@ def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch
     hidden = hidden + linear(attn, w["self_attn.o_proj.weight"])
 
     x = _rms_norm(cfg, hidden, w["post_attention_layernorm.weight"])
-    x = F.silu(linear(x, w["mlp.gate_proj.weight"])) * linear(x, w["mlp.up_proj.weight"])
-    return hidden + linear(x, w["mlp.down_proj.weight"])
+    sparse = moe.ROUTER in w  # the layer's specs say which MLP it has
+    return hidden + (moe.sparse_mlp(cfg, w, x) if sparse else moe.swiglu(w, x, "mlp."))
 
 
 def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..fileio import write_text_atomic
-from ..models.config import REGISTRY
+from ..models import REGISTRY
 from ..policy import CompressionConfig, Policy, TierFractions
 from ..units import format_size
 from .cost_model import Workload

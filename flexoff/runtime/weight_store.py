@@ -115,6 +115,9 @@ class StageWeights(Mapping):
             self._dequantized[name] = done
         return done
 
+    def __contains__(self, name) -> bool:  # without reading (and dequantizing) the tensor
+        return name in self._tensors
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 
@@ -203,28 +206,28 @@ class TieredWeights:
         return pieces
 
     def _make_buffers(self) -> dict[str, list[_BufferSet]]:
-        """Assembly buffers per stage kind, sized by the kind's largest stage."""
+        """Assembly buffers per stage kind: a place for every tensor any stage of the kind streams
+        (a MoE model's dense layers stream other tensors than its sparse ones), and staging for the
+        kind's largest disk share."""
         buffers: dict[str, list[_BufferSet]] = {}
-        for stage, pieces in self._stages.items():
-            kind = stage.kind
-            if kind in buffers or not pieces.parts:
+        for kind in {stage.kind for stage in self._stages}:
+            of_kind = [stage for stage in self._stages if stage.kind == kind]
+            specs = {p.spec.name: p.spec for stage in of_kind for p in self.placements[stage]
+                     if p.spec.name in self._stages[stage].parts}
+            if not specs:
                 continue
-            specs = {p.spec.name: p.spec for p in self.placements[stage]}
-            count = buffer_copies(self.cfg, kind)
-            disk_bytes = max(other.disk_bytes for s, other in self._stages.items() if s.kind == kind)
+            disk_bytes = max(self._stages[stage].disk_bytes for stage in of_kind)
 
-            def assembly(name: str) -> Stored:
+            def assembly(spec: WeightSpec) -> Stored:
                 c = self.compression
-                if self._compressed(specs[name]):
-                    return CompressedTensor.empty(specs[name].shape, self.dtype, c.bits, c.group_size, -1, self.device)
-                return torch.empty(specs[name].shape, device=self.device, dtype=self.dtype)
+                if self._compressed(spec):
+                    return CompressedTensor.empty(spec.shape, self.dtype, c.bits, c.group_size, -1, self.device)
+                return torch.empty(spec.shape, device=self.device, dtype=self.dtype)
 
             buffers[kind] = [
-                _BufferSet(
-                    {name: assembly(name) for name in pieces.parts},
-                    self.host.empty((disk_bytes,), torch.uint8) if disk_bytes else None,
-                )
-                for _ in range(count)
+                _BufferSet({name: assembly(spec) for name, spec in specs.items()},
+                           self.host.empty((disk_bytes,), torch.uint8) if disk_bytes else None)
+                for _ in range(buffer_copies(self.cfg, kind))
             ]
         return buffers
 

@@ -74,19 +74,33 @@ class CheckpointWeights:
             return tuple(handle[key].shape)
         return tuple(handle.get_slice(key).get_shape())
 
-    def _resolve(self, stage: str, spec: WeightSpec) -> str:
+    def _resolve(self, stage: str, spec: WeightSpec) -> str | tuple[tuple[str, ...], ...]:
+        """The key holding the tensor, or the keys of its rows where the checkpoint stores it in
+        pieces (see WeightSpec.stacked), each checked for shape."""
         key = next((k for k in spec.checkpoint_keys if k in self._key_file), None)
-        if key is None:
+        if key is not None:
+            self._check_shape(key, spec.shape)
+            return key
+        # The stored layout is the one whose first piece is present; a later piece missing is named.
+        pieces = next((rows for rows in spec.stacked if rows[0][0] in self._key_file), None)
+        if pieces is None:
             raise CheckpointError(
                 f"{self.path}: tensor {spec.checkpoint_keys[0]!r} (for {stage}) is not in the checkpoint"
             )
-        shape = self._shape_of(key)
-        if shape != spec.shape:
+        for parts in pieces:
+            part_shape = (spec.shape[1] // len(parts), *spec.shape[2:])
+            for part in parts:
+                if part not in self._key_file:
+                    raise CheckpointError(f"{self.path}: tensor {part!r} (for {stage}) is not in the checkpoint")
+                self._check_shape(part, part_shape)
+        return pieces
+
+    def _check_shape(self, key: str, shape: tuple[int, ...]) -> None:
+        found = self._shape_of(key)
+        if found != shape:
             raise CheckpointError(
-                f"{self._key_file[key]}: tensor {key!r} has shape {list(shape)}, "
-                f"but the config needs {list(spec.shape)}"
+                f"{self._key_file[key]}: tensor {key!r} has shape {list(found)}, but the config needs {list(shape)}"
             )
-        return key
 
     def check(self, stages: dict[str, list[WeightSpec]]) -> None:
         """Fail before any large allocation if a tensor is missing or of the wrong shape."""
@@ -95,7 +109,12 @@ class CheckpointWeights:
                 self._resolve(stage, spec)
 
     def read(self, stage: str, spec: WeightSpec) -> torch.Tensor:
-        key = self._resolve(stage, spec)
+        where = self._resolve(stage, spec)
+        if isinstance(where, str):
+            return self._read_key(where)
+        return torch.stack([torch.cat([self._read_key(key) for key in parts]) for parts in where])
+
+    def _read_key(self, key: str) -> torch.Tensor:
         file = self._key_file[key]
         handle = self._open(file)
         try:

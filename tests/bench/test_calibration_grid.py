@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from calibration.grid import MIN_NEIGHBOURS, neighbours  # noqa: E402
-from flexoff.models.config import REGISTRY  # noqa: E402
+from flexoff.models import REGISTRY  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.hardware import packaged_profile  # noqa: E402
 from flexoff.planner.search import search_policy  # noqa: E402

@@ -6,7 +6,8 @@ import torch
 from flexoff import LLM, SamplingParams
 from tests.conftest import PROMPTS
 
-KINDS = ["opt-pre", "opt-post-proj", "llama-gqa", "llama3-rope", "qwen2-bias", "qwen3-qk-norm"]
+MOE_KINDS = ["mixtral", "qwen3-moe", "qwen2-moe"]
+KINDS = ["opt-pre", "opt-post-proj", "llama-gqa", "llama3-rope", "qwen2-bias", "qwen3-qk-norm", *MOE_KINDS]
 
 
 def hf_greedy(model, tokenizer_ids, max_new_tokens):
@@ -21,7 +22,8 @@ def hf_greedy(model, tokenizer_ids, max_new_tokens):
 def test_greedy_tokens_match_transformers(tiny_model_dir, kind):
     path, hf = tiny_model_dir(kind)
     llm = LLM(str(path), policy=None)
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    # transformers' min_new_tokens keeps EOS from being chosen; min_tokens does the same here.
+    params = SamplingParams(max_new_tokens=10, min_tokens=10)
     outs = llm.generate(PROMPTS, params)
     for out in outs:
         assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 10), out.prompt
@@ -37,7 +39,7 @@ def test_batched_left_padded_generate_matches_transformers(tiny_model_dir, kind)
     tok.padding_side = "left"
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     ref = hf.generate(**enc, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-    outs = LLM(str(path)).generate(PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    outs = LLM(str(path)).generate(PROMPTS, SamplingParams(max_new_tokens=8, min_tokens=8))
     width = enc["input_ids"].shape[1]
     assert [o.token_ids for o in outs] == ref[:, width:].tolist()
 
@@ -58,11 +60,21 @@ def test_last_logits_match_within_1e4(tiny_model_dir, kind):
     assert_last_logits_match(LLM(str(path)), hf, 1e-4)
 
 
-@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa", *MOE_KINDS])
 def test_bin_checkpoint_matches_safetensors(tiny_model_dir, kind):
+    """For the mixtures of experts this is also the two expert layouts: save_pretrained writes each
+    expert apart, while the .bin holds the state dict as transformers 5 keeps it, experts stacked."""
     st_path, _ = tiny_model_dir(kind, safetensors=True)
     bin_path, _ = tiny_model_dir(kind, safetensors=False)
     assert not list(bin_path.glob("*.safetensors"))
+    if kind in MOE_KINDS:
+        from safetensors import safe_open
+
+        stacked = set(torch.load(bin_path / "pytorch_model.bin", weights_only=True))
+        with safe_open(str(next(st_path.glob("*.safetensors"))), "pt") as f:
+            apart = set(f.keys())
+        assert any(key.endswith(".mlp.experts.gate_up_proj") for key in stacked), sorted(stacked)
+        assert not any(".experts.gate_up_proj" in key for key in apart)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     a = LLM(str(st_path)).generate(PROMPTS, params)
     b = LLM(str(bin_path)).generate(PROMPTS, params)

@@ -119,7 +119,7 @@ def test_the_frontier_plots_tick_labels_do_not_overlap_and_its_title_names_workl
     import matplotlib.pyplot as plt
 
     from flexoff.commands.report import frontier_figure, frontier_title
-    from flexoff.models.config import REGISTRY
+    from flexoff.models import REGISTRY
     from flexoff.planner import Workload, packaged_profile, pareto_frontier
 
     hardware = packaged_profile("t4")

@@ -3,7 +3,7 @@ well as the paper's hand-tuned policies under the same model, and land near the 
 
 import pytest
 
-from flexoff.models.config import REGISTRY
+from flexoff.models import REGISTRY
 from flexoff.planner.cost_model import CostModel
 from flexoff.planner.hardware import HardwareProfile, packaged_profile
 from flexoff.planner.reference import BENCHMARK_WORKLOAD, PAPER_T4_POLICIES

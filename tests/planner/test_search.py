@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from flexoff.errors import PolicyError
-from flexoff.models.config import REGISTRY
+from flexoff.models import REGISTRY
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
 from flexoff.planner.hardware import packaged_profile
 from flexoff.planner.search import (

@@ -2,7 +2,7 @@ import pytest
 
 from flexoff.compression import compressed_nbytes
 from flexoff.models import resolve_model_config
-from flexoff.models.config import REGISTRY
+from flexoff.models import REGISTRY
 from flexoff.planner.sizes import (
     bytes_per_element, embedding_numel, head_matmul_numel, layer_matrix_numel, layer_vector_numel,
     layer_weight_numel, parameter_count,

@@ -13,6 +13,9 @@ from tests.conftest import PROMPTS
 FOUR_BIT = CompressionConfig(bits=4, group_size=16)
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 
+# Mixtral and Qwen2-MoE: experts stacked in 3-D tensors are compressed, the router is kept exact.
+COMPRESSED_KINDS = ["opt-pre", "llama-gqa", "mixtral", "qwen2-moe"]
+
 PLACEMENTS = {
     "gpu": TierFractions(1, 0, 0),
     "cpu": TierFractions(0, 1, 0),
@@ -24,14 +27,14 @@ PLACEMENTS = {
 @pytest.fixture(scope="module")
 def compressed_reference(tiny_model_dir):
     refs = {}
-    for kind in ("opt-pre", "llama-gqa"):
+    for kind in COMPRESSED_KINDS:
         path, _ = tiny_model_dir(kind)
         refs[kind] = LLM(str(path), policy=Policy(gpu_batch_size=8, compress_weight=FOUR_BIT)).generate(
             PROMPTS, PARAMS)
     return refs
 
 
-@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+@pytest.mark.parametrize("kind", COMPRESSED_KINDS)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
 @pytest.mark.parametrize("batches,cpu_attention", [(1, False), (3, True), (3, False)])
 def test_compressed_placements_match(tiny_model_dir, compressed_reference, tmp_path, kind, placement, batches,
@@ -70,8 +73,9 @@ def test_gpu_batches_share_each_stages_dequantization(tiny_model_dir, monkeypatc
     assert counts[3] == (counts[1] if cpu_attention else counts[1] // 3)
 
 
-def test_compression_changes_logits_but_little_at_8_bits(tiny_model_dir):
-    path, _ = tiny_model_dir("llama-gqa")
+@pytest.mark.parametrize("kind", ["llama-gqa", "mixtral"])
+def test_compression_changes_logits_but_little_at_8_bits(tiny_model_dir, kind):
+    path, _ = tiny_model_dir(kind)
     ids = [[5, 9, 13, 20, 7], [6, 30, 11]]
     plain = LLM(str(path)).next_token_logits(ids)
     eight = LLM(str(path), policy=Policy(compress_weight=CompressionConfig(8, 16))).next_token_logits(ids)

@@ -40,7 +40,7 @@ POLICIES = {
                                  activations=TierFractions(0, 0.5, 0.5), cpu_attention=True),
 }
 
-KINDS = ["opt-post-proj", "llama-gqa", "qwen3-qk-norm"]
+KINDS = ["opt-post-proj", "llama-gqa", "qwen3-qk-norm", "mixtral", "qwen3-moe", "qwen2-moe"]
 
 
 @pytest.fixture(scope="module")

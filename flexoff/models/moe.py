@@ -1,0 +1,115 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): a router picks each token's top experts,
+and the token's MLP output is their outputs weighted by the router's probabilities.
+
+A layer's experts are stored stacked, one row of the first dimension per expert: ``gate_up``
+(experts, 2 x width, hidden), gate rows then up rows, and ``down`` (experts, hidden, width). The
+placement cuts tensors between rows, so each expert stays whole on one tier, and the layer's
+tokens are grouped by expert so that each expert's rows run as one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import WeightSpec, linear
+from .config import ModelConfig
+
+ROUTER = "mlp.router.weight"
+GATE_UP = "mlp.experts.gate_up"
+DOWN = "mlp.experts.down"
+_SHARED = ("gate_proj", "up_proj", "down_proj")
+
+
+def mlp_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
+    """The weights of a sparse layer's MLP. Checkpoints save experts one by one (Mixtral as
+    ``block_sparse_moe.experts.N.w1/w2/w3``, Qwen as ``mlp.experts.N.gate_proj/up_proj/down_proj``)
+    or, as transformers 5 holds them, already stacked (``mlp.experts.gate_up_proj``, ``down_proj``)."""
+    p = f"model.layers.{index}."
+    experts, hidden, width = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+    mixtral, qwen = f"{p}block_sparse_moe.experts.", f"{p}mlp.experts."
+
+    def per_expert(*names: tuple[str, ...]) -> tuple[tuple[tuple[str, ...], ...], ...]:
+        return tuple(tuple(tuple(f"{prefix}{e}.{part}.weight" for part in parts) for e in range(experts))
+                     for prefix, parts in zip((mixtral, qwen), names))
+
+    specs = [
+        # The router stays exact under compression: its probabilities choose the experts.
+        WeightSpec(ROUTER, (f"{p}mlp.gate.weight", f"{p}block_sparse_moe.gate.weight"), (experts, hidden),
+                   quantizable=False),
+        WeightSpec(GATE_UP, (f"{p}mlp.experts.gate_up_proj",), (experts, 2 * width, hidden),
+                   stacked=per_expert(("w1", "w3"), ("gate_proj", "up_proj"))),
+        WeightSpec(DOWN, (f"{p}mlp.experts.down_proj",), (experts, hidden, width),
+                   stacked=per_expert(("w2",), ("down_proj",))),
+    ]
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        shapes = {"gate_proj": (shared, hidden), "up_proj": (shared, hidden), "down_proj": (hidden, shared)}
+        specs += [WeightSpec(f"mlp.shared_expert.{name}.weight", (f"{p}mlp.shared_expert.{name}.weight",), shape)
+                  for name, shape in shapes.items()]
+        specs.append(WeightSpec("mlp.shared_expert_gate.weight", (f"{p}mlp.shared_expert_gate.weight",),
+                                (1, hidden), quantizable=False))
+    return specs
+
+
+def route(cfg: ModelConfig, router: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (tokens, hidden) -> (weights (tokens, k) in x's dtype, experts (tokens, k)). The softmax,
+    the choice and the renormalisation run in fp32, as transformers computes them."""
+    probs = torch.softmax(linear(x, router).float(), dim=-1)
+    weights, experts = torch.topk(probs, cfg.experts_per_token, dim=-1)
+    if cfg.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), experts
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """rows (n, in) sorted by expert, ``ends`` (experts,) int32 the end of each expert's rows, and
+    weight (experts, out, in) -> (n, out): each expert's rows times its matrix."""
+    if _grouped_kernel_fits(rows, weight):
+        return F.grouped_mm(rows, weight.transpose(-2, -1), offs=ends)
+    # Elsewhere, a matmul per expert; its bounds come to the host.
+    bounds = [0, *ends.tolist()]
+    return torch.cat([linear(rows[start:stop], weight[e]) for e, (start, stop) in enumerate(zip(bounds, bounds[1:]))])
+
+
+def _grouped_kernel_fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
+    # The grouped kernel wants 16-byte aligned rows and bases; on CUDA it is built for bfloat16.
+    if rows.is_cuda and rows.dtype != torch.bfloat16:
+        return False
+    aligned = 16 // rows.element_size()
+    return (rows.shape[-1] % aligned == 0 and weight.shape[-2] % aligned == 0
+            and all(t.data_ptr() % 16 == 0 for t in (rows, weight)))
+
+
+def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """x (tokens, hidden) through each token's chosen experts, weighted: (tokens, hidden).
+
+    The (token, choice) pairs are sorted by expert, so each expert multiplies its tokens in one
+    matmul, and the results are put back in pair order and summed over each token's choices in a
+    fixed order (no atomic adds, so every run gives the same sums)."""
+    tokens, k = experts.shape
+    order = experts.reshape(-1).argsort(stable=True)
+    ends = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts).cumsum(0).to(torch.int32)
+    rows = x[order // k]
+    gate, up = grouped_linear(rows, w[GATE_UP], ends).chunk(2, dim=-1)
+    out = grouped_linear(F.silu(gate) * up, w[DOWN], ends)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out
+    return (unsorted.view(tokens, k, -1) * weights[..., None]).sum(dim=1)
+
+
+def sparse_mlp(cfg: ModelConfig, w, x: torch.Tensor) -> torch.Tensor:
+    """A sparse layer's MLP on the normalised hidden x (batch, seq, hidden)."""
+    flat = x.reshape(-1, x.shape[-1])
+    weights, experts = route(cfg, w[ROUTER], flat)
+    out = expert_mlp(cfg, w, flat, weights, experts)
+    if cfg.shared_expert_intermediate_size:
+        shared = swiglu(w, flat, "mlp.shared_expert.")
+        out = out + torch.sigmoid(linear(flat, w["mlp.shared_expert_gate.weight"])) * shared
+    return out.view_as(x)
+
+
+def swiglu(w, x: torch.Tensor, prefix: str) -> torch.Tensor:
+    """A dense gated MLP; each matrix is read just before its matmul (see StageWeights)."""
+    x = F.silu(linear(x, w[f"{prefix}gate_proj.weight"])) * linear(x, w[f"{prefix}up_proj.weight"])
+    return linear(x, w[f"{prefix}down_proj.weight"])
