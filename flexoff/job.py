@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .checks import check_bool, check_device_name, check_int, check_real, check_seed, check_size
 from .errors import ConfigError, PolicyError
-from .policy import CompressionConfig, TierFractions, check_choice, placement_from_percent
+from .policy import CompressionConfig, TierFractions, check_choice, experts_from_percent, placement_from_percent
 
 DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
 # The names the API resolves (flexoff.api.resolve_dtype); checked here so that a job is refused
@@ -57,10 +57,12 @@ class PolicySource:
         return self.file == "auto"
 
     @classmethod
-    def build(cls, file=None, hardware=None, *, percent=None, compress_weight: CompressionConfig | None = None,
+    def build(cls, file=None, hardware=None, *, percent=None, expert_percent=None,
+              compress_weight: CompressionConfig | None = None,
               compress_cache: CompressionConfig | None = None, compress: str | None = None,
               **fields) -> "PolicySource":
-        """From the policy flags: ``percent`` (FlexGen's six numbers), ``compress`` and the Policy
+        """From the policy flags: ``percent`` (FlexGen's six numbers), ``expert_percent`` (two, for a
+        mixture of experts' expert weights), ``compress`` and the Policy
         fields in POLICY_FLAGS; None means not given."""
         unknown = set(fields) - set(POLICY_FLAGS)
         if unknown:
@@ -68,6 +70,8 @@ class PolicySource:
         overrides: dict[str, object] = {name: value for name, value in fields.items() if value is not None}
         if percent:
             overrides.update(placement_from_percent(tuple(percent)))
+        if expert_percent:
+            overrides["experts"] = experts_from_percent(tuple(expert_percent))
         if compress_weight is not None:
             overrides["compress_weight"] = compress_weight
         if compress_cache is not None:
@@ -113,7 +117,7 @@ class Job:
             if getattr(self, name) is not None:
                 check_size(getattr(self, name), name)
         for name, value in self.policy.overrides:
-            if name in ("weights", "cache", "activations") and not isinstance(value, TierFractions):
+            if name in ("weights", "cache", "activations", "experts") and not isinstance(value, TierFractions):
                 raise PolicyError(f"policy {name} must be TierFractions, got {value!r}")
 
     @property

@@ -78,6 +78,19 @@ def placement_from_percent(percent, flag: str = "--percent") -> dict[str, TierFr
             "activations": TierFractions.from_percent(a_gpu, a_cpu)}
 
 
+def experts_from_percent(percent, flag: str = "--expert-percent") -> TierFractions:
+    """A mixture of experts' expert weights on gpu and cpu in percent (the rest on disk), as Policy's
+    ``experts``."""
+    if not isinstance(percent, (list, tuple)) or len(percent) != 2:
+        raise ArgumentTypeError(f"{flag} takes two numbers (GPU CPU), got {percent!r}")
+    for tier, value in zip(("gpu", "cpu"), percent):
+        check_real(value, f"{flag}: experts on {tier}", PolicyError, 0, 100)
+    if sum(percent) > 100 + 1e-9:
+        raise PolicyError(f"{flag}: experts on gpu and cpu add up to {sum(percent):g}%, more than 100 "
+                          "(the rest goes to disk)")
+    return TierFractions.from_percent(*percent)
+
+
 # Far past any real batch or group, and small enough that the sizes computed from them stay within
 # the 64-bit shapes torch takes.
 MAX_BATCH = 2**20
@@ -113,6 +126,9 @@ class Policy:
     pin_cpu_memory: bool = True
     compress_weight: CompressionConfig | None = None
     compress_cache: CompressionConfig | None = None
+    # A mixture of experts' expert weights, placed apart from the rest (None: as ``weights``). Experts
+    # stay whole, so a fraction is met to the nearest expert of each layer.
+    experts: TierFractions | None = None
 
     def __post_init__(self):
         for name in ("gpu_batch_size", "num_gpu_batches"):
@@ -122,6 +138,8 @@ class Policy:
         for name in ("weights", "cache", "activations"):
             if not isinstance(getattr(self, name), TierFractions):
                 raise ArgumentTypeError(f"{name} must be a TierFractions, got {type(getattr(self, name)).__name__}")
+        if self.experts is not None and not isinstance(self.experts, TierFractions):
+            raise ArgumentTypeError(f"experts must be a TierFractions or None, got {type(self.experts).__name__}")
         for name in ("compress_weight", "compress_cache"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, CompressionConfig):
@@ -129,6 +147,13 @@ class Policy:
         self.weights.validate("weight")
         self.cache.validate("cache")
         self.activations.validate("activation")
+        if self.experts is not None:
+            self.experts.validate("expert")
+
+    @property
+    def expert_fractions(self) -> TierFractions:
+        """Where expert weights go: their own fractions, else the weights'."""
+        return self.experts if self.experts is not None else self.weights
 
     @property
     def block_size(self) -> int:
@@ -137,7 +162,7 @@ class Policy:
 
     @property
     def uses_disk(self) -> bool:
-        return any(f.disk > 0 for f in (self.weights, self.cache, self.activations))
+        return any(f.disk > 0 for f in (self.weights, self.cache, self.activations, self.expert_fractions))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -155,8 +180,8 @@ class Policy:
         _refuse_unknown(cls, data, f"{source}: unknown policy field")
         kwargs = dict(data)
         try:
-            for name in ("weights", "cache", "activations"):
-                if name in kwargs:
+            for name in ("weights", "cache", "activations", "experts"):
+                if kwargs.get(name) is not None:
                     kwargs[name] = _sub(TierFractions, kwargs[name], name)
             for name in ("compress_weight", "compress_cache"):
                 if kwargs.get(name) is not None:

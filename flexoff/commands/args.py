@@ -122,6 +122,9 @@ def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> N
     group.add_argument("--percent", type=number(0, 100), nargs=6, metavar=("W_GPU", "W_CPU", "C_GPU", "C_CPU", "A_GPU", "A_CPU"),
                        help="percent of weights, KV cache and activations on gpu and cpu (each pair at most 100 "
                             "together); the rest goes to disk")
+    group.add_argument("--expert-percent", type=number(0, 100), nargs=2, metavar=("E_GPU", "E_CPU"),
+                       help="percent of a mixture of experts' expert weights on gpu and cpu, the rest on disk "
+                            "(default: as the weights); each expert stays whole")
     group.add_argument("--gpu-batch-size", type=COUNT, help="sequences per GPU batch")
     group.add_argument("--num-gpu-batches", type=COUNT, help="GPU batches per block (they share one weight load)")
     group.add_argument("--cpu-attention", action="store_true", default=None,
@@ -166,7 +169,7 @@ def job_from_args(args) -> Job:
     model, dummy = (args.model, args.dummy) if args.model else (DEFAULT_MODEL, True)
     flag = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     policy = PolicySource.build(
-        flag("policy"), flag("hardware"), percent=flag("percent"),
+        flag("policy"), flag("hardware"), percent=flag("percent"), expert_percent=flag("expert_percent"),
         compress_weight=CompressionConfig(args.weight_bits, args.weight_group) if flag("compress_weight") else None,
         compress_cache=CompressionConfig(args.cache_bits, args.cache_group) if flag("compress_cache") else None,
         compress=flag("compress"), gpu_batch_size=flag("gpu_batch_size"), num_gpu_batches=flag("num_gpu_batches"),

@@ -33,6 +33,7 @@ def format_prediction(prediction: Prediction, title: str = "") -> str:
         ("  gpu batch size x batches", f"{policy.gpu_batch_size} x {policy.num_gpu_batches} "
                                        f"(block of {policy.block_size})"),
         ("  weights gpu/cpu/disk", _percent(policy.weights)),
+        *([("  experts gpu/cpu/disk", _percent(policy.experts))] if policy.experts is not None else []),
         ("  kv cache gpu/cpu/disk", _percent(policy.cache)),
         ("  activations gpu/cpu/disk", _percent(policy.activations)),
         ("  compression", _compression(policy)),

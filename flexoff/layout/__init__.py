@@ -19,7 +19,8 @@ from .head import SORTED_ROWS, head_step_bytes, logprob_positions, sampler_state
 from .capacity import Capacity, check_fits, job_bytes, overflow, tier_limits, tier_name
 from .host import (HOST_CHUNK, HOST_JOBS_IN_FLIGHT, PAGE, SlabPlan, disk_file_bytes, pages, pins_host_memory,
                    registered_bytes, slab_bytes)
-from .placement import Piece, TensorPlacement, place_stage, realised_fractions, split_rows
+from .placement import (Piece, TensorPlacement, place_layer, place_stage, realised_fractions, requested_fractions,
+                        split_rows)
 from .weights import (WeightLayout, buffer_copies, compressible, dequantize_scratch_numel, dequantizes_once,
                       largest_matrix_numel, stage_placements, stored_parts, weight_buffer_bytes, weight_bytes,
                       weight_host_requests, weight_layout)
@@ -29,8 +30,8 @@ __all__ = [
     "block_host_requests", "buffer_copies", "Capacity", "check_fits", "compressible",
     "dequantize_scratch_numel", "dequantizes_once", "disk_file_bytes", "head_step_bytes", "job_bytes",
     "kv_buffer_parts", "kv_cache_bytes", "largest_matrix_numel", "logprob_positions", "overflow", "pages",
-    "Piece", "sampler_state_bytes", "sampler_step_bytes", "SORTED_ROWS", "pins_host_memory", "place_stage",
-    "realised_fractions", "registered_bytes", "slab_bytes", "SlabPlan", "split_rows", "stage_placements",
+    "Piece", "sampler_state_bytes", "sampler_step_bytes", "SORTED_ROWS", "pins_host_memory", "place_layer",
+    "place_stage", "realised_fractions", "requested_fractions", "registered_bytes", "slab_bytes", "SlabPlan", "split_rows", "stage_placements",
     "stored_parts", "TensorPlacement", "tier_limits", "tier_name", "weight_buffer_bytes", "weight_bytes",
     "weight_host_requests", "weight_layout", "WeightLayout", "workspace_layout", "WorkspaceLayout",
 ]

@@ -72,6 +72,25 @@ def place_stage(specs: list[WeightSpec], fractions: TierFractions) -> list[Tenso
     return placements
 
 
+def place_layer(specs: list[WeightSpec], weights: TierFractions, experts: TierFractions) -> list[TensorPlacement]:
+    """A stage's placement, in the specs' order: the tensors other than expert stacks cut end to end
+    by ``weights`` (see :func:`place_stage`), and every expert stack (see WeightSpec.experts) cut at
+    the same experts by ``experts``, so that each expert keeps all its matrices on one tier."""
+    placed = {p.spec.name: p for p in place_stage([s for s in specs if not s.experts], weights)}
+    for spec in specs:
+        if spec.experts:
+            placed[spec.name] = TensorPlacement(spec, tuple(split_rows(spec.shape[0], experts)))
+    return [placed[spec.name] for spec in specs]
+
+
+def requested_fractions(specs: list[WeightSpec], weights: TierFractions, experts: TierFractions) -> dict[str, float]:
+    """The share of a stage's weight elements a policy asks for on each tier: ``weights`` and
+    ``experts`` weighted by the elements each covers."""
+    total = sum(spec.numel for spec in specs)
+    in_experts = sum(spec.numel for spec in specs if spec.experts) / total
+    return {tier: (1 - in_experts) * getattr(weights, tier) + in_experts * getattr(experts, tier) for tier in TIERS}
+
+
 def realised_fractions(placements: list[TensorPlacement]) -> dict[str, float]:
     total = sum(p.spec.numel for p in placements)
     return {tier: sum(p.numel_on(tier) for p in placements) / total for tier in TIERS}

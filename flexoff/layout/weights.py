@@ -13,7 +13,7 @@ from ..compression.packing import packed_row_bytes
 from ..models import ModelConfig, Stage, WeightSpec, stage_specs, stages
 from ..policy import TIERS, CompressionConfig, Policy
 from .host import disk_file_bytes, registered_bytes
-from .placement import TensorPlacement, place_stage
+from .placement import TensorPlacement, place_layer
 
 
 def compressible(spec: WeightSpec) -> bool:
@@ -67,7 +67,7 @@ def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, 
 
 def stage_placements(cfg: ModelConfig, policy: Policy) -> dict[Stage, list[TensorPlacement]]:
     """Which rows of each stage's tensors live on which tier."""
-    return {stage: place_stage(stage_specs(cfg, stage), policy.weights) for stage in stages(cfg)}
+    return {stage: place_layer(stage_specs(cfg, stage), policy.weights, policy.expert_fractions) for stage in stages(cfg)}
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class WeightSpec:
     # concatenated along their rows, make that row.
     stacked: tuple[tuple[tuple[str, ...], ...], ...] = ()
     quantizable: bool = True  # False keeps a matrix exact under weight compression (a router)
+    experts: bool = False  # rows are a layer's experts: placed by the policy's expert fractions
 
     @property
     def numel(self) -> int:

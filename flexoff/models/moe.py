@@ -38,9 +38,9 @@ def mlp_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
         WeightSpec(ROUTER, (f"{p}mlp.gate.weight", f"{p}block_sparse_moe.gate.weight"), (experts, hidden),
                    quantizable=False),
         WeightSpec(GATE_UP, (f"{p}mlp.experts.gate_up_proj",), (experts, 2 * width, hidden),
-                   stacked=per_expert(("w1", "w3"), ("gate_proj", "up_proj"))),
+                   stacked=per_expert(("w1", "w3"), ("gate_proj", "up_proj")), experts=True),
         WeightSpec(DOWN, (f"{p}mlp.experts.down_proj",), (experts, hidden, width),
-                   stacked=per_expert(("w2",), ("down_proj",))),
+                   stacked=per_expert(("w2",), ("down_proj",)), experts=True),
     ]
     shared = cfg.shared_expert_intermediate_size
     if shared:

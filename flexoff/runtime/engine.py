@@ -18,7 +18,7 @@ from .interpreter import BlockInterpreter, HeadHook, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, check_fits, job_bytes, logprob_positions, pins_host_memory, weight_bytes
 from .metrics import MemoryMeter, Metrics
-from ..policy import TIERS, Policy
+from ..policy import Policy
 from .sampler import BatchSampler, prompt_ranked
 from .sampling import SamplingParams
 from .stopping import Decode, StopCondition
@@ -75,10 +75,10 @@ class Engine:
         # Requested and realised weight fractions per tier, the worst per-stage deviation, and the
         # bytes of weights stored on each tier.
         self.placement_report = {
-            "requested": dict(zip(TIERS, policy.weights.as_tuple())),
+            "requested": self.weights.requested(),
             "realised": self.weights.realised(),
             "bytes": dict(self.weights.bytes),
-            "max_stage_deviation": self.weights.max_layer_deviation(policy.weights),
+            "max_stage_deviation": self.weights.max_layer_deviation(),
         }
 
     def close(self) -> None:

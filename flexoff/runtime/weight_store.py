@@ -26,7 +26,7 @@ import torch
 
 from ..compression import CompressedTensor, dequantize, quantize
 from ..layout import (TensorPlacement, buffer_copies, compressible, dequantize_scratch_numel, dequantizes_once,
-                      stage_placements, realised_fractions)
+                      realised_fractions, requested_fractions, stage_placements)
 from ..models import ModelConfig, Stage, WeightSpec
 from ..weights import WeightSource
 from ..policy import TIERS, CompressionConfig, Policy
@@ -136,6 +136,7 @@ class TieredWeights:
         self.host = HostMemory(policy.pin_cpu_memory, exact=True)
         self._disk = disk
         self.placements = stage_placements(cfg, policy)
+        self._fractions = (policy.weights, policy.expert_fractions)
         self.bytes = {tier: 0 for tier in TIERS}
         self._stages: dict[Stage, _StagePieces] = {}
         for stage, placements in self.placements.items():
@@ -210,7 +211,7 @@ class TieredWeights:
         (a MoE model's dense layers stream other tensors than its sparse ones), and staging for the
         kind's largest disk share."""
         buffers: dict[str, list[_BufferSet]] = {}
-        for kind in {stage.kind for stage in self._stages}:
+        for kind in dict.fromkeys(stage.kind for stage in self._stages):  # in stage order, as the layout lists them
             of_kind = [stage for stage in self._stages if stage.kind == kind]
             specs = {p.spec.name: p.spec for stage in of_kind for p in self.placements[stage]
                      if p.spec.name in self._stages[stage].parts}
@@ -311,17 +312,23 @@ class TieredWeights:
             buffer.free = self.streams.record(self.streams.compute)
 
     # Reports
+    def requested(self) -> dict[str, float]:
+        """Fraction of all weight elements the policy asks for on each tier (experts and the rest
+        weighted by their elements)."""
+        return requested_fractions([p.spec for placed in self.placements.values() for p in placed], *self._fractions)
+
     def realised(self) -> dict[str, float]:
-        """Fraction of all weight bytes on each tier, as placed."""
+        """Fraction of all weight elements on each tier, as placed."""
         everything = [p for placements in self.placements.values() for p in placements]
         return realised_fractions(everything)
 
-    def max_layer_deviation(self, requested) -> float:
+    def max_layer_deviation(self) -> float:
         """Largest |realised - requested| over stages and tiers, in fraction points."""
         worst = 0.0
         for placements in self.placements.values():
             got = realised_fractions(placements)
-            worst = max(worst, *(abs(got[t] - getattr(requested, t)) for t in TIERS))
+            wanted = requested_fractions([p.spec for p in placements], *self._fractions)
+            worst = max(worst, *(abs(got[t] - wanted[t]) for t in TIERS))
         return worst
 
     def first_non_finite(self) -> str | None:

@@ -53,6 +53,16 @@ CASES = {
     "qwen3 odd head size": ("qwen3-qk-norm", {"head_dim": 11}, "head_dim"),
     "qwen3 with an o_proj bias": ("qwen3-qk-norm", {"attention_bias": True}, "attention_bias"),
     "llama with an o_proj bias": ("llama-gqa", {"attention_bias": True}, "attention_bias"),
+    "experts as text": ("mixtral", {"num_local_experts": "4"}, "num_local_experts"),
+    "more chosen experts than experts": ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok"),
+    "no chosen expert": ("qwen3-moe", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    "expert width as text": ("qwen3-moe", {"moe_intermediate_size": "16"}, "moe_intermediate_size"),
+    "renormalisation as text": ("qwen3-moe", {"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    "dense layer past the model": ("qwen3-moe", {"mlp_only_layers": [5]}, "mlp_only_layers"),
+    "sparse step of zero": ("qwen2-moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    "qwen3-moe with an o_proj bias": ("qwen3-moe", {"attention_bias": True}, "attention_bias"),
+    "shared expert width negative": ("qwen2-moe", {"shared_expert_intermediate_size": -1},
+                                     "shared_expert_intermediate_size"),
 }
 
 

@@ -86,7 +86,8 @@ def _all_specs(cfg):
 
 
 @pytest.mark.parametrize("compress", [False, True])
-def test_estimates_replay_the_runtimes_host_allocations(tiny_model_dir, tmp_path, monkeypatch, compress):
+@pytest.mark.parametrize("kind", ["opt-post-proj", "qwen3-moe"])  # the latter: a dense layer among sparse ones
+def test_estimates_replay_the_runtimes_host_allocations(tiny_model_dir, tmp_path, monkeypatch, compress, kind):
     """Every host allocation of the weight store and of a block, in order, as the estimates list them."""
     made: dict[int, list[int]] = {}
     allocate = tiers.HostMemory.empty
@@ -98,8 +99,8 @@ def test_estimates_replay_the_runtimes_host_allocations(tiny_model_dir, tmp_path
     monkeypatch.setattr(tiers.HostMemory, "empty", recording)
     four_bit = CompressionConfig(4, 4) if compress else None
     policy = Policy(4, 2, TierFractions(0, 0.5, 0.5), TierFractions(0.25, 0.5, 0.25), TierFractions(0.5, 0.5, 0),
-                    compress_weight=four_bit, compress_cache=four_bit)
-    path, _ = tiny_model_dir("opt-post-proj")
+                    compress_weight=four_bit, compress_cache=four_bit, experts=TierFractions(0.25, 0.5, 0.25))
+    path, _ = tiny_model_dir(kind)
     prompt, new = 5, 3
     with LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float32") as llm:
         llm.generate([[7] * prompt] * policy.block_size, SamplingParams(max_new_tokens=new, ignore_eos=True))

@@ -65,6 +65,25 @@ def test_policy_matches_plain_run(tiny_model_dir, references, tmp_path, kind, na
     assert os.listdir(tmp_path) == []  # offload files are gone once the model is closed
 
 
+# A mixture of experts' experts placed apart from its other weights (four experts a layer here).
+EXPERT_POLICIES = {
+    "experts-cpu-rest-gpu": policy(experts=ON_CPU),
+    "experts-spread-rest-cpu": policy(weights=ON_CPU, experts=TierFractions(0.25, 0.5, 0.25), cache=ON_CPU,
+                                      cpu_attention=True),
+    "experts-gpu-rest-disk": policy(weights=ON_DISK, experts=TierFractions(0.5, 0, 0.5), num_gpu_batches=1,
+                                    gpu_batch_size=5),
+}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("name", list(EXPERT_POLICIES))
+def test_expert_placement_matches_plain_run(tiny_model_dir, references, tmp_path, kind, name):
+    path, _ = tiny_model_dir(kind)
+    outs = generate(path, EXPERT_POLICIES[name], tmp_path, params=PARAMS)
+    assert_same_outputs(outs, references[kind], rtol=1e-4, atol=1e-5)
+    assert os.listdir(tmp_path) == []
+
+
 def test_score_matches_under_offloading(tiny_model_dir, tmp_path):
     path, _ = tiny_model_dir("llama-gqa")
     plain = LLM(str(path)).score(PROMPTS[:3], ["the cat", "sat", "on the mat"])

@@ -1,6 +1,7 @@
 """Broken checkpoints are refused with the file and tensor named, before anything large is allocated."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -96,3 +97,58 @@ def test_dummy_weights_are_seeded_varied_and_not_constant():
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
     assert a.std() > 0.01 and a.unique().numel() > 1000
+
+
+def test_missing_expert_tensor_is_one_line_naming_it(tiny_model_dir, tmp_path, capsys):
+    """An expert saved one by one, with one of its matrices gone, is named, by the CLI in one line."""
+    from flexoff.commands.main import main
+
+    path = copy_model(tiny_model_dir("mixtral")[0], tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    key = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    del tensors[key]
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(key)):
+        LLM(str(path))
+    capsys.readouterr()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a dog\n")
+    assert main(["run", "--model", str(path), "--prompts", str(prompts), "--gen-len", "2", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0], err
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_router_disagreeing_with_the_expert_count_is_named(tiny_model_dir, tmp_path, stacked):
+    """A router of three rows where config.json says four experts, in either expert layout."""
+    path = copy_model(tiny_model_dir("qwen3-moe", safetensors=not stacked)[0], tmp_path / "m")
+    key = "model.layers.0.mlp.gate.weight"
+    if stacked:
+        tensors = torch.load(path / "pytorch_model.bin", weights_only=True)
+        tensors[key] = tensors[key][:3].clone()
+        torch.save(tensors, path / "pytorch_model.bin")
+    else:
+        tensors = load_file(path / "model.safetensors")
+        tensors[key] = tensors[key][:3].contiguous()
+        save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(key) + r".*\[3, 32\].*\[4, 32\]"):
+        LLM(str(path))
+
+
+def test_stacked_experts_of_the_wrong_count_are_named(tiny_model_dir, tmp_path):
+    path = copy_model(tiny_model_dir("mixtral", safetensors=False)[0], tmp_path / "m")
+    tensors = torch.load(path / "pytorch_model.bin", weights_only=True)
+    key = "model.layers.0.mlp.experts.down_proj"
+    tensors[key] = tensors[key][:2].clone()
+    torch.save(tensors, path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=re.escape(key) + r".*\[2, 32, 16\]"):
+        LLM(str(path))
+
+
+def test_an_unsupported_family_lists_the_supported_ones(tiny_model_dir, tmp_path):
+    path = copy_model(tiny_model_dir("mixtral")[0], tmp_path / "m")
+    config = json.loads((path / "config.json").read_text())
+    config["model_type"] = "deepseek_v3"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="deepseek_v3.*mixtral, qwen2_moe, qwen3_moe"):
+        LLM(str(path))

@@ -1,0 +1,72 @@
+"""The mixture-of-experts pieces on their own: grouped matmuls, the expert fractions of a policy."""
+
+import json
+
+import pytest
+import torch
+
+from flexoff import Policy, TierFractions
+from flexoff.commands.main import main
+from flexoff.errors import PolicyError
+from flexoff.models import REGISTRY, moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [32, 24])  # 24 bf16 values are 48 bytes: the kernel's 16-byte rule holds
+def test_grouped_linear_is_each_experts_matmul(dtype, width):
+    """Every expert's rows times its own matrix, experts with no rows included, by the grouped
+    kernel where it applies and by the loop where it does not."""
+    generator = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 1, 0, 7]
+    rows = torch.randn(sum(counts), 32, generator=generator).to(dtype)
+    weight = torch.randn(len(counts), width, 32, generator=generator).to(dtype)
+    ends = torch.tensor(counts).cumsum(0).to(torch.int32)
+    expected, start = [], 0
+    for expert, count in enumerate(counts):
+        expected.append(rows[start:start + count].float() @ weight[expert].float().T)
+        start += count
+    expected = torch.cat(expected)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.1
+    assert moe._grouped_kernel_fits(rows, weight)
+    torch.testing.assert_close(moe.grouped_linear(rows, weight, ends).float(), expected, rtol=tolerance, atol=tolerance)
+    odd = weight[:, :width - 1]  # rows the kernel cannot take: the loop answers the same
+    assert not moe._grouped_kernel_fits(rows, odd.contiguous())
+    torch.testing.assert_close(moe.grouped_linear(rows, odd.contiguous(), ends).float(), expected[:, :width - 1],
+                               rtol=tolerance, atol=tolerance)
+
+
+def test_routing_picks_the_largest_probabilities_in_fp32():
+    """Router logits that differ only below fp16's resolution still order the experts as fp32 does."""
+    cfg = REGISTRY["mixtral-8x7b"].replace(hidden_size=8, num_heads=1, num_kv_heads=1, head_dim=8)
+    router = torch.eye(8)
+    x = torch.tensor([[0.0, 1.0, 0.5, 0.0, 3.0, 0.0, 0.0, 0.0]])
+    weights, experts = moe.route(cfg, router, x)
+    assert experts.tolist() == [[4, 1]]
+    p = torch.softmax(x, -1)[0]
+    torch.testing.assert_close(weights[0], torch.stack([p[4], p[1]]) / (p[4] + p[1]))
+    unnormalised = cfg.replace(norm_topk_prob=False)
+    torch.testing.assert_close(moe.route(unnormalised, router, x)[0][0], torch.stack([p[4], p[1]]))
+
+
+def test_expert_fractions_round_trip_and_default_to_the_weights(tmp_path):
+    apart = Policy(weights=TierFractions(1, 0, 0), experts=TierFractions(0.25, 0.5, 0.25))
+    path = tmp_path / "p.json"
+    apart.save(path)
+    assert Policy.load(path) == apart
+    assert apart.uses_disk
+    assert Policy(weights=TierFractions(0, 1, 0)).expert_fractions == TierFractions(0, 1, 0)
+    data = json.loads(path.read_text())
+    data["experts"] = {"gpu": 0.5, "cpu": 0.6, "disk": 0}
+    path.write_text(json.dumps(data))
+    with pytest.raises(PolicyError, match="p.json: experts: tier fractions gpu/cpu/disk = 0.5/0.6/0 sum to 1.1"):
+        Policy.load(path)
+
+
+@pytest.mark.parametrize("flag,message", [
+    (["60", "50"], "--expert-percent: experts on gpu and cpu add up to 110%"),
+    (["-1", "50"], "--expert-percent"),
+])
+def test_bad_expert_percent_is_one_line(flag, message, capsys):
+    code = main(["run", "--model", "mixtral-8x7b", "--dummy", "--gen-len", "2", "--expert-percent", *flag])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
