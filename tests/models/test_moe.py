@@ -70,3 +70,16 @@ def test_bad_expert_percent_is_one_line(flag, message, capsys):
     code = main(["run", "--model", "mixtral-8x7b", "--dummy", "--gen-len", "2", "--expert-percent", *flag])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_long_prefills_route_in_chunks_with_the_same_result(monkeypatch):
+    """Chunking the tokens (to bound the layer's transient memory) changes no output."""
+    cfg = REGISTRY["mixtral-8x7b"].replace(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4,
+                                           expert_intermediate_size=16)
+    generator = torch.Generator().manual_seed(1)
+    w = {moe.ROUTER: torch.randn(4, 32, generator=generator), moe.GATE_UP: torch.randn(4, 32, 32, generator=generator),
+         moe.DOWN: torch.randn(4, 32, 16, generator=generator)}
+    x = torch.randn(3, 7, 32, generator=generator)
+    whole = moe.sparse_mlp(cfg, w, x)
+    monkeypatch.setattr(moe, "CHUNK_TOKENS", 4)
+    torch.testing.assert_close(moe.sparse_mlp(cfg, w, x), whole, rtol=1e-5, atol=1e-5)
