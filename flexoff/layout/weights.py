@@ -35,12 +35,14 @@ def largest_matrix_numel(cfg: ModelConfig) -> int:
 
 
 def dequantizes_once(policy) -> bool:
-    """Whether a stage's compressed matrices are dequantized once for all the block's GPU batches
+    """Whether a stage's compressed matrices are dequantized for all the block's GPU batches at once
     (into a buffer for the whole stage) rather than per batch, each just before use (into one
-    matrix's scratch). Once, where several batches share the stage and each batch's compute of a
-    stage ends before the next stage's begins: with CPU attention a layer's second half may come
-    after the next layer's first. ``policy``: a Policy or the planner's frame of one."""
-    return policy.compress_weight is not None and policy.num_gpu_batches > 1 and not policy.cpu_attention
+    matrix's scratch): where several batches share the stage. With CPU attention the last batch's
+    second half of a layer runs after the next layer's first half has begun to fill the buffer, but
+    a stage's matrices are placed in the order they are read, and every layer's first half reads
+    the same ones, so what the second half still needs stays in place. ``policy``: a Policy or the
+    planner's frame of one."""
+    return policy.compress_weight is not None and policy.num_gpu_batches > 1
 
 
 def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None, per_stage: bool = False) -> int:

@@ -297,8 +297,10 @@ class TieredWeights:
         return StageWeights(weights, self._scratch, self._dequantized_of(stage))
 
     def _dequantized_of(self, stage: Stage) -> dict[str, torch.Tensor] | None:
-        """The stage's matrices dequantized so far, when they are shared by its batches; reading a
-        new stage starts over (its reads are enqueued after every read of the previous one)."""
+        """The stage's matrices dequantized so far, when they are shared by its batches; reading
+        another stage starts over (its reads are enqueued after every read of the one before, but
+        the second half of a layer with CPU attention, which keeps the mapping it started with: see
+        layout.dequantizes_once)."""
         if not self._per_stage:
             return None
         if self._dequantized[0] != stage:
