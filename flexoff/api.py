@@ -86,7 +86,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
+    """The compute dtype a name asks for. "auto" is fp32 on the CPU, which computes it fastest and
+    most exactly; on a GPU the model's own 16-bit format (``config.native_dtype``; fp16 without a
+    config)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ConfigError(f"unsupported dtype {dtype}; use float16, bfloat16 or float32")
@@ -94,8 +97,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if not isinstance(dtype, str):
         raise ArgumentTypeError(f"dtype must be a string or a torch.dtype, got {type(dtype).__name__}")
     if dtype == "auto":
-        # fp16 is the GPU's native format; CPUs compute fp32 fastest and most exactly.
-        return torch.float16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if config is not None and config.native_dtype == "bfloat16" else torch.float16
     if dtype not in _DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; use auto, float16, bfloat16 or float32")
     return _DTYPES[dtype]
@@ -143,7 +147,7 @@ class LLM:
         self.config: ModelConfig
         self.config, checkpoint = resolve_model(model, dummy)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype = resolve_dtype(dtype, self.device, self.config)
         self.seed = seed
         searched = policy == "auto"
         if searched and workload is None:

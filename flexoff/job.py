@@ -85,7 +85,7 @@ class Job:
 
     model: str = DEFAULT_MODEL
     dummy: bool = True
-    dtype: str = "auto"  # one of DTYPES: auto is float16 on CUDA, float32 on the CPU
+    dtype: str = "auto"  # one of DTYPES: auto is the model's own 16-bit format on CUDA, float32 on the CPU
     device: str = "auto"
     tokenizer: str | None = None
     seed: int = 0  # sampling and dummy weights

@@ -95,7 +95,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dummy", action="store_true",
                        help="seeded random weights instead of a checkpoint (no download; for benchmarks)")
     group.add_argument("--dtype", default="auto", type=DTYPE,
-                       help="float16, bfloat16, float32, or auto (float16 on CUDA, float32 on CPU)")
+                       help="float16, bfloat16, float32, or auto (on CUDA the model's own 16-bit format, as its "
+                            "config.json says: bfloat16 for Llama 3, Mistral, Qwen and Mixtral, else float16; "
+                            "float32 on CPU)")
     group.add_argument("--device", default="auto", type=DEVICE, help="compute device: cuda, cuda:N, cpu, or auto")
     group.add_argument("--tokenizer", help="directory with tokenizer files, if not the checkpoint's")
 

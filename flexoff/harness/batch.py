@@ -194,10 +194,11 @@ class BatchJob:
 def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens: int) -> BatchJob:
     """Read and check the input, and open (or resume) the output; the model is not loaded yet."""
     from ..api import resolve_device, resolve_dtype
+    from ..models import resolve_model_config
 
     lines, digest, requests = read_batch_requests(source)
     defaults = job.sampling(max_new_tokens)
-    dtype = resolve_dtype(job.dtype, resolve_device(job.device))
+    dtype = resolve_dtype(job.dtype, resolve_device(job.device), resolve_model_config(job.model))
     identity = {
         "model": model_identity(job.model, job.dummy, job.seed), "dtype": str(dtype).removeprefix("torch."),
         "input_sha256": digest, "sampling": sampling_identity(defaults, job.seed),

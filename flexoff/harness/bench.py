@@ -178,6 +178,7 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
                subject: str | None = None) -> BenchRun:
     """Check the output directory, load the instances and open (or resume) the results."""
     from ..api import resolve_device, resolve_dtype
+    from ..models import resolve_model_config
 
     started = time.perf_counter()
     scenario = get_scenario(scenario_name)
@@ -198,7 +199,8 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
     examples = choose_examples([i for i in instances if i.split == "train"], k, job.seed)
     subject = subject or (default_subject(data) if scenario.multiple_choice else "")
     digest = hashlib.sha256(Path(data).read_bytes()).hexdigest() if data else None
-    dtype = str(resolve_dtype(job.dtype, resolve_device(job.device))).removeprefix("torch.")
+    dtype = str(resolve_dtype(job.dtype, resolve_device(job.device), resolve_model_config(job.model))
+                ).removeprefix("torch.")
     header = make_header("bench", bench_identity(scenario, job, digest, dtype, subject, k))
     store = ResultStore.open(output_dir / "results.jsonl", header, fresh_hint="choose another --output-dir",
                              flag="--output-dir")

@@ -67,8 +67,10 @@ _MODEL_RULES = {
     "num_experts": size_rule(_MAX_EXPERTS, minimum=0), "experts_per_token": size_rule(_MAX_EXPERTS, minimum=0),
     "expert_intermediate_size": size_rule(minimum=0), "shared_expert_intermediate_size": size_rule(minimum=0),
     "norm_topk_prob": boolean_rule, "dense_layers": _layer_indices,
+    "native_dtype": lambda value: None if value in NATIVE_DTYPES else "one of " + ", ".join(NATIVE_DTYPES),
 }
 ROPE_KINDS = ("default", "linear", "llama3")
+NATIVE_DTYPES = ("float16", "bfloat16")
 _ROPE_RULES = {"kind": lambda value: None if value in ROPE_KINDS else "one of " + ", ".join(ROPE_KINDS),
                "factor": _positive_number, "low_freq_factor": _positive_number, "high_freq_factor": _positive_number,
                "original_max_positions": size_rule()}
@@ -194,6 +196,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated expert every token uses; 0: none
     norm_topk_prob: bool = True  # the chosen experts' probabilities are renormalised to sum to 1
     dense_layers: tuple[int, ...] = ()  # layers of a MoE model with a dense MLP (of intermediate_size)
+    # The 16-bit format the model was trained and published in, which dtype "auto" runs on a GPU:
+    # bfloat16 models may overflow fp16's range.
+    native_dtype: str = "float16"
 
     def __post_init__(self):
         if self.family not in FAMILIES:

@@ -72,6 +72,9 @@ def config_from_dir(path: str | Path) -> ModelConfig:
                 f"{path}: model_type {model_type!r} is not supported; supported: opt, " + ", ".join(_LLAMA_TYPES))
     except KeyError as exc:
         raise UnsupportedModelError(f"{config_file} lacks the field {exc.args[0]!r}") from None
+    # transformers 4 writes torch_dtype, 5 writes dtype; float32 exports run in fp16, as vLLM does.
+    stored = raw.get("torch_dtype", raw.get("dtype"))
+    values["native_dtype"] = "bfloat16" if stored == "bfloat16" else "float16"
     validate_model(values, where, names)
     for key in ("norm_eps", "rope_theta"):
         if key in values:

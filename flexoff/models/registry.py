@@ -22,6 +22,7 @@ def _opt(name, hidden, layers, heads, ffn, **extra) -> ModelConfig:
 def _llama(name, hidden, layers, heads, kv_heads, ffn, vocab, max_pos, theta, **extra) -> ModelConfig:
     extra.setdefault("bos_token_id", 1)
     extra.setdefault("eos_token_ids", (2,))
+    extra.setdefault("native_dtype", "bfloat16")  # all but Llama 2 are published in bfloat16
     return ModelConfig(
         name=name, family="llama", vocab_size=vocab, hidden_size=hidden, num_layers=layers,
         num_heads=heads, num_kv_heads=kv_heads, intermediate_size=ffn, max_positions=max_pos,
@@ -47,9 +48,9 @@ REGISTRY: dict[str, ModelConfig] = {
         _opt("opt-30b", 7168, 48, 56, 28672),
         _opt("opt-66b", 9216, 64, 72, 36864),
         _opt("opt-175b", 12288, 96, 96, 49152),
-        _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0),
-        _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 4096, 10000.0),
-        _llama("llama-2-70b", 8192, 80, 64, 8, 28672, 32000, 4096, 10000.0),
+        _llama("llama-2-7b", 4096, 32, 32, 32, 11008, 32000, 4096, 10000.0, native_dtype="float16"),
+        _llama("llama-2-13b", 5120, 40, 40, 40, 13824, 32000, 4096, 10000.0, native_dtype="float16"),
+        _llama("llama-2-70b", 8192, 80, 64, 8, 28672, 32000, 4096, 10000.0, native_dtype="float16"),
         _llama("llama-3-8b", 4096, 32, 32, 8, 14336, 128256, 8192, 500000.0,
                bos_token_id=128000, eos_token_ids=(128001,)),
         _llama("llama-3-70b", 8192, 80, 64, 8, 28672, 128256, 8192, 500000.0,

@@ -83,3 +83,25 @@ def test_long_prefills_route_in_chunks_with_the_same_result(monkeypatch):
     whole = moe.sparse_mlp(cfg, w, x)
     monkeypatch.setattr(moe, "CHUNK_TOKENS", 4)
     torch.testing.assert_close(moe.sparse_mlp(cfg, w, x), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_dtype_is_the_models_own_on_cuda(tiny_model_dir, tmp_path):
+    """bfloat16 checkpoints run in bfloat16 on a GPU (fp16 may overflow them), float16 and float32
+    ones in fp16; the CPU computes fp32 whatever the model."""
+    from flexoff.api import resolve_dtype
+    from flexoff.models import config_from_dir
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_dtype("auto", cuda, REGISTRY["mixtral-8x7b"]) == torch.bfloat16
+    assert resolve_dtype("auto", cuda, REGISTRY["opt-30b"]) == torch.float16
+    assert resolve_dtype("auto", cuda, REGISTRY["llama-2-7b"]) == torch.float16
+    assert resolve_dtype("auto", cpu, REGISTRY["mixtral-8x7b"]) == torch.float32
+    assert resolve_dtype("float16", cuda, REGISTRY["mixtral-8x7b"]) == torch.float16
+    path, hf = tiny_model_dir("qwen3-moe")  # saved in float32: runs in fp16
+    assert resolve_dtype("auto", cuda, config_from_dir(path)) == torch.float16
+    raw = json.loads((path / "config.json").read_text())
+    assert raw.get("dtype", raw.get("torch_dtype")) == "float32"
+    for key in ("torch_dtype", "dtype"):  # as transformers 4 and 5 write it
+        (tmp_path / "config.json").write_text(json.dumps({**{k: v for k, v in raw.items() if k != "dtype"},
+                                                           key: "bfloat16"}))
+        assert resolve_dtype("auto", cuda, config_from_dir(tmp_path)) == torch.bfloat16
