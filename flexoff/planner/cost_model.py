@@ -31,8 +31,6 @@ fractions and streamed once per token like a layer's weights.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -41,7 +39,9 @@ from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_reques
                       dequantizes_once, head_step_bytes, largest_matrix_numel, registered_bytes,
                       sampler_state_bytes, slab_bytes, weight_buffer_bytes, weight_host_requests)
 from ..models.config import ModelConfig
-from ..policy import TIERS, CompressionConfig, Policy, TierFractions
+from ..policy import TIERS, Policy, TierFractions
+# The frame types are named here too: code plans and predicts through this module.
+from .frame import Placement, PhaseBreakdown, PolicyFrame, Prediction, Workload  # noqa: F401
 from .hardware import HardwareProfile
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
@@ -54,115 +54,6 @@ STREAM_TERMS = IO_TERMS + ("host",)
 COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
 FP32_BYTES = 4
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A batch job: every prompt padded to ``prompt_len``, each generating ``gen_len`` tokens.
-
-    ``num_prompts`` None means an endless stream: no block is ever partly empty.
-    """
-
-    prompt_len: int
-    gen_len: int
-    num_prompts: int | None = None
-
-    def __post_init__(self):
-        for name in ("prompt_len", "gen_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
-        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
-            raise ConfigError(f"number of prompts must be an integer >= 1, got {self.num_prompts!r}")
-
-
-class Placement(NamedTuple):
-    """The nine fractions; each a float, or a numpy array to evaluate many placements at once."""
-
-    wg: object
-    wc: object
-    wd: object
-    cg: object
-    cc: object
-    cd: object
-    hg: object
-    hc: object
-    hd: object
-
-    @classmethod
-    def of(cls, policy: Policy) -> "Placement":
-        return cls(*policy.weights.as_tuple(), *policy.cache.as_tuple(), *policy.activations.as_tuple())
-
-
-@dataclass(frozen=True)
-class PolicyFrame:
-    """Everything in a Policy except the placement: what the search fixes before each LP."""
-
-    gpu_batch_size: int
-    num_gpu_batches: int
-    compress_weight: CompressionConfig | None = None
-    compress_cache: CompressionConfig | None = None
-    cpu_attention: bool = False
-    overlap: bool = True
-
-    @property
-    def block_size(self) -> int:
-        return self.gpu_batch_size * self.num_gpu_batches
-
-    @classmethod
-    def of(cls, policy: Policy) -> "PolicyFrame":
-        return cls(policy.gpu_batch_size, policy.num_gpu_batches, policy.compress_weight,
-                   policy.compress_cache, policy.cpu_attention, policy.overlap)
-
-    def with_placement(self, fractions) -> Policy:
-        f = [float(x) for x in fractions]
-        return Policy(
-            gpu_batch_size=self.gpu_batch_size, num_gpu_batches=self.num_gpu_batches,
-            weights=TierFractions(*f[0:3]), cache=TierFractions(*f[3:6]), activations=TierFractions(*f[6:9]),
-            cpu_attention=self.cpu_attention, overlap=self.overlap,
-            compress_weight=self.compress_weight, compress_cache=self.compress_cache,
-        )
-
-
-@dataclass(frozen=True)
-class PhaseBreakdown:
-    """Seconds per layer of one phase, term by term, and the term that bounds it."""
-
-    phase: str
-    io: dict  # stream (a link, or the host) -> seconds per layer
-    compute: dict  # sub-term -> seconds per layer; they add up
-    seconds_per_layer: float
-    bound: str  # an IO term, or "compute (<largest sub-term>)"
-
-    @property
-    def compute_seconds(self) -> float:
-        return sum(self.compute.values())
-
-
-@dataclass(frozen=True)
-class Prediction:
-    policy: Policy
-    workload: Workload
-    prefill: PhaseBreakdown
-    decode: PhaseBreakdown
-    prefill_seconds: float  # one block
-    decode_seconds: float  # one block
-    block_latency: float  # seconds from a block's first prefill to its last token
-    total_throughput: float  # generated tokens per second (FlexGen's generation throughput)
-    prefill_throughput: float  # prompt tokens per second of prefill
-    decode_throughput: float  # generated tokens per second of decode
-    peak_memory: dict  # tier -> bytes
-    capacity: dict  # tier -> usable bytes
-    memory_by_phase: dict = field(default_factory=dict)  # (tier, phase) -> bytes
-    disk_reads_cached: bool = False  # disk reads priced at the page-cache rate
-
-    @property
-    def fits(self) -> bool:
-        return all(self.peak_memory[t] <= self.capacity[t] * (1 + 1e-9) for t in TIERS)
-
-    @property
-    def over_capacity(self) -> list[str]:
-        return [t for t in TIERS if self.peak_memory[t] > self.capacity[t] * (1 + 1e-9)]
 
 
 class CostModel:
