@@ -47,7 +47,8 @@ from .hardware import HardwareProfile
 from .experts import expected_expert_bytes, expert_bytes_per_layer
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
-    layer_active_matmul_numel, layer_matrix_numel, layer_routed_matmul_numel, layer_vector_numel,
+    largest_stage_matrix_numel, layer_active_matmul_numel, layer_matrix_numel, layer_routed_matmul_numel,
+    layer_vector_numel,
 )
 
 IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
@@ -80,7 +81,10 @@ class CostModel:
         self.routed_matmul_numel = layer_routed_matmul_numel(c)
         self.rows_per_expert = c.experts_per_token / c.num_experts if c.num_experts else 1.0
         self.head_matmul_numel_per_layer = head_matmul_numel(c) / layers
-        self.largest_matrix_numel = largest_matrix_numel(c)
+        # The tensor a weight fraction splits is assembled whole (see weight_buffer_bytes). A MoE
+        # layer's stacked experts are most of it, so at a small GPU share the cut falls inside them
+        # with nearly all the layer's GPU share in front: bounded by the largest stage's matrices.
+        self.split_numel = largest_stage_matrix_numel(c) if c.num_experts else largest_matrix_numel(c)
         self.kv_numel = c.kv_elements_per_token_per_layer
         self.query_width = c.num_heads * c.head_dim
         self.kv_width = c.num_kv_heads * c.head_dim
@@ -123,9 +127,10 @@ class CostModel:
 
         The layout's figure with every weight off the GPU (a layer's ring of two, plus the
         embedding's and head's buffers, at stored size) scales with the share off the GPU.
-        The one tensor a fraction splits is assembled whole: up to two of the largest matrix more,
-        priced as ``wg`` x that, which is exact with nothing on the GPU, close for a small share
-        off it (where it matters), and two matrices too many with everything on it. Compressed
+        The one tensor a fraction splits is assembled whole: up to two of the largest matrix more
+        (of a MoE model, the largest stage's), priced as ``wg`` x that, which is exact with nothing
+        on the GPU, close for a small share off it (where it matters), and two matrices too many
+        with everything on it. Compressed
         weights add their dequantization scratch: one matrix, or one stage where the batches share
         its dequantization (in the layout's figure)."""
         key = (frame.compress_weight, dequantizes_once(frame))
@@ -135,7 +140,7 @@ class CostModel:
             streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)
                              - dequantize_scratch_numel(self.config, frame.compress_weight) * FP16_BYTES)
             scratch = float(dequantize_scratch_numel(self.config, *key) * FP16_BYTES)
-            self._buffer_bytes[key] = (streamed, scratch, 2 * self.largest_matrix_numel
+            self._buffer_bytes[key] = (streamed, scratch, 2 * self.split_numel
                                        * bytes_per_element(frame.compress_weight))
         streamed, scratch, split = self._buffer_bytes[key]
         return (1 - wg) * streamed + wg * split + scratch

@@ -78,6 +78,12 @@ def layer_routed_matmul_numel(config: ModelConfig) -> float:
     return _mean_over_layers(config, routed)
 
 
+def largest_stage_matrix_numel(config: ModelConfig) -> int:
+    """Matrix elements of the stage (a layer of each kind, the embedding, the head) with the most."""
+    stages = [stage for stage, _count in _layer_groups(config)] + list(_OUTSIDE)
+    return max(_numel(config, (stage,), True) for stage in stages)
+
+
 def embedding_matrix_numel(config: ModelConfig) -> int:
     """2-D weights outside the layers: token (and OPT position) embeddings, projections, and the head.
 
