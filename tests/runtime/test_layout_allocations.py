@@ -200,6 +200,7 @@ def test_a_sparse_mlp_on_cuda_stays_within_the_layouts_working_memory(hidden, wi
     cfg = _moe_config(hidden * 8, width * 8, shared * 8)
     tokens = 512
     weights, x = _sparse_mlp_inputs(cfg, tokens, torch.float16, "cuda")
+    moe.sparse_mlp(cfg, weights, x)  # once first: cuBLAS keeps its workspace from the first matmul on
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -207,5 +208,7 @@ def test_a_sparse_mlp_on_cuda_stays_within_the_layouts_working_memory(hidden, wi
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     planned = sparse_mlp_bytes(cfg, tokens, 2)
-    # The caching allocator rounds each block up to 512 bytes: a few hundred bytes per tensor.
-    assert planned * 0.9 <= peak <= planned + 64 * 512
+    # fp16 on CUDA runs a matmul per expert and joins the pieces, the path the figure follows. The
+    # caching allocator rounds each block up to 512 bytes, and the sort, top-k and bincount take
+    # temporary storage of their own: together far under 1 MiB for these 1024 pairs.
+    assert planned <= peak <= planned + (1 << 20)
