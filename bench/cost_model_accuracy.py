@@ -1,7 +1,8 @@
 """Cost model against reality: predicted vs measured throughput and peak memory.
 
-Policies of OPT-30B, OPT-66B and OPT-175B, searched and hand-made, on the full card and under
-`--gpu-mem` caps of 16 and 24 GiB (the commodity-card regime, most of them 4-bit): predict
+Policies of OPT-30B, OPT-66B and OPT-175B, and of the mixtures of experts Mixtral-8x7B and
+Qwen3-30B-A3B, searched and hand-made, on the full card and under `--gpu-mem` caps of 16 and
+24 GiB (the commodity-card regime, most of them 4-bit): predict
 throughput (prefill, decode, total) and peak memory per tier with the planner, then run each with
 dummy weights through ``flexoff.LLM(...).generate`` in its own process (an out-of-memory or a
 timeout leaves the others alone) under the same caps, and print predicted vs measured.
@@ -12,6 +13,7 @@ and each searched 16 GiB policy within 10% of the best measured of its grid (``-
     python bench/cost_model_accuracy.py --predict-only                 # every prediction, anywhere
     python bench/cost_model_accuracy.py --measure-profile --warmup --only "opt-30b gpu 16GiB searched"
     python bench/cost_model_accuracy.py --grid "opt-30b gpu 16GiB searched, compress auto" --predict-only
+    python bench/cost_model_accuracy.py --measure-profile --warmup --only mixtral-8x7b --only qwen3-30b-a3b
     python bench/cost_model_accuracy.py --report a.json b.json         # one table from several calls
 
 A grid run generates --grid-gen-len tokens (default 8) for one block. --grid-part K/N splits a grid

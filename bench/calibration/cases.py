@@ -117,7 +117,22 @@ CAPPED = [
           Policy.load(ROOT / "policies" / "opt-175b-4bit.h100.json"), shrink=False),
 ]
 
-CASES = FULL_CARD + CAPPED
+# Mixtures of experts on the capped card: all experts of a layer are loaded once per block, each
+# token multiplies through its k; searched, and by hand with weights and cache on the host.
+MOE = [
+    _searched("mixtral-8x7b", "auto", "16GiB"),
+    _searched("qwen3-30b-a3b", "auto", "16GiB"),
+    _hand("mixtral-8x7b", "4-bit 32x16, weights and cache on cpu",
+          _policy(32, 16, (0, 1, 0), (0, 1, 0), (1, 0, 0), compressed=True), "16GiB"),
+    _hand("mixtral-8x7b", "4-bit 16x16, cache on cpu, cpu attention",
+          _policy(16, 16, (0, 1, 0), (0, 1, 0), (1, 0, 0), cpu_attention=True, compressed=True), "16GiB"),
+    _hand("qwen3-30b-a3b", "4-bit 64x8, weights and cache on cpu",
+          _policy(64, 8, (0, 1, 0), (0, 1, 0), (1, 0, 0), compressed=True), "16GiB"),
+    _hand("qwen3-30b-a3b", "4-bit 64x4, a fifth of the weights on gpu",
+          _policy(64, 4, (0.2, 0.8, 0), (0, 1, 0), (1, 0, 0), compressed=True), "16GiB"),
+]
+
+CASES = FULL_CARD + CAPPED + MOE
 
 
 def select(specs: list[CaseSpec], texts: list[str] | None) -> list[CaseSpec]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import ModelConfig
+from ..models import moe
 from ..policy import TIERS, CompressionConfig, Policy
 from .head import head_step_bytes, sampler_state_bytes
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
@@ -14,6 +15,62 @@ from .placement import split_rows
 from .weights import stored_parts
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
+INDEX_BYTES = 8  # int64: a token's chosen experts, and the order that sorts them
+FP32_BYTES = 4
+
+
+def has_dense_mlp(cfg: ModelConfig) -> bool:
+    """Whether some layer has a dense MLP (every layer of a dense model, ``dense_layers`` of a MoE)."""
+    return any(not cfg.sparse_layer(i) for i in range(cfg.num_layers))
+
+
+def sparse_mlp_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
+    """The largest transient of a sparse layer's MLP over ``tokens`` tokens (0 for a dense model),
+    as ``models.moe.sparse_mlp`` allocates it: one chunk's (see _chunk_bytes), and past one chunk
+    the output the chunks are written into."""
+    if tokens <= moe.CHUNK_TOKENS:
+        return _chunk_bytes(cfg, tokens, itemsize)
+    return _chunk_bytes(cfg, moe.CHUNK_TOKENS, itemsize) + tokens * cfg.hidden_size * itemsize
+
+
+def _chunk_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
+    """The largest transient of a sparse layer's MLP over one chunk of ``tokens`` tokens. Each
+    token makes k (token, expert) pairs, sorted by
+    expert; per pair, the gathered row (hidden), gate-up's output (2 x width) and its activation
+    (width) and down's output (hidden) are live together at the largest moment, which is one of:
+    the activation beside both gate halves, gate-up's or down's output beside the per-expert
+    pieces it is assembled from, or the outputs scattered back and weighted before the sum."""
+    if not cfg.num_experts:
+        return 0
+    h, width, k = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token
+    pairs = tokens * k
+    # The router's logits, their fp32 copy and softmax over every expert; the top k's fp32
+    # values, int64 indices, renormalised values and their copy in the compute dtype.
+    routing = tokens * cfg.num_experts * (itemsize + 2 * FP32_BYTES) + pairs * (2 * FP32_BYTES + INDEX_BYTES + itemsize)
+    # Each pair's weight, expert and place in the order, and each expert's end in it (int32).
+    kept = pairs * (itemsize + 2 * INDEX_BYTES) + cfg.num_experts * FP32_BYTES
+    experts = kept + max(pairs * (INDEX_BYTES + h * itemsize),  # the gather, by token indices
+                         pairs * (h + 4 * width) * itemsize,
+                         pairs * (3 * h + 3 * width) * itemsize,
+                         (pairs * (4 * h + 2 * width) + tokens * h) * itemsize)
+    peak = max(routing, experts)
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        # After the routed experts (their output and the routing kept): the shared expert's gate,
+        # its activation and up, then its output gated and added.
+        peak = max(peak, pairs * (itemsize + INDEX_BYTES)
+                   + tokens * max(h + 3 * shared, 2 * h + shared, 4 * h) * itemsize)
+    return peak
+
+
+def working_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int) -> int:
+    """Working memory of a GPU batch of ``rows`` sequences over ``tokens`` tokens (the prefill's
+    rows x prompt length): q/k/v and the hidden states, the MLP's intermediates (a MoE model's
+    sparse layers take their own, see sparse_mlp_bytes; its dense layers, if any, the dense one),
+    and the head step's logits of the last position and the sampler's work on them."""
+    dense_mlp = tokens * cfg.intermediate_size * itemsize if has_dense_mlp(cfg) else 0
+    return (tokens * 4 * cfg.hidden_size * itemsize + max(dense_mlp, sparse_mlp_bytes(cfg, tokens, itemsize))
+            + head_step_bytes(rows, cfg.vocab_size, itemsize))
 
 
 def kv_buffer_parts(cfg: ModelConfig, slots: int, rows: int, compression: CompressionConfig | None,
@@ -112,12 +169,10 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
             sizes["disk"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
     if pinned:
         sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize))
-    # Working memory of the largest step, one batch at a time: the prefill's MLP intermediate,
-    # q/k/v, and the head step's logits of the last position and the sampler's work on them; and
-    # the samplers' state, kept for every sequence of the block.
-    working = rows * prompt_len * (cfg.intermediate_size + 4 * cfg.hidden_size) * itemsize
-    working += head_step_bytes(rows, cfg.vocab_size, itemsize)
-    sizes["gpu"] += working + sampler_state_bytes(policy.block_size, cfg.vocab_size)
+    # Working memory of the largest step, one batch at a time, and the samplers' state, kept for
+    # every sequence of the block.
+    sizes["gpu"] += working_bytes(cfg, rows * prompt_len, rows, itemsize)
+    sizes["gpu"] += sampler_state_bytes(policy.block_size, cfg.vocab_size)
     # The host worker's queued prefill jobs each keep one batch's new keys and values of the rows
     # they store in host memory on the GPU until copied, through two pinned chunks.
     off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")

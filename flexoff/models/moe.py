@@ -104,7 +104,12 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
 def sparse_mlp(cfg: ModelConfig, w, x: torch.Tensor) -> torch.Tensor:
     """A sparse layer's MLP on the normalised hidden x (batch, seq, hidden), CHUNK_TOKENS at a time."""
     flat = x.reshape(-1, x.shape[-1])
-    return torch.cat([_sparse_chunk(cfg, w, part) for part in flat.split(CHUNK_TOKENS)]).view_as(x)
+    if len(flat) <= CHUNK_TOKENS:
+        return _sparse_chunk(cfg, w, flat).view_as(x)
+    out = torch.empty_like(flat)
+    for start in range(0, len(flat), CHUNK_TOKENS):
+        out[start:start + CHUNK_TOKENS] = _sparse_chunk(cfg, w, flat[start:start + CHUNK_TOKENS])
+    return out.view_as(x)
 
 
 def _sparse_chunk(cfg: ModelConfig, w, flat: torch.Tensor) -> torch.Tensor:
@@ -114,17 +119,6 @@ def _sparse_chunk(cfg: ModelConfig, w, flat: torch.Tensor) -> torch.Tensor:
         shared = swiglu(w, flat, "mlp.shared_expert.")
         out = out + torch.sigmoid(linear(flat, w["mlp.shared_expert_gate.weight"])) * shared
     return out
-
-
-def working_numel(cfg: ModelConfig, tokens: int) -> int:
-    """Elements of a sparse layer's largest transient for ``tokens`` tokens: per routed (token,
-    choice) pair its gathered row, its gate-and-up output, their product and its expert's output
-    twice (sorted, then in pair order); per token the router's logits and choices (counted as
-    elements, fp32 and int64 as two each), the result, and the shared expert's intermediates."""
-    rows = min(tokens, CHUNK_TOKENS)
-    pair = 3 * cfg.hidden_size + 3 * cfg.expert_intermediate_size
-    token = 2 * cfg.num_experts + 4 * cfg.experts_per_token + cfg.hidden_size + 3 * cfg.shared_expert_intermediate_size
-    return rows * (cfg.experts_per_token * pair + token)
 
 
 def swiglu(w, x: torch.Tensor, prefix: str) -> torch.Tensor:

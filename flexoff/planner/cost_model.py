@@ -31,21 +31,24 @@ fractions and streamed once per token like a layer's weights.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
-                      dequantizes_once, head_step_bytes, largest_matrix_numel, registered_bytes,
-                      sampler_state_bytes, slab_bytes, weight_buffer_bytes, weight_host_requests)
+                      dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel, registered_bytes,
+                      sampler_state_bytes, slab_bytes, sparse_mlp_bytes, weight_buffer_bytes, weight_host_requests,
+                      working_bytes)
 from ..models.config import ModelConfig
-from ..policy import TIERS, CompressionConfig, Policy, TierFractions
+from ..policy import TIERS, Policy, TierFractions
+# The frame types are named here too: code plans and predicts through this module.
+from .frame import Placement, PhaseBreakdown, PolicyFrame, Prediction, Workload  # noqa: F401
 from .hardware import HardwareProfile
+from .experts import expected_expert_bytes, expert_bytes_per_layer
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
-    layer_matrix_numel, layer_vector_numel,
+    largest_stage_matrix_numel, layer_active_matmul_numel, layer_matrix_numel, layer_routed_matmul_numel,
+    layer_vector_numel,
 )
 
 IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
@@ -56,136 +59,37 @@ PHASES = ("prefill", "decode")
 FP32_BYTES = 4
 
 
-@dataclass(frozen=True)
-class Workload:
-    """A batch job: every prompt padded to ``prompt_len``, each generating ``gen_len`` tokens.
-
-    ``num_prompts`` None means an endless stream: no block is ever partly empty.
-    """
-
-    prompt_len: int
-    gen_len: int
-    num_prompts: int | None = None
-
-    def __post_init__(self):
-        for name in ("prompt_len", "gen_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
-        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
-            raise ConfigError(f"number of prompts must be an integer >= 1, got {self.num_prompts!r}")
-
-
-class Placement(NamedTuple):
-    """The nine fractions; each a float, or a numpy array to evaluate many placements at once."""
-
-    wg: object
-    wc: object
-    wd: object
-    cg: object
-    cc: object
-    cd: object
-    hg: object
-    hc: object
-    hd: object
-
-    @classmethod
-    def of(cls, policy: Policy) -> "Placement":
-        return cls(*policy.weights.as_tuple(), *policy.cache.as_tuple(), *policy.activations.as_tuple())
-
-
-@dataclass(frozen=True)
-class PolicyFrame:
-    """Everything in a Policy except the placement: what the search fixes before each LP."""
-
-    gpu_batch_size: int
-    num_gpu_batches: int
-    compress_weight: CompressionConfig | None = None
-    compress_cache: CompressionConfig | None = None
-    cpu_attention: bool = False
-    overlap: bool = True
-
-    @property
-    def block_size(self) -> int:
-        return self.gpu_batch_size * self.num_gpu_batches
-
-    @classmethod
-    def of(cls, policy: Policy) -> "PolicyFrame":
-        return cls(policy.gpu_batch_size, policy.num_gpu_batches, policy.compress_weight,
-                   policy.compress_cache, policy.cpu_attention, policy.overlap)
-
-    def with_placement(self, fractions) -> Policy:
-        f = [float(x) for x in fractions]
-        return Policy(
-            gpu_batch_size=self.gpu_batch_size, num_gpu_batches=self.num_gpu_batches,
-            weights=TierFractions(*f[0:3]), cache=TierFractions(*f[3:6]), activations=TierFractions(*f[6:9]),
-            cpu_attention=self.cpu_attention, overlap=self.overlap,
-            compress_weight=self.compress_weight, compress_cache=self.compress_cache,
-        )
-
-
-@dataclass(frozen=True)
-class PhaseBreakdown:
-    """Seconds per layer of one phase, term by term, and the term that bounds it."""
-
-    phase: str
-    io: dict  # stream (a link, or the host) -> seconds per layer
-    compute: dict  # sub-term -> seconds per layer; they add up
-    seconds_per_layer: float
-    bound: str  # an IO term, or "compute (<largest sub-term>)"
-
-    @property
-    def compute_seconds(self) -> float:
-        return sum(self.compute.values())
-
-
-@dataclass(frozen=True)
-class Prediction:
-    policy: Policy
-    workload: Workload
-    prefill: PhaseBreakdown
-    decode: PhaseBreakdown
-    prefill_seconds: float  # one block
-    decode_seconds: float  # one block
-    block_latency: float  # seconds from a block's first prefill to its last token
-    total_throughput: float  # generated tokens per second (FlexGen's generation throughput)
-    prefill_throughput: float  # prompt tokens per second of prefill
-    decode_throughput: float  # generated tokens per second of decode
-    peak_memory: dict  # tier -> bytes
-    capacity: dict  # tier -> usable bytes
-    memory_by_phase: dict = field(default_factory=dict)  # (tier, phase) -> bytes
-    disk_reads_cached: bool = False  # disk reads priced at the page-cache rate
-
-    @property
-    def fits(self) -> bool:
-        return all(self.peak_memory[t] <= self.capacity[t] * (1 + 1e-9) for t in TIERS)
-
-    @property
-    def over_capacity(self) -> list[str]:
-        return [t for t in TIERS if self.peak_memory[t] > self.capacity[t] * (1 + 1e-9)]
-
-
 class CostModel:
     """Predicts time and memory of policies for one model, workload and machine."""
 
-    def __init__(self, config: ModelConfig, workload: Workload, hardware: HardwareProfile):
+    def __init__(self, config: ModelConfig, workload: Workload, hardware: HardwareProfile, route_first: bool = False):
+        """``route_first``: a sparse layer's experts are loaded after its router ran, only those its
+        block's tokens chose (expected under uniform routing); else all of them, as the runtime does."""
         positions = workload.prompt_len + workload.gen_len
         if positions > config.max_positions:
             raise ConfigError(f"prompt {workload.prompt_len} + generate {workload.gen_len} needs {positions} "
                               f"positions, but {config.name} has {config.max_positions}")
-        self.config, self.workload, self.hardware = config, workload, hardware
+        self.config, self.workload, self.hardware, self.route_first = config, workload, hardware, route_first
         c, layers = config, config.num_layers
         self.num_layers = layers
         self.hidden = c.hidden_size
         self.matrix_numel = layer_matrix_numel(c) + embedding_matrix_numel(c) / layers
         self.vector_numel = layer_vector_numel(c) + embedding_vector_numel(c) / layers
-        self.layer_matmul_numel = layer_matrix_numel(c)
+        # A token multiplies through its own experts only; each expert's matmul has the rows routed
+        # to it, a k / E share of the batch's on average (1 for a dense model).
+        self.layer_matmul_numel = layer_active_matmul_numel(c)
+        self.routed_matmul_numel = layer_routed_matmul_numel(c)
+        self.rows_per_expert = c.experts_per_token / c.num_experts if c.num_experts else 1.0
         self.head_matmul_numel_per_layer = head_matmul_numel(c) / layers
-        self.largest_matrix_numel = largest_matrix_numel(c)
+        # The tensor a weight fraction splits is assembled whole (see weight_buffer_bytes). A MoE
+        # layer's stacked experts are most of it, so at a small GPU share the cut falls inside them
+        # with nearly all the layer's GPU share in front: bounded by the largest stage's matrices.
+        self.split_numel = largest_stage_matrix_numel(c) if c.num_experts else largest_matrix_numel(c)
         self.kv_numel = c.kv_elements_per_token_per_layer
         self.query_width = c.num_heads * c.head_dim
         self.kv_width = c.num_kv_heads * c.head_dim
         self.mlp_buffers = 2 if c.family == "opt" else 3  # fc1 out; or gate, up and their product
+        self.dense_mlp = has_dense_mlp(c)
         self._buffer_bytes: dict = {}
         self._pinned_factors: dict = {}
 
@@ -193,6 +97,26 @@ class CostModel:
 
     def weight_bytes_per_layer(self, frame: PolicyFrame) -> float:
         return self.matrix_numel * bytes_per_element(frame.compress_weight) + self.vector_numel * FP16_BYTES
+
+    def moved_weight_bytes(self, frame: PolicyFrame, tokens: int) -> float:
+        """Bytes of a layer's weights loaded for a pass of ``tokens`` tokens: all of them, or with
+        route-first loading all but the experts the tokens are expected to leave untouched."""
+        weights = self.weight_bytes_per_layer(frame)
+        if not self.route_first:
+            return weights
+        return (weights - expert_bytes_per_layer(self.config, frame.compress_weight)
+                + expected_expert_bytes(self.config, frame.compress_weight, tokens))
+
+    def matmul_seconds(self, tokens: int, head_tokens: int, rows: int) -> float:
+        """Seconds of one layer's matmuls over ``tokens`` tokens, and of its share of the head's over
+        ``head_tokens``, in GPU batches of ``rows`` rows; a routed expert's matmul has its share of
+        the rows, and runs at that size's rate."""
+        shared = self.layer_matmul_numel - self.routed_matmul_numel
+        hw = self.hardware
+        seconds = 2 * (shared * tokens + self.head_matmul_numel_per_layer * head_tokens) / hw.matmul_flops_at(rows)
+        if self.routed_matmul_numel:
+            seconds += 2 * self.routed_matmul_numel * tokens / hw.matmul_flops_at(rows * self.rows_per_expert)
+        return seconds
 
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
         """Stored KV bytes of one token in one layer."""
@@ -203,9 +127,10 @@ class CostModel:
 
         The layout's figure with every weight off the GPU (a layer's ring of two, plus the
         embedding's and head's buffers, at stored size) scales with the share off the GPU.
-        The one tensor a fraction splits is assembled whole: up to two of the largest matrix more,
-        priced as ``wg`` x that, which is exact with nothing on the GPU, close for a small share
-        off it (where it matters), and two matrices too many with everything on it. Compressed
+        The one tensor a fraction splits is assembled whole: up to two of the largest matrix more
+        (of a MoE model, the largest stage's), priced as ``wg`` x that, which is exact with nothing
+        on the GPU, close for a small share off it (where it matters), and two matrices too many
+        with everything on it. Compressed
         weights add their dequantization scratch: one matrix, or one stage where the batches share
         its dequantization (in the layout's figure)."""
         key = (frame.compress_weight, dequantizes_once(frame))
@@ -215,7 +140,7 @@ class CostModel:
             streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)
                              - dequantize_scratch_numel(self.config, frame.compress_weight) * FP16_BYTES)
             scratch = float(dequantize_scratch_numel(self.config, *key) * FP16_BYTES)
-            self._buffer_bytes[key] = (streamed, scratch, 2 * self.largest_matrix_numel
+            self._buffer_bytes[key] = (streamed, scratch, 2 * self.split_numel
                                        * bytes_per_element(frame.compress_weight))
         streamed, scratch, split = self._buffer_bytes[key]
         return (1 - wg) * streamed + wg * split + scratch
@@ -256,7 +181,8 @@ class CostModel:
         disk_read = disk_read_bandwidth or hw.disk_to_cpu_bandwidth
         s, n = w.prompt_len, w.gen_len
         gbs, nb, bls = frame.gpu_batch_size, frame.num_gpu_batches, frame.block_size
-        W = self.weight_bytes_per_layer(frame)
+        # Weight bytes loaded per layer: a prefill pass sees the block's s x bls tokens, a decode step bls.
+        W_prefill, W_decode = self.moved_weight_bytes(frame, s * bls), self.moved_weight_bytes(frame, bls)
         kv = self.kv_bytes_per_token(frame)
         kv16 = self.kv_numel * FP16_BYTES
         act = FP16_BYTES * self.hidden  # one token's hidden state
@@ -276,18 +202,17 @@ class CostModel:
                     + p.hd * size * (1 / hw.cpu_to_disk_bandwidth + 1 / disk_read))
 
         prefill_io = {
-            "cpu_to_gpu": (w_off * W + h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
+            "cpu_to_gpu": (w_off * W_prefill + h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
             "gpu_to_cpu": c_off * kv * s * bls / hw.gtoc_cache_bandwidth
             + h_off * act * s * bls / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * W + p.hd * act * s * bls) / disk_read,
+            "disk_to_cpu": (p.wd * W_prefill + p.hd * act * s * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * s * bls / hw.ctod_cache_bandwidth
             + p.hd * act * s * bls / hw.cpu_to_disk_bandwidth,
             "host": host,
         }
         # Prefill attention always runs on the GPU: the cache is produced there.
         prefill_compute = {
-            "gpu_matmul": 2 * (self.layer_matmul_numel * s + self.head_matmul_numel_per_layer) * bls
-            / hw.matmul_flops_at(gbs * s),
+            "gpu_matmul": self.matmul_seconds(s * bls, bls, gbs * s),
             "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
             # Weights are dequantized once or for every GPU batch; the new cache is quantized once.
             "dequantize": (dequantized * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
@@ -305,13 +230,13 @@ class CostModel:
                                     + (gpu_att * hw.host_seconds_per_compressed_cache_layer if cc else 0.0 * gpu_att))
                        + (dequantized * hw.host_seconds_per_compressed_weight_layer if cw else 0.0))
         decode_io = {
-            "cpu_to_gpu": (w_off * W + h_off * act * bls
+            "cpu_to_gpu": (w_off * W_decode + h_off * act * bls
                            + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))
             / hw.cpu_to_gpu_bandwidth,
             # New keys and values go to the cache's home; with CPU attention the query goes too.
             "gpu_to_cpu": c_off * kv * bls / hw.gtoc_cache_bandwidth
             + (h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * W + p.hd * act * bls + p.cd * kv * s_avg * bls) / disk_read,
+            "disk_to_cpu": (p.wd * W_decode + p.hd * act * bls + p.cd * kv * s_avg * bls) / disk_read,
             "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
             "host": decode_host,
         }
@@ -323,8 +248,7 @@ class CostModel:
         # Each GPU batch attends in calls of up to CPU_ATTENTION_ROWS sequences, each with a fixed cost.
         cpu_attention_calls = nb * math.ceil(gbs / CPU_ATTENTION_ROWS) * hw.cpu_attention_seconds_per_call
         decode_compute = {
-            "gpu_matmul": 2 * (self.layer_matmul_numel + self.head_matmul_numel_per_layer) * bls
-            / hw.matmul_flops_at(gbs),
+            "gpu_matmul": self.matmul_seconds(bls, bls, gbs),
             "gpu_attention": gpu_att * bls * gpu_attention_seconds,
             "dequantize": ((dequantized * self.matrix_numel / hw.gpu_dequant_throughput) if cw else 0.0)
             + ((gpu_att * bls * s_avg * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0 * gpu_att),
@@ -338,7 +262,7 @@ class CostModel:
             # While the weights stream, CPU attention runs at a share f of its speed: it finishes
             # (1 - f) x the copy time later than alone, unless the copy is the longer anyway (the
             # phase's max over the I/O terms covers that case).
-            weight_copy = w_off * W / hw.cpu_to_gpu_bandwidth
+            weight_copy = w_off * W_decode / hw.cpu_to_gpu_bandwidth
             decode_compute["cpu_attention"] = (decode_compute["cpu_attention"]
                                                + (1 - hw.cpu_attention_share_under_copy) * weight_copy)
         return {"prefill": (prefill_io, prefill_compute), "decode": (decode_io, decode_compute)}
@@ -372,32 +296,47 @@ class CostModel:
         gpu_att = p.cg + (0.0 if frame.cpu_attention else c_off)
         # Held through both phases: the weight buffers and the block's token samplers' state.
         buffers = self.weight_buffer_bytes(frame, p.wg) + sampler_state_bytes(bls, c.vocab_size)
+        # The block's cache workspace (layout.workspace_layout): a ring of two for travelling cache,
+        # and with a compressed cache one batch's decompressed keys and values.
+        workspace = ((0.0 * c_off if frame.cpu_attention else 2 * c_off * kv * s_max * gbs)
+                     + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att))
 
         def intermediates(rows: int, keys: int) -> float:
-            """Largest transient of one GPU batch: attention, MLP activations or the head step (the
+            """Largest transient of one GPU batch: attention, the MLP's working memory or the head step (the
             last position's logits and the sampler's work on them, as the layout counts it)."""
             # The memory-efficient kernel keeps no scores: q, k, v and the output, the boolean mask
             # and its fp16 bias over the keys, and a float32 log-sum-exp per query and head.
             attention = rows * ((2 * self.query_width + 2 * self.kv_width) * FP16_BYTES
                                 + keys * (1 + FP16_BYTES) + c.num_heads * FP32_BYTES)
-            mlp = self.mlp_buffers * rows * c.intermediate_size * FP16_BYTES
+            # A MoE model's sparse layers (experts, routing) and its dense ones, if any, differ.
+            dense = self.mlp_buffers * rows * c.intermediate_size * FP16_BYTES if self.dense_mlp else 0
+            mlp = max(dense, sparse_mlp_bytes(c, rows, FP16_BYTES))
             logits = head_step_bytes(gbs, c.vocab_size, FP16_BYTES)
             hidden_copies = 2 * rows * act  # normalized input and residual
-            return max(attention, mlp, logits) + hidden_copies
+            transient = max(attention, mlp, logits) + hidden_copies
+            if not c.num_experts:
+                return transient
+            # A MoE model's figure has no dense MLP's three buffers to spare: it never goes below
+            # the layout's working memory, by which the runtime checks a job.
+            return max(transient, working_bytes(c, rows, gbs, FP16_BYTES))
 
         # Buffers of off-GPU data come in pairs: the batch computed now and the one being loaded.
+        # The workspace is the block's, allocated before its prefill; a dense model's prefill
+        # figure leaves it out, as its policies were searched and calibrated with (the MLP's
+        # three buffers cover it), a MoE model's counts it.
+        prefill_workspace = workspace if c.num_experts else 0.0 * c_off
         gpu_prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
                        + buffers
                        + 2 * (1 - p.hg) * act * s * gbs
                        # new cache waiting to be stored, in the compute dtype whatever the stored
                        # format: this batch's, and the host worker's queue
                        + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16 * s * gbs
+                       + prefill_workspace
                        + intermediates(gbs * s, s))
         gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
                       + buffers
                       + 2 * (1 - p.hg) * act * gbs
-                      + (0.0 * c_off if frame.cpu_attention else 2 * c_off * kv * s_max * gbs)
-                      + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att)
+                      + workspace
                       + intermediates(gbs, s_max))
         # The CPU stages what moves between disk and GPU.
         weight_factor, cache_factor = self.pinned_host_factors(frame)

@@ -1,8 +1,13 @@
-"""A policy in one line, as the planner's messages and the reference table name it."""
+"""The planner's words: a policy in one line, as its messages and the reference table name it, and
+why a model fits no placement."""
 
 from __future__ import annotations
 
-from ..policy import Policy
+from ..models.config import ModelConfig
+from ..policy import TIERS, Policy
+from ..units import format_size
+from .frame import PolicyFrame
+from .hardware import HardwareProfile
 
 
 def policy_summary(policy: Policy) -> str:
@@ -16,3 +21,25 @@ def policy_summary(policy: Policy) -> str:
         flags.append(f"{(policy.compress_weight or policy.compress_cache).bits}-bit")
     return (f"{policy.gpu_batch_size}x{policy.num_gpu_batches} w {short(policy.weights)} "
             f"c {short(policy.cache)} a {short(policy.activations)}" + "".join(f" {f}" for f in flags))
+
+
+def no_fit_message(config: ModelConfig, hardware: HardwareProfile, frame: PolicyFrame | None = None,
+                   needs: dict | None = None, total: float = 0.0) -> str:
+    """Why ``config`` fits no placement: the least each tier needs (``needs``) and all of them
+    together (``total``) under ``frame``, the frame that needs least; no frame: no LP was feasible."""
+    usable = {t: hardware.capacity(t) for t in TIERS}
+    offered = " + ".join(f"{format_size(usable[t])} {t}" for t in TIERS)
+    if frame is None or needs is None:
+        return f"{config.name} fits no placement on this machine ({offered} usable)"
+    how = (f"gpu batch size {frame.gpu_batch_size}, "
+           + ("4-bit compression" if frame.compress_weight else "no compression"))
+    if needs["gpu"] > usable["gpu"]:
+        return (f"{config.name} cannot run on this machine even with everything offloaded: the GPU needs at "
+                f"least {format_size(needs['gpu'])} for working buffers ({how}), but only "
+                f"{format_size(usable['gpu'])} is usable")
+    if total > sum(usable.values()):
+        return (f"{config.name} cannot fit this machine even with everything offloaded: it needs at least "
+                f"{format_size(total)} ({how}), but the tiers offer {offered} usable")
+    tier = max(TIERS, key=lambda t: needs[t] - usable[t])
+    return (f"{config.name} cannot fit this machine: the {tier} tier needs at least {format_size(needs[tier])} "
+            f"({how}) but offers {format_size(usable[tier])} usable")

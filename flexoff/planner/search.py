@@ -25,9 +25,9 @@ import pulp
 from ..errors import PolicyError
 from ..models.config import ModelConfig
 from ..policy import TIERS, CompressionConfig, Policy, check_choice
-from ..units import format_size
 from .cost_model import PHASES, STREAM_TERMS, CostModel, Placement, PolicyFrame, Prediction, Workload
 from .hardware import HardwareProfile
+from .report import no_fit_message
 
 FRACTION_NAMES = Placement._fields
 DEFAULT_COMPRESSION = CompressionConfig(bits=4, group_size=64)
@@ -422,32 +422,13 @@ class _Searcher:
         raise AssertionError(f"rounded placement for {problem.frame} overflows memory")
 
     def no_fit_error(self, config: ModelConfig) -> PolicyError:
-        return PolicyError(_explain_no_fit(config, self.model, self.smallest_rejected))
-
-
-def _explain_no_fit(config: ModelConfig, model: CostModel, problem: FrameProblem | None) -> str:
-    hw = model.hardware
-    usable = {t: hw.capacity(t) for t in TIERS}
-    offered = " + ".join(f"{format_size(usable[t])} {t}" for t in TIERS)
-    if problem is None:  # every frame passed the quick check yet no LP was feasible
-        return f"{config.name} fits no placement on this machine ({offered} usable)"
-    needs = {}
-    for (tier, _phase), values in problem.memory.items():
-        needs[tier] = max(needs.get(tier, 0.0), float(values[_VERTICES].min()))
-    total = problem.minimum_total_memory()
-    frame = problem.frame
-    how = (f"gpu batch size {frame.gpu_batch_size}, "
-           + ("4-bit compression" if frame.compress_weight else "no compression"))
-    if needs["gpu"] > usable["gpu"]:
-        return (f"{config.name} cannot run on this machine even with everything offloaded: the GPU needs at "
-                f"least {format_size(needs['gpu'])} for working buffers ({how}), but only "
-                f"{format_size(usable['gpu'])} is usable")
-    if total > sum(usable.values()):
-        return (f"{config.name} cannot fit this machine even with everything offloaded: it needs at least "
-                f"{format_size(total)} ({how}), but the tiers offer {offered} usable")
-    tier = max(TIERS, key=lambda t: needs[t] - usable[t])
-    return (f"{config.name} cannot fit this machine: the {tier} tier needs at least {format_size(needs[tier])} "
-            f"({how}) but offers {format_size(usable[tier])} usable")
+        problem, hardware = self.smallest_rejected, self.model.hardware
+        if problem is None:  # every frame passed the quick check yet no LP was feasible
+            return PolicyError(no_fit_message(config, hardware))
+        needs = {}
+        for (tier, _phase), values in problem.memory.items():
+            needs[tier] = max(needs.get(tier, 0.0), float(values[_VERTICES].min()))
+        return PolicyError(no_fit_message(config, hardware, problem.frame, needs, problem.minimum_total_memory()))
 
 
 def _searcher(config, workload, hardware, compress, cpu_attention, gpu_batch_sizes, num_gpu_batches, overlap):

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 from ..layout import compressible
 from ..models import Stage, stage_specs
+from ..models.moe import DOWN, GATE_UP
 from ..models.config import ModelConfig
 from ..policy import CompressionConfig
 
 FP16_BYTES = 2
 # Group-wise quantization keeps a minimum and a scale per group, both fp16.
 GROUP_METADATA_BYTES = 2 * FP16_BYTES
+# A sparse layer's experts, stacked: one row of the first dimension per expert.
+STACKED_EXPERTS = (GATE_UP, DOWN)
 
 
 def _numel(config: ModelConfig, stages: tuple[Stage, ...], matrices: bool) -> int:
@@ -19,24 +22,66 @@ def _numel(config: ModelConfig, stages: tuple[Stage, ...], matrices: bool) -> in
                if compressible(spec) == matrices)
 
 
-# Every decoder layer has the first one's shapes.
-_LAYER = (Stage("layer", 0),)
 _OUTSIDE = (Stage("embed"), Stage("head"))
 
 
-def layer_matrix_numel(config: ModelConfig) -> int:
-    """Elements of one transformer layer's 2-D weights (the ones matmuls read and compression packs)."""
-    return _numel(config, _LAYER, True)
+def _layer_groups(config: ModelConfig) -> list[tuple[Stage, int]]:
+    """(a layer, how many layers have its shapes): a mixture of experts' sparse layers and its
+    dense ones (``dense_layers``) differ; the layers of a dense model are all alike."""
+    sparse = [i for i in range(config.num_layers) if config.sparse_layer(i)]
+    dense = [i for i in range(config.num_layers) if not config.sparse_layer(i)]
+    return [(Stage("layer", group[0]), len(group)) for group in (sparse, dense) if group]
 
 
-def layer_vector_numel(config: ModelConfig) -> int:
-    """Elements of one layer's biases and norms; they stay fp16 under compression."""
-    return _numel(config, _LAYER, False)
+def _mean_over_layers(config: ModelConfig, count) -> float:
+    return sum(count(stage) * layers for stage, layers in _layer_groups(config)) / config.num_layers
 
 
-def layer_weight_numel(config: ModelConfig) -> int:
-    """All weight elements of one transformer layer."""
+def layer_matrix_numel(config: ModelConfig) -> float:
+    """Elements of a transformer layer's 2-D weights (the ones matmuls read and compression packs),
+    a MoE layer's experts stacked, averaged over the layers."""
+    return _mean_over_layers(config, lambda stage: _numel(config, (stage,), True))
+
+
+def layer_vector_numel(config: ModelConfig) -> float:
+    """Elements of a layer's biases, norms and exact matrices (a router), averaged over the layers;
+    they stay fp16 under compression."""
+    return _mean_over_layers(config, lambda stage: _numel(config, (stage,), False))
+
+
+def layer_weight_numel(config: ModelConfig) -> float:
+    """All weight elements of a transformer layer, averaged over the layers."""
     return layer_matrix_numel(config) + layer_vector_numel(config)
+
+
+def _active_numel(config: ModelConfig, stage: Stage) -> float:
+    share = config.experts_per_token / config.num_experts if config.num_experts else 1.0
+    # A stacked tensor holds one expert per row of its first dimension; a token uses k of them.
+    return sum(spec.numel * (share if spec.name in STACKED_EXPERTS else 1.0)
+               for spec in stage_specs(config, stage) if len(spec.shape) >= 2)
+
+
+def layer_active_matmul_numel(config: ModelConfig) -> float:
+    """Weight elements one token multiplies through in a layer, averaged over the layers: the
+    attention's matrices and the MLP's, but of a sparse layer's experts only the
+    ``experts_per_token`` it is routed to (besides the router and any shared expert)."""
+    return _mean_over_layers(config, lambda stage: _active_numel(config, stage))
+
+
+def layer_routed_matmul_numel(config: ModelConfig) -> float:
+    """Of ``layer_active_matmul_numel``, the elements of the routed experts, averaged over the
+    layers: each expert multiplies only the rows routed to it."""
+    def routed(stage: Stage) -> float:
+        specs = stage_specs(config, stage)
+        return sum(spec.numel for spec in specs if spec.name in STACKED_EXPERTS) \
+            * config.experts_per_token / max(config.num_experts, 1)
+    return _mean_over_layers(config, routed)
+
+
+def largest_stage_matrix_numel(config: ModelConfig) -> int:
+    """Matrix elements of the stage (a layer of each kind, the embedding, the head) with the most."""
+    stages = [stage for stage, _count in _layer_groups(config)] + list(_OUTSIDE)
+    return max(_numel(config, (stage,), True) for stage in stages)
 
 
 def embedding_matrix_numel(config: ModelConfig) -> int:
@@ -60,7 +105,7 @@ def embedding_numel(config: ModelConfig) -> int:
 
 def model_numel(config: ModelConfig) -> int:
     """Weight elements the runtime stores for the whole model."""
-    return config.num_layers * layer_weight_numel(config) + embedding_numel(config)
+    return round(config.num_layers * layer_weight_numel(config)) + embedding_numel(config)
 
 
 def parameter_count(config: ModelConfig) -> int:

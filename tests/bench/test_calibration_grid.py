@@ -17,7 +17,7 @@ from flexoff.planner.search import search_policy  # noqa: E402
 GiB = 1 << 30
 
 
-@pytest.mark.parametrize("model", ["opt-30b", "opt-66b"])
+@pytest.mark.parametrize("model", ["opt-30b", "opt-66b", "mixtral-8x7b", "qwen3-30b-a3b"])
 def test_grid_of_a_searched_16gib_policy(model):
     hardware = packaged_profile("h100").with_memory(gpu=16 * GiB)
     workload = Workload(512, 32)
@@ -59,3 +59,26 @@ def test_a_policy_whose_steps_up_cannot_fit_still_has_six_neighbours():
     assert by_label["weights disk 5%"].weights.gpu == policy.weights.gpu
     moved = [p for label, p in by_label.items() if label.startswith("activations gpu 61")]
     assert moved and round(moved[0].activations.cpu * 64) == 3
+
+
+def test_the_calibration_holds_mixtures_of_experts_the_runtime_admits():
+    """Mixtral-8x7B and Qwen3-30B-A3B cases, searched and by hand under 16 GiB: each resolves to a
+    policy the cost model says fits and the layout (the runtime's check) admits, so none is refused."""
+    import torch
+
+    from calibration.cases import CASES, resolve
+    from flexoff.layout import Capacity, overflow, job_bytes
+
+    hardware = packaged_profile("h100")
+    workload = Workload(512, 32)
+    moe = [spec for spec in CASES if spec.model in ("mixtral-8x7b", "qwen3-30b-a3b")]
+    assert {(spec.model, spec.searched) for spec in moe} == {
+        (model, searched) for model in ("mixtral-8x7b", "qwen3-30b-a3b") for searched in (True, False)}
+    for spec in moe:
+        case = resolve(spec, hardware, workload)
+        capped = case.hardware(hardware)
+        config = REGISTRY[case.model]
+        assert CostModel(config, workload, capped).predict(case.policy).fits, spec.name
+        needed = job_bytes(config, case.policy, torch.float16, workload.prompt_len, workload.gen_len, pinned=True)
+        capacity = Capacity(*(int(capped.capacity(tier)) for tier in ("gpu", "cpu", "disk")))
+        assert overflow(needed, capacity) is None, spec.name

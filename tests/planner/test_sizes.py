@@ -1,11 +1,12 @@
 import pytest
+import torch
 
 from flexoff.compression import compressed_nbytes
 from flexoff.models import resolve_model_config
 from flexoff.models import REGISTRY
 from flexoff.planner.sizes import (
-    bytes_per_element, embedding_numel, head_matmul_numel, layer_matrix_numel, layer_vector_numel,
-    layer_weight_numel, parameter_count,
+    bytes_per_element, embedding_numel, head_matmul_numel, layer_active_matmul_numel, layer_matrix_numel,
+    layer_routed_matmul_numel, layer_vector_numel, layer_weight_numel, parameter_count,
 )
 from flexoff.policy import CompressionConfig
 
@@ -38,6 +39,9 @@ def test_llama_layer_by_hand_counts_gqa_and_swiglu(tiny_llama):
     ("qwen2.5-7b", 7_615_616_512),
     ("qwen3-8b", 8_190_735_360),
     ("qwen3-32b", 32_762_123_264),
+    ("mixtral-8x7b", 46_702_792_704),
+    ("qwen3-30b-a3b", 30_532_122_624),
+    ("qwen1.5-moe-a2.7b", 14_315_784_192),
 ])
 def test_whole_model_counts_match_published_checkpoints(name, params):
     assert parameter_count(REGISTRY[name]) == params
@@ -66,3 +70,68 @@ def test_compressed_bytes_per_element():
     # 4 bits plus an fp16 min and scale per 64 elements
     assert bytes_per_element(CompressionConfig(4, 64)) == pytest.approx(0.5 + 4 / 64)
     assert bytes_per_element(CompressionConfig(8, 32)) == pytest.approx(1 + 4 / 32)
+
+
+@pytest.mark.parametrize("name, active", [
+    ("mixtral-8x7b", 12.9e9),  # the active parameters their model cards quote
+    ("mixtral-8x22b", 39e9),
+    ("qwen3-30b-a3b", 3.3e9),
+    ("qwen3-235b-a22b", 22e9),
+    ("qwen1.5-moe-a2.7b", 2.7e9),
+    ("qwen2-57b-a14b", 14e9),
+])
+def test_active_counts_match_the_published_ones(name, active):
+    """A token multiplies through k of E experts (plus the router and any shared expert): the
+    active parameters model cards quote, which count the embeddings and the head too. The cards
+    give two digits, rounded or cut (3.35e9 is Qwen3-30B-A3B's "3.3B"), hence 2%; a shared
+    expert left out or every expert counted misses by far more."""
+    config = REGISTRY[name]
+    counted = config.num_layers * layer_active_matmul_numel(config) + embedding_numel(config)
+    assert counted == pytest.approx(active, rel=0.02)
+    assert counted < parameter_count(config) / 3
+
+
+def test_a_dense_models_active_count_is_its_matrices(tiny_llama):
+    assert layer_active_matmul_numel(tiny_llama) == layer_matrix_numel(tiny_llama)
+    assert layer_routed_matmul_numel(tiny_llama) == 0
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen2-moe"])
+def test_moe_counts_average_sparse_and_dense_layers(tiny_model_dir, kind):
+    """Counts against the transformers model's parameters, layer by layer averaged: qwen3-moe's
+    second layer and qwen2-moe's first are dense, the rest sparse."""
+    path, model = tiny_model_dir(kind)
+    config = resolve_model_config(str(path))
+    assert parameter_count(config) == sum(p.numel() for p in model.parameters())
+    layers = model.model.layers
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    assert len(set(per_layer)) == (1 if kind == "mixtral" else 2)
+    assert layer_weight_numel(config) == pytest.approx(sum(per_layer) / len(layers))
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2-moe"])
+def test_the_sparse_mlps_matmuls_are_the_routed_ones(tiny_model_dir, monkeypatch, kind):
+    """FLOPs counted while flexoff's sparse MLP runs (a matmul per expert, so that the counter sees
+    them) over tokens routed by their own router: twice each token's active MLP elements, the
+    router, its k experts and any shared expert; the attention's matrices are the rest."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from flexoff.models import moe, stage_specs, Stage
+
+    path, model = tiny_model_dir(kind)
+    config = resolve_model_config(str(path))
+    index = next(i for i in range(config.num_layers) if config.sparse_layer(i))
+    weights = {spec.name: torch.randn(spec.shape, generator=torch.Generator().manual_seed(1))
+               for spec in stage_specs(config, Stage("layer", index))}
+    monkeypatch.setattr(moe, "_grouped_kernel_fits", lambda *args: False)
+    tokens = 37
+    x = torch.randn(1, tokens, config.hidden_size)
+    with FlopCounterMode(display=False) as counter:
+        moe.sparse_mlp(config, weights, x)
+    attention = sum(p.numel() for name, p in model.model.layers[index].self_attn.named_parameters()
+                    if p.dim() == 2)
+    dense_layers = config.num_layers - sum(config.sparse_layer(i) for i in range(config.num_layers))
+    dense_layer = attention + 3 * config.hidden_size * config.intermediate_size
+    sparse_active = (config.num_layers * layer_active_matmul_numel(config) - dense_layers * dense_layer) \
+        / (config.num_layers - dense_layers) - attention
+    assert counter.get_total_flops() == pytest.approx(2 * tokens * sparse_active)

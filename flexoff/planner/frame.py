@@ -1,0 +1,119 @@
+"""What a prediction is about and what it says: the workload, the policy's frame and placement
+(the nine fractions, floats or numpy arrays), and the predicted seconds and bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..errors import ConfigError
+from ..policy import TIERS, CompressionConfig, Policy, TierFractions
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A batch job: every prompt padded to ``prompt_len``, each generating ``gen_len`` tokens.
+
+    ``num_prompts`` None means an endless stream: no block is ever partly empty.
+    """
+
+    prompt_len: int
+    gen_len: int
+    num_prompts: int | None = None
+
+    def __post_init__(self):
+        for name in ("prompt_len", "gen_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
+        if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
+            raise ConfigError(f"number of prompts must be an integer >= 1, got {self.num_prompts!r}")
+
+
+class Placement(NamedTuple):
+    """The nine fractions; each a float, or a numpy array to evaluate many placements at once."""
+
+    wg: object
+    wc: object
+    wd: object
+    cg: object
+    cc: object
+    cd: object
+    hg: object
+    hc: object
+    hd: object
+
+    @classmethod
+    def of(cls, policy: Policy) -> "Placement":
+        return cls(*policy.weights.as_tuple(), *policy.cache.as_tuple(), *policy.activations.as_tuple())
+
+
+@dataclass(frozen=True)
+class PolicyFrame:
+    """Everything in a Policy except the placement: what the search fixes before each LP."""
+
+    gpu_batch_size: int
+    num_gpu_batches: int
+    compress_weight: CompressionConfig | None = None
+    compress_cache: CompressionConfig | None = None
+    cpu_attention: bool = False
+    overlap: bool = True
+
+    @property
+    def block_size(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @classmethod
+    def of(cls, policy: Policy) -> "PolicyFrame":
+        return cls(policy.gpu_batch_size, policy.num_gpu_batches, policy.compress_weight,
+                   policy.compress_cache, policy.cpu_attention, policy.overlap)
+
+    def with_placement(self, fractions) -> Policy:
+        f = [float(x) for x in fractions]
+        return Policy(
+            gpu_batch_size=self.gpu_batch_size, num_gpu_batches=self.num_gpu_batches,
+            weights=TierFractions(*f[0:3]), cache=TierFractions(*f[3:6]), activations=TierFractions(*f[6:9]),
+            cpu_attention=self.cpu_attention, overlap=self.overlap,
+            compress_weight=self.compress_weight, compress_cache=self.compress_cache,
+        )
+
+
+@dataclass(frozen=True)
+class PhaseBreakdown:
+    """Seconds per layer of one phase, term by term, and the term that bounds it."""
+
+    phase: str
+    io: dict  # stream (a link, or the host) -> seconds per layer
+    compute: dict  # sub-term -> seconds per layer; they add up
+    seconds_per_layer: float
+    bound: str  # an IO term, or "compute (<largest sub-term>)"
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(self.compute.values())
+
+
+@dataclass(frozen=True)
+class Prediction:
+    policy: Policy
+    workload: Workload
+    prefill: PhaseBreakdown
+    decode: PhaseBreakdown
+    prefill_seconds: float  # one block
+    decode_seconds: float  # one block
+    block_latency: float  # seconds from a block's first prefill to its last token
+    total_throughput: float  # generated tokens per second (FlexGen's generation throughput)
+    prefill_throughput: float  # prompt tokens per second of prefill
+    decode_throughput: float  # generated tokens per second of decode
+    peak_memory: dict  # tier -> bytes
+    capacity: dict  # tier -> usable bytes
+    memory_by_phase: dict = field(default_factory=dict)  # (tier, phase) -> bytes
+    disk_reads_cached: bool = False  # disk reads priced at the page-cache rate
+
+    @property
+    def fits(self) -> bool:
+        return all(self.peak_memory[t] <= self.capacity[t] * (1 + 1e-9) for t in TIERS)
+
+    @property
+    def over_capacity(self) -> list[str]:
+        return [t for t in TIERS if self.peak_memory[t] > self.capacity[t] * (1 + 1e-9)]
