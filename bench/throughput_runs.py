@@ -94,7 +94,17 @@ def run_flexoff_auto(args, workdir: Path, num_prompts: int) -> dict:
     return _flexoff(args, workdir, argv, num_prompts)
 
 
+def flexgen_refusal(model: str) -> str | None:
+    """Why FlexGen cannot run ``model`` (it builds OPT models only), or None when it can."""
+    from flexoff.models import REGISTRY
+
+    return None if REGISTRY[model].family == "opt" else f"cannot run: it runs OPT models only, not {model}"
+
+
 def run_flexgen(spec: dict, args, workdir: Path) -> dict:
+    refusal = flexgen_refusal(args.model)
+    if refusal:
+        return {"error": refusal, "rss": 0}
     log_file = workdir / "flexgen.log.txt"
     argv = [sys.executable, str(ROOT / "bench" / "flexgen_driver.py"), "--model", f"facebook/{args.model}",
             "--path", "_DUMMY_", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
