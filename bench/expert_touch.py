@@ -1,0 +1,166 @@
+"""The expert-touch curve: how many of a sparse layer's experts a block of N tokens routes to, and what a
+route-first load (copy only the experts the router picked) would skip, for N = 1, 2, 4, ... 1024.
+
+Each sparse layer's own router (seeded dummy weights, or a local checkpoint's) routes N tokens as the
+runtime does (flexoff.models.moe.route: softmax and top-k in fp32). The tokens are NOT the model's
+activations: they are independent random hidden states, N(0, 1) per element (the unit RMS the
+post-attention norm gives) times the layer's post-attention norm weight. Real tokens of one prompt are
+correlated, so a real model's curve may lie below this one; the output says which hidden states it used.
+
+Per block size: the touched fraction of a layer's experts (mean, min and max over sparse layers and
+trials), the estimate for uniform routing, E * (1 - ((E - k) / E) ** N) / E, and the expert bytes a
+route-first load would skip per pass over the model, alone and as a share of the layers' weight bytes.
+
+    python bench/expert_touch.py --model mixtral-8x7b
+    python bench/expert_touch.py --model qwen3-30b-a3b --bits 4 --device cuda --json /tmp/touch.json
+    python bench/expert_touch.py --model /models/Qwen3-30B-A3B --trials 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flexoff.errors import FlexoffError, error_line  # noqa: E402
+from flexoff.layout.weights import compressible  # noqa: E402
+from flexoff.models import Stage, resolve_model, stage_specs  # noqa: E402
+from flexoff.models import moe  # noqa: E402
+from flexoff.planner.sizes import FP16_BYTES, bytes_per_element  # noqa: E402
+from flexoff.policy import CompressionConfig  # noqa: E402
+from flexoff.weights import CheckpointWeights, DummyWeights  # noqa: E402
+
+BLOCK_SIZES = tuple(2**i for i in range(11))  # 1 ... 1024 tokens
+HIDDEN = "independent random tokens: N(0, 1) times the layer's post-attention norm weight, not the model's activations"
+NORM = "post_attention_layernorm.weight"
+
+
+def uniform_touched(experts: int, top_k: int, tokens: int) -> float:
+    """Expected touched fraction when each token picks top_k distinct experts uniformly at random."""
+    return 1 - ((experts - top_k) / experts) ** tokens
+
+
+def touched_counts(cfg, router: torch.Tensor, norm: torch.Tensor, block_sizes, trials: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """(trials, len(block_sizes)) distinct experts the first N of max(block_sizes) random tokens pick.
+
+    Blocks of one trial are prefixes of one draw, so a trial's counts never fall as N grows."""
+    largest = max(block_sizes)
+    counts = torch.empty(trials, len(block_sizes), dtype=torch.long)
+    for trial in range(trials):
+        x = torch.randn(largest, cfg.hidden_size, generator=generator).to(router.device, router.dtype) * norm
+        _, chosen = moe.route(cfg, router, x)  # (tokens, k)
+        picked = torch.zeros(largest, cfg.num_experts, dtype=torch.bool, device=router.device)
+        picked.scatter_(1, chosen, True)
+        seen = picked.cumsum(0) > 0  # seen[t, e]: expert e is among the first t + 1 tokens' picks
+        counts[trial] = seen[[n - 1 for n in block_sizes]].sum(dim=1).cpu()
+    return counts
+
+
+def layer_bytes(cfg, index: int, compression) -> tuple[int, int]:
+    """(bytes of the layer's experts, bytes of all its weights) as stored: matrices at the compression's
+    size, the rest (router, norms) fp16."""
+    experts = whole = 0
+    for spec in stage_specs(cfg, Stage("layer", index)):
+        size = spec.numel * (bytes_per_element(compression) if compressible(spec) else FP16_BYTES)
+        whole += size
+        experts += size if spec.name in (moe.GATE_UP, moe.DOWN) else 0
+    return int(experts), int(whole)
+
+
+def measure(args) -> dict:
+    cfg, directory = resolve_model(args.model, dummy=True)
+    if not cfg.num_experts:
+        raise FlexoffError(f"{cfg.name} has no experts: the expert-touch curve needs a mixture of experts")
+    weights = DummyWeights(args.seed) if directory is None or args.dummy else CheckpointWeights(directory)
+    device, dtype = torch.device(args.device), torch.float32
+    generator = torch.Generator().manual_seed(args.seed)
+    compression = CompressionConfig(4, 64) if args.bits == 4 else None
+    sparse = [i for i in range(cfg.num_layers) if cfg.sparse_layer(i)]
+    counts, expert_bytes, weight_bytes = [], 0, 0
+    for index in sparse:
+        stage = Stage("layer", index)
+        specs = {spec.name: spec for spec in stage_specs(cfg, stage)}
+        router, norm = (weights.load_tensor(stage.name, specs[name], device, dtype) for name in (moe.ROUTER, NORM))
+        counts.append(touched_counts(cfg, router, norm, args.block_sizes, args.trials, generator))
+        experts, whole = layer_bytes(cfg, index, compression)
+        expert_bytes, weight_bytes = expert_bytes + experts, weight_bytes + whole
+    weights.close()
+    fractions = torch.stack(counts).double() / cfg.num_experts  # (layers, trials, block sizes)
+    rows = []
+    for column, tokens in enumerate(args.block_sizes):
+        touched = fractions[:, :, column]
+        skipped = float((1 - touched.mean(dim=1)).mul(expert_bytes / len(sparse)).sum())
+        rows.append({"tokens": tokens, "touched_mean": float(touched.mean()), "touched_min": float(touched.min()),
+                     "touched_max": float(touched.max()),
+                     "uniform": uniform_touched(cfg.num_experts, cfg.experts_per_token, tokens),
+                     "skipped_bytes": skipped, "skipped_share_of_layers": skipped / weight_bytes})
+    return {"model": cfg.name, "weights": "dummy" if isinstance(weights, DummyWeights) else str(directory),
+            "hidden": HIDDEN, "experts": cfg.num_experts, "top_k": cfg.experts_per_token,
+            "sparse_layers": len(sparse), "trials": args.trials, "bits": args.bits, "device": str(device),
+            "expert_bytes": expert_bytes, "layer_bytes": weight_bytes, "rows": rows}
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['model']} ({result['weights']} weights): {result['experts']} experts, top-{result['top_k']}, "
+             f"{result['sparse_layers']} sparse layers, {result['trials']} trials each; experts "
+             f"{result['expert_bytes'] / 1e9:.2f} GB of the layers' {result['layer_bytes'] / 1e9:.2f} GB "
+             f"at {result['bits']} bits",
+             f"hidden states: {result['hidden']}", "",
+             "| tokens | touched mean | min | max | uniform estimate | route-first skips, GB per pass "
+             "| of the layers' bytes |", "|" + "---|" * 7]
+    for row in result["rows"]:
+        lines.append(f"| {row['tokens']} | {row['touched_mean']:.3f} | {row['touched_min']:.3f} | "
+                     f"{row['touched_max']:.3f} | {row['uniform']:.3f} | {row['skipped_bytes'] / 1e9:.2f} | "
+                     f"{row['skipped_share_of_layers']:.1%} |")
+    return "\n".join(lines)
+
+
+def block_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"block sizes must be positive integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"block sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="a MoE registry name (dummy weights) or checkpoint directory")
+    parser.add_argument("--dummy", action="store_true", help="seeded dummy weights even for a checkpoint")
+    parser.add_argument("--block-sizes", type=block_sizes, default=BLOCK_SIZES,
+                        help="comma-separated tokens per block (default 1,2,4,...,1024)")
+    parser.add_argument("--trials", type=int, default=8, help="random draws of tokens per layer (default 8)")
+    parser.add_argument("--bits", type=int, choices=[16, 4], default=16,
+                        help="stored size of the expert matrices: fp16, or 4-bit groups of 64")
+    parser.add_argument("--device", default="cpu", help="where to route: cpu (default) or cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error("--trials must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        result = measure(args)
+    except FlexoffError as error:
+        print(error_line(error), file=sys.stderr)
+        return 2
+    print(table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
