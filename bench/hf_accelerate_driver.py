@@ -223,6 +223,7 @@ def generate(model, batch: int, prompt_len: int, gen_len: int, pad_id: int, devi
     ids = torch.full((batch, prompt_len), 100, dtype=torch.long, device=device)
     ids[:, 0] = 2
     ids[:, 1:] += torch.arange(prompt_len - 1, device=device) % 997
+    ids %= model.config.vocab_size  # the same ids for every real vocabulary; tiny test models have less
     clock = PrefillClock()
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sync()
@@ -236,6 +237,33 @@ def generate(model, batch: int, prompt_len: int, gen_len: int, pad_id: int, devi
     return first - start, stop - first
 
 
+def warm_up(model, cfg) -> dict:
+    """Run one short generation (kernels, allocator, the hooks' first copies); return the transformers
+    version and the attention and experts kernels that ran. Where transformers' default experts kernel
+    fails on fp16 (grouped matmuls are built for bf16 on some versions), the experts run eagerly, as
+    the result then says."""
+    import torch
+    import transformers
+
+    def kernel(kind):
+        return getattr(model.config, f"_{kind}_implementation", None)
+
+    kernels = {"transformers": transformers.__version__, "attention": kernel("attn"),
+               "experts": kernel("experts") if cfg.num_experts else None}
+    try:
+        generate(model, 1, 32, 1, cfg.pad_token_id)
+    except RuntimeError as error:
+        if (isinstance(error, torch.cuda.OutOfMemoryError) or kernels["experts"] in (None, "eager")
+                or not hasattr(model, "set_experts_implementation")):
+            raise
+        progress(f"the {kernels['experts']} experts kernel failed ({str(error).splitlines()[0][:120]}); eager instead")
+        model.set_experts_implementation("eager")
+        kernels["experts"] = f"eager ({kernels['experts']} failed)"
+        generate(model, 1, 32, 1, cfg.pad_token_id)
+    progress(f"warmed up: {kernels}")
+    return kernels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="opt-30b", help="a model of flexoff's registry, e.g. mixtral-8x7b")
@@ -244,11 +272,12 @@ def main() -> None:
     parser.add_argument("--gpu-mem", help="cap the GPU memory, e.g. 16GiB (default: the whole card)")
     parser.add_argument("--batch-sizes", help="comma-separated batch sizes to try, largest first "
                                               "(default: from just above the memory estimate down to 1)")
+    parser.add_argument("--experts", help="transformers 5's experts kernel, e.g. eager or grouped_mm "
+                                          "(default: transformers' own choice)")
     args = parser.parse_args()
     cfg = REGISTRY[args.model]
 
     import torch
-    import transformers
 
     total = torch.cuda.get_device_properties(0).total_memory
     cap = min(total, parse_size(args.gpu_mem)) if args.gpu_mem else total
@@ -266,21 +295,19 @@ def main() -> None:
     if model is None:
         emit({"error": "cannot run: Accelerate would put part of the model on disk"})
         return
-    kernels = {"transformers": transformers.__version__,
-               "attention": getattr(model.config, "_attn_implementation", None),
-               "experts": getattr(model.config, "_experts_implementation", None) if cfg.num_experts else None}
+    if args.experts and cfg.num_experts:
+        model.set_experts_implementation(args.experts)
+    kernels = warm_up(model, cfg)
     on_gpu = sum(p.numel() * 2 for p in model.parameters() if p.device.type == "cuda")
     # Room for sequences: the cap less the weights kept on the GPU and the offloaded layer being run.
     free = cap - torch.cuda.memory_allocated(0) - largest_layer_bytes(cfg)
     positions = args.prompt_len + args.gen_len
-    grouped = kernels["experts"] not in (None, "eager")
+    grouped = kernels["experts"] is not None and not kernels["experts"].startswith("eager")
     estimate = free * 0.8 / per_sequence_bytes(cfg, positions, args.prompt_len, grouped)
     ladder = ([int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes
               else batch_ladder(estimate, largest=256))
     print(f"weights on the GPU {on_gpu / GiB:.1f} GiB, {free / GiB:.1f} GiB left beside a layer in flight; "
           f"{kernels}; batches to try {ladder}", flush=True)
-    generate(model, 1, 32, 1, cfg.pad_token_id)  # warm-up: kernels, allocator, the hooks' first copies
-    progress("warmed up")
     for batch in ladder:
         try:
             # Probe: a prefill at the longest context needs at least the timed run's GPU memory, in one forward.

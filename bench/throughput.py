@@ -14,8 +14,8 @@ H200 profile's measured bandwidths. The output ends with a markdown table for be
 
     python bench/throughput.py --model opt-30b --gpu-mem 16GiB --policy auto --systems flexoff,flexgen,hf \\
         --flexgen-policies "4-bit w+c w 0/100 cache-cpu 64x2,4-bit w+c w 0/100 cache-cpu 64x4" --offload-dir /tmp/o
-    python bench/throughput.py --model mixtral-8x7b --gpu-mem 16GiB --policy auto --compress auto --systems flexoff,hf \\
-        --offload-dir /tmp/o --timeout 900
+    python bench/throughput.py --model mixtral-8x7b --gpu-mem 16GiB --policy auto --compress auto \\
+        --systems flexoff,hf --offload-dir /tmp/o --timeout 900
 """
 
 from __future__ import annotations
@@ -317,6 +317,7 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-mem", metavar="SIZE", help="flexoff's host memory cap, e.g. 64GiB")
     parser.add_argument("--dtype", default="auto", help="flexoff's --dtype (on a CPU, float16 or bfloat16 for auto)")
     parser.add_argument("--hf-batch-sizes", help="batch sizes HF tries, largest first (default: from its estimate)")
+    parser.add_argument("--hf-experts", help="HF's experts kernel (transformers 5), e.g. eager (default: its own)")
     parser.add_argument("--offload-dir", default=tempfile.gettempdir())
     parser.add_argument("--timeout", type=int, default=480, help="seconds per run")
     parser.add_argument("--flexgen-fewer-batch", action="store_true",

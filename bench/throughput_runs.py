@@ -145,6 +145,8 @@ def run_hf(args, workdir: Path) -> dict:
         argv += ["--gpu-mem", args.gpu_mem]
     if args.hf_batch_sizes:
         argv += ["--batch-sizes", args.hf_batch_sizes]
+    if args.hf_experts:
+        argv += ["--experts", args.hf_experts]
     code, output, rss, timed_out = run_process(argv, args.timeout, workdir / "hf.out")
     result = hf_result(output)
     if result is None or (code != 0 and "error" not in result):

@@ -2,6 +2,7 @@
 another model than flexoff's, and filling it leaves no parameter empty, ties kept, routers not constant."""
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,29 @@ def test_a_model_transformers_builds_otherwise_is_refused(monkeypatch):
     monkeypatch.setattr(driver, "parameter_count", lambda cfg: 1)
     with pytest.raises(Unmapped, match="parameters where flexoff"):
         driver.meta_model(TINY["qwen3-moe"], empty_weights=on_meta)
+
+
+@contextmanager
+def parameters_on_meta():
+    """Accelerate's init_empty_weights, in short: new parameters on meta, buffers (RoPE's) computed."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2-moe"])
+def test_a_filled_mixture_generates_and_times_its_phases(kind):
+    cfg = TINY[kind]
+    model = driver.meta_model(cfg, empty_weights=parameters_on_meta)
+    driver.materialise(model, lambda name: "cpu", report=lambda message: None)
+    prefill, decode = driver.generate(model, 2, 8, 3, cfg.pad_token_id, device="cpu")
+    assert prefill > 0 and decode > 0

@@ -23,6 +23,7 @@ def test_the_decode_bound_moves_every_experts_bytes():
     loads them): Mixtral-8x7B moves about 4.5 times Mistral-7B's bytes, its layers being 8 experts of the
     same width."""
     policy = throughput.policy_of(throughput.POLICIES[POLICY])
-    moved = {model: throughput.moved_bytes_per_token(model, policy, 512, 32) for model in ("mistral-7b", "mixtral-8x7b")}
+    moved = {model: throughput.moved_bytes_per_token(model, policy, 512, 32)
+             for model in ("mistral-7b", "mixtral-8x7b")}
     assert 4 < moved["mixtral-8x7b"] / moved["mistral-7b"] < 7
     assert throughput.roofline("mixtral-8x7b", policy, 512, 32) < throughput.roofline("mistral-7b", policy, 512, 32)
