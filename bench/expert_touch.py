@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -29,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoff.errors import FlexoffError, error_line  # noqa: E402
 from flexoff.layout.weights import compressible  # noqa: E402
-from flexoff.models import Stage, resolve_model, stage_specs  # noqa: E402
-from flexoff.models import moe  # noqa: E402
+from flexoff.models import Stage, architecture, moe, resolve_model, stage_specs  # noqa: E402
+from flexoff.models.common import attention, attention_mask  # noqa: E402
 from flexoff.planner.sizes import FP16_BYTES, bytes_per_element  # noqa: E402
 from flexoff.policy import CompressionConfig  # noqa: E402
 from flexoff.weights import CheckpointWeights, DummyWeights  # noqa: E402
@@ -45,21 +46,75 @@ def uniform_touched(experts: int, top_k: int, tokens: int) -> float:
     return 1 - ((experts - top_k) / experts) ** tokens
 
 
-def touched_counts(cfg, router: torch.Tensor, norm: torch.Tensor, block_sizes, trials: int,
-                   generator: torch.Generator) -> torch.Tensor:
-    """(trials, len(block_sizes)) distinct experts the first N of max(block_sizes) random tokens pick.
+def touched_counts(chosen: torch.Tensor, experts: int, block_sizes) -> torch.Tensor:
+    """(len(block_sizes),) distinct experts among the picks of the first N tokens, chosen (tokens, k).
 
-    Blocks of one trial are prefixes of one draw, so a trial's counts never fall as N grows."""
-    largest = max(block_sizes)
-    counts = torch.empty(trials, len(block_sizes), dtype=torch.long)
-    for trial in range(trials):
-        x = torch.randn(largest, cfg.hidden_size, generator=generator).to(router.device, router.dtype) * norm
-        _, chosen = moe.route(cfg, router, x)  # (tokens, k)
-        picked = torch.zeros(largest, cfg.num_experts, dtype=torch.bool, device=router.device)
-        picked.scatter_(1, chosen, True)
-        seen = picked.cumsum(0) > 0  # seen[t, e]: expert e is among the first t + 1 tokens' picks
-        counts[trial] = seen[[n - 1 for n in block_sizes]].sum(dim=1).cpu()
-    return counts
+    Blocks are prefixes of one draw, so the counts never fall as N grows."""
+    picked = torch.zeros(chosen.shape[0], experts, dtype=torch.bool, device=chosen.device)
+    picked.scatter_(1, chosen, True)
+    seen = picked.cumsum(0) > 0  # seen[t, e]: expert e is among the first t + 1 tokens' picks
+    return seen[[n - 1 for n in block_sizes]].sum(dim=1).cpu()
+
+
+def random_routes(cfg, weights, index: int, args, generator: torch.Generator) -> list[torch.Tensor]:
+    """Per trial, the experts (tokens, k) layer ``index``'s router picks for random hidden states."""
+    stage = Stage("layer", index)
+    specs = {spec.name: spec for spec in stage_specs(cfg, stage)}
+    router, norm = (weights.load_tensor(stage.name, specs[name], args.device, torch.float32)
+                    for name in (moe.ROUTER, NORM))
+    tokens = max(args.block_sizes)
+    return [moe.route(cfg, router, torch.randn(tokens, cfg.hidden_size, generator=generator).to(router.device)
+                      * norm)[1] for _ in range(args.trials)]
+
+
+@contextmanager
+def recording_routes(sink: list):
+    """Note every routing the model math does (the layer functions return only hidden states)."""
+    route = moe.route
+
+    def recorded(cfg, router, x):
+        weights, chosen = route(cfg, router, x)
+        sink.append(chosen)
+        return weights, chosen
+
+    moe.route = recorded
+    try:
+        yield
+    finally:
+        moe.route = route
+
+
+def model_routes(cfg, weights, args, generator: torch.Generator) -> dict[int, list[torch.Tensor]]:
+    """Per sparse layer and trial, the experts (sequences, k) picked for the last token of each of
+    max(block_sizes) random prompts of --prompt-len tokens, run through flexoff's own model math on
+    the model's weights, one layer's weights loaded at a time: a decode block's tokens."""
+    device = torch.device(args.device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    arch, sequences, length = architecture(cfg), max(args.block_sizes), args.prompt_len
+    positions = torch.arange(length, device=device).expand(sequences, -1)
+    mask = attention_mask(torch.ones(sequences, length, dtype=torch.bool, device=device), 0, length)
+    context = arch.step_context(cfg, positions, dtype)
+
+    def stage_weights(stage: Stage) -> dict:
+        return {spec.name: weights.load_tensor(stage.name, spec, device, dtype) for spec in stage_specs(cfg, stage)}
+
+    embedding = stage_weights(Stage("embed"))
+    hidden = [arch.embed(cfg, embedding, torch.randint(cfg.vocab_size, (sequences, length), generator=generator)
+                         .to(device), positions) for _ in range(args.trials)]
+    del embedding
+    routes = {}
+    for index in range(cfg.num_layers):
+        w, picks = stage_weights(Stage("layer", index)), []
+        with recording_routes(picks):
+            hidden = [arch.layer(cfg, w, h, context, lambda q, k, v: attention(q, k, v, mask)) for h in hidden]
+        if picks:
+            routes[index] = [chosen.view(sequences, length, -1)[:, -1] for chosen in picks]
+        progress(f"layer {index + 1} of {cfg.num_layers}")
+    return routes
+
+
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def layer_bytes(cfg, index: int, compression) -> tuple[int, int]:
@@ -78,20 +133,23 @@ def measure(args) -> dict:
     if not cfg.num_experts:
         raise FlexoffError(f"{cfg.name} has no experts: the expert-touch curve needs a mixture of experts")
     weights = DummyWeights(args.seed) if directory is None or args.dummy else CheckpointWeights(directory)
-    device, dtype = torch.device(args.device), torch.float32
+    source = "dummy" if isinstance(weights, DummyWeights) else str(directory)
     generator = torch.Generator().manual_seed(args.seed)
     compression = CompressionConfig(4, 64) if args.bits == 4 else None
     sparse = [i for i in range(cfg.num_layers) if cfg.sparse_layer(i)]
-    counts, expert_bytes, weight_bytes = [], 0, 0
+    with torch.inference_mode():
+        if args.hidden == "model":
+            routes = model_routes(cfg, weights, args, generator)
+        else:
+            routes = {index: random_routes(cfg, weights, index, args, generator) for index in sparse}
+    weights.close()
+    counts = torch.stack([torch.stack([touched_counts(chosen, cfg.num_experts, args.block_sizes)
+                                       for chosen in routes[index]]) for index in sparse])
+    expert_bytes = weight_bytes = 0
     for index in sparse:
-        stage = Stage("layer", index)
-        specs = {spec.name: spec for spec in stage_specs(cfg, stage)}
-        router, norm = (weights.load_tensor(stage.name, specs[name], device, dtype) for name in (moe.ROUTER, NORM))
-        counts.append(touched_counts(cfg, router, norm, args.block_sizes, args.trials, generator))
         experts, whole = layer_bytes(cfg, index, compression)
         expert_bytes, weight_bytes = expert_bytes + experts, weight_bytes + whole
-    weights.close()
-    fractions = torch.stack(counts).double() / cfg.num_experts  # (layers, trials, block sizes)
+    fractions = counts.double() / cfg.num_experts  # (layers, trials, block sizes)
     rows = []
     for column, tokens in enumerate(args.block_sizes):
         touched = fractions[:, :, column]
@@ -100,10 +158,12 @@ def measure(args) -> dict:
                      "touched_max": float(touched.max()),
                      "uniform": uniform_touched(cfg.num_experts, cfg.experts_per_token, tokens),
                      "skipped_bytes": skipped, "skipped_share_of_layers": skipped / weight_bytes})
-    return {"model": cfg.name, "weights": "dummy" if isinstance(weights, DummyWeights) else str(directory),
-            "hidden": HIDDEN, "experts": cfg.num_experts, "top_k": cfg.experts_per_token,
-            "sparse_layers": len(sparse), "trials": args.trials, "bits": args.bits, "device": str(device),
-            "expert_bytes": expert_bytes, "layer_bytes": weight_bytes, "rows": rows}
+    hidden = (HIDDEN if args.hidden == "random" else
+              f"the model's own: the last token of each of N random prompts of {args.prompt_len} tokens, "
+              f"through flexoff's model math on these weights")
+    return {"model": cfg.name, "weights": source, "hidden": hidden, "experts": cfg.num_experts,
+            "top_k": cfg.experts_per_token, "sparse_layers": len(sparse), "trials": args.trials, "bits": args.bits,
+            "device": args.device, "expert_bytes": expert_bytes, "layer_bytes": weight_bytes, "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -140,6 +200,10 @@ def parse_args(argv=None):
     parser.add_argument("--trials", type=int, default=8, help="random draws of tokens per layer (default 8)")
     parser.add_argument("--bits", type=int, choices=[16, 4], default=16,
                         help="stored size of the expert matrices: fp16, or 4-bit groups of 64")
+    parser.add_argument("--hidden", choices=["random", "model"], default="random",
+                        help="random: random hidden states into each router (default); model: the model's own "
+                             "hidden states of random prompts (every layer's weights are loaded and run)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt for --hidden model")
     parser.add_argument("--device", default="cpu", help="where to route: cpu (default) or cuda")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the result here")

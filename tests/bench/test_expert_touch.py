@@ -52,3 +52,26 @@ def test_a_dense_model_is_refused_in_one_line(capsys):
     assert expert_touch.main(["--model", "llama-2-7b"]) == 2
     assert capsys.readouterr().err.strip() == ("flexoff: error: llama-2-7b has no experts: the expert-touch "
                                                "curve needs a mixture of experts")
+
+
+def test_the_models_own_hidden_states_route_as_transformers_does(tiny_model_dir):
+    """--hidden model runs flexoff's model math over random prompts: each sparse layer's picks for the
+    prompts' last tokens are the ones transformers' router makes on the same prompts."""
+    import torch
+
+    from flexoff.models import resolve_model
+    from flexoff.weights import CheckpointWeights
+
+    path, hf_model = tiny_model_dir("qwen3-moe")
+    cfg, _ = resolve_model(str(path))
+    args = expert_touch.parse_args(["--model", str(path), "--hidden", "model", "--prompt-len", "5",
+                                    "--block-sizes", "1,6", "--trials", "2"])
+    routes = expert_touch.model_routes(cfg, CheckpointWeights(path), args, torch.Generator().manual_seed(3))
+    assert list(routes) == [0] and len(routes[0]) == 2  # layer 1 is dense
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(2):
+        ids = torch.randint(cfg.vocab_size, (6, 5), generator=generator)
+        with torch.no_grad():
+            logits = hf_model(ids, output_router_logits=True).router_logits[0].view(6, 5, -1)[:, -1]
+        expected = logits.topk(cfg.experts_per_token, dim=-1).indices
+        assert torch.equal(routes[0][trial].sort(dim=-1).values, expected.sort(dim=-1).values)
