@@ -21,6 +21,7 @@ import os
 import resource
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -158,19 +159,21 @@ def meta_model(cfg, empty_weights=None):
 def materialise(model, device_of, report=progress) -> None:
     """Give every meta parameter random fp16 values on its device (``device_of(name)``), in place.
 
-    Cheaply: one random pool per device, copied over and over (speed does not depend on the values,
-    as long as routers are not constant, and drawing 90 GB of normals would take minutes)."""
+    Cheaply: one random pool per device, each tensor a window of it (at an offset of its name's, so
+    layers' routers differ) copied over and over (speed does not depend on the values, as long as
+    routers are not constant, and drawing 90 GB of normals would take minutes)."""
     import torch
 
-    pools = {}
+    pools, window = {}, 1 << 24
     params = [(name, p) for name, p in model.named_parameters() if p.device.type == "meta"]
     total, done, last = sum(p.numel() for _, p in params) * 2, 0, time.perf_counter()
 
     def fill(name, shape):
         device = device_of(name)
         if device not in pools:  # once per device (setdefault would draw a new pool for every tensor)
-            pools[device] = torch.randn(1 << 24, dtype=torch.float16, device=device) * 0.02
-        pool = pools[device]
+            pools[device] = torch.randn(2 * window, dtype=torch.float16, device=device) * 0.02
+        offset = zlib.crc32(name.encode()) % window
+        pool = pools[device][offset:offset + window]
         value = torch.empty(shape, dtype=torch.float16, device=device)
         flat = value.view(-1)
         for start in range(0, flat.numel(), pool.numel()):
@@ -278,6 +281,7 @@ def main() -> None:
     cfg = REGISTRY[args.model]
 
     import torch
+    import transformers
 
     total = torch.cuda.get_device_properties(0).total_memory
     cap = min(total, parse_size(args.gpu_mem)) if args.gpu_mem else total
@@ -296,6 +300,9 @@ def main() -> None:
         emit({"error": "cannot run: Accelerate would put part of the model on disk"})
         return
     if args.experts and cfg.num_experts:
+        if not hasattr(model, "set_experts_implementation"):
+            emit({"error": f"cannot run: transformers {transformers.__version__} has no experts kernels to choose"})
+            return
         model.set_experts_implementation(args.experts)
     kernels = warm_up(model, cfg)
     on_gpu = sum(p.numel() * 2 for p in model.parameters() if p.device.type == "cuda")

@@ -29,10 +29,11 @@ def test_materialise_fills_every_parameter_on_its_device(kind):
     assert all(p.device.type == "cpu" and p.dtype == torch.float16 for p in params.values())
     if kind == "opt":  # the tied head is the embedding itself, not a copy
         assert params["lm_head.weight"].data_ptr() == params["model.decoder.embed_tokens.weight"].data_ptr()
-    else:  # a constant router would send every token to the same experts
-        router = next(p for name, p in params.items() if name.endswith("mlp.gate.weight")
-                      or name.endswith("block_sparse_moe.gate.weight"))
-        assert router.float().std() > 0
+    else:  # a constant router would send every token to the same experts, and each layer routes its own way
+        routers = [p for name, p in params.items()
+                   if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))]
+        assert len(routers) == TINY[kind].num_layers and routers[0].float().std() > 0
+        assert not torch.equal(routers[0], routers[1])
 
 
 def test_a_model_transformers_builds_otherwise_is_refused(monkeypatch):
