@@ -195,6 +195,8 @@ def run_all(args) -> list[dict]:
     if "hf" in systems:
         result = in_workdir(run_hf)
         label = f"device_map, batch {result['batch']}" if "batch" in result else "device_map"
+        if result.get("experts"):
+            label += f", experts {result['experts']}"
         rows.append(row("hf", label, result, args))
     return rows
 
