@@ -2,18 +2,21 @@
 route-first load (copy only the experts the router picked) would skip, for N = 1, 2, 4, ... 1024.
 
 Each sparse layer's own router (seeded dummy weights, or a local checkpoint's) routes N tokens as the
-runtime does (flexoff.models.moe.route: softmax and top-k in fp32). The tokens are NOT the model's
-activations: they are independent random hidden states, N(0, 1) per element (the unit RMS the
-post-attention norm gives) times the layer's post-attention norm weight. Real tokens of one prompt are
-correlated, so a real model's curve may lie below this one; the output says which hidden states it used.
+runtime does (flexoff.models.moe.route: softmax and top-k in fp32). Which tokens, the output says:
+- ``--hidden random`` (default, seconds on a CPU): independent random hidden states, N(0, 1) per element
+  (the unit RMS the post-attention norm gives) times the layer's post-attention norm weight; NOT the
+  model's activations. Real tokens are correlated, so a real model's curve may lie below this one.
+- ``--hidden model``: the model's own hidden states, the last token of each of N random prompts (a
+  decode block's tokens) run through flexoff's model math, one layer's weights at a time (all of them
+  are loaded: use --device cuda for the large models).
 
 Per block size: the touched fraction of a layer's experts (mean, min and max over sparse layers and
 trials), the estimate for uniform routing, E * (1 - ((E - k) / E) ** N) / E, and the expert bytes a
 route-first load would skip per pass over the model, alone and as a share of the layers' weight bytes.
 
     python bench/expert_touch.py --model mixtral-8x7b
-    python bench/expert_touch.py --model qwen3-30b-a3b --bits 4 --device cuda --json /tmp/touch.json
-    python bench/expert_touch.py --model /models/Qwen3-30B-A3B --trials 16
+    python bench/expert_touch.py --model qwen3-30b-a3b --hidden model --device cuda --json /tmp/touch.json
+    python bench/expert_touch.py --model /models/Qwen3-30B-A3B --hidden model --device cuda --bits 4
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from flexoff.weights import CheckpointWeights, DummyWeights  # noqa: E402
 BLOCK_SIZES = tuple(2**i for i in range(11))  # 1 ... 1024 tokens
 HIDDEN = "independent random tokens: N(0, 1) times the layer's post-attention norm weight, not the model's activations"
 NORM = "post_attention_layernorm.weight"
+# The saving below which route-first loading is not worth its data-decided loads.
+WORTHWHILE = 0.10
 
 
 def uniform_touched(experts: int, top_k: int, tokens: int) -> float:
@@ -174,10 +179,14 @@ def table(result: dict) -> str:
              f"hidden states: {result['hidden']}", "",
              "| tokens | touched mean | min | max | uniform estimate | route-first skips, GB per pass "
              "| of the layers' bytes |", "|" + "---|" * 7]
+    worth = [row["tokens"] for row in result["rows"] if row["skipped_share_of_layers"] >= WORTHWHILE]
     for row in result["rows"]:
         lines.append(f"| {row['tokens']} | {row['touched_mean']:.3f} | {row['touched_min']:.3f} | "
                      f"{row['touched_max']:.3f} | {row['uniform']:.3f} | {row['skipped_bytes'] / 1e9:.2f} | "
                      f"{row['skipped_share_of_layers']:.1%} |")
+    lines.append("")
+    lines.append(f"Route-first skips at least {WORTHWHILE:.0%} of the layers' bytes at blocks of "
+                 + (", ".join(map(str, worth)) + " tokens" if worth else "no block size measured"))
     return "\n".join(lines)
 
 

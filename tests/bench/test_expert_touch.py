@@ -37,7 +37,9 @@ def test_a_tiny_checkpoints_routers(tiny_model_dir, tmp_path, capsys):
     result = run(tmp_path, "--model", str(path))
     assert (result["weights"], result["experts"], result["top_k"], result["sparse_layers"]) == (str(path), 4, 2, 1)
     check_curve(result)
-    assert "| 16 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 16 |" in out
+    assert "Route-first skips at least 10% of the layers' bytes at blocks of 1" in out  # 2 of 4 experts skipped
 
 
 def test_dummy_routers_touch_experts_as_uniform_routing_would(tmp_path):
