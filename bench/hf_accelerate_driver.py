@@ -1,13 +1,15 @@
 """HF transformers + Accelerate with CPU offload, the way a user without flexoff runs a model too big for the card.
 
-The model is built from its OPT config on the meta device with random fp16 weights (nothing is downloaded),
+The model (any registry size: OPT, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE) is built from its
+transformers config (bench/hf_models.py) on the meta device with random fp16 weights (nothing is downloaded),
 placed by ``infer_auto_device_map`` under ``max_memory`` {0: part of the GPU cap, "cpu": the host's share},
 and dispatched with CPU offload: every forward streams the CPU layers to the GPU. It runs at the largest
-batch that fits the GPU cap, found from large to small by a probe at the longest context. The last line of
-output is ``HF_RESULT {json}``: prefill / decode / total token/s as FlexGen counts them, peak GPU memory,
-peak RSS, the batch; or ``{"error": "cannot run: ..."}``.
+batch that fits the GPU cap, found from large to small by a probe at the longest context. Progress goes to
+stderr. The last line of output is ``HF_RESULT {json}``: prefill / decode / total token/s as FlexGen counts
+them, peak GPU memory, peak RSS, the batch, the transformers version and its attention and experts kernels;
+or ``{"error": "cannot run: ..."}``.
 
-    python bench/hf_accelerate_driver.py --model opt-30b --gpu-mem 16GiB --prompt-len 512 --gen-len 32
+    python bench/hf_accelerate_driver.py --model mixtral-8x7b --gpu-mem 16GiB --prompt-len 512 --gen-len 32
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import os
 import resource
 import sys
 import time
+import zlib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from flexoff.models import REGISTRY  # noqa: E402
+from hf_models import Unmapped, hf_config, no_split_modules  # noqa: E402
+from flexoff.models import REGISTRY, Stage, stage_specs  # noqa: E402
 from flexoff.planner.sizes import parameter_count  # noqa: E402
 from flexoff.units import parse_size  # noqa: E402
 
@@ -56,12 +61,46 @@ def batch_ladder(estimate: float, largest: int) -> list[int]:
     return [b for b in reversed(sizes) if b <= top]
 
 
-def per_sequence_bytes(cfg, positions: int, prompt_len: int) -> int:
+def per_sequence_bytes(cfg, positions: int, prompt_len: int, grouped_experts: bool = True) -> int:
     """GPU bytes one sequence needs at the longest context: its KV cache in every layer, and prefill's
-    largest activations (fc1's output, the attention scores where they are materialised, a few hidden states)."""
-    cache = 2 * cfg.num_layers * cfg.hidden_size * positions * 2
-    activations = prompt_len * (cfg.intermediate_size + cfg.num_heads * prompt_len + 4 * cfg.hidden_size) * 2
-    return cache + activations
+    largest activations (the MLP's widest intermediates, the attention scores where they are materialised,
+    a few hidden states)."""
+    cache = cfg.num_layers * cfg.kv_elements_per_token_per_layer * positions * 2
+    activations = prompt_len * (mlp_elements_per_token(cfg, grouped_experts)
+                                + cfg.num_heads * prompt_len + 4 * cfg.hidden_size) * 2
+    return cache + activations + prompt_len * routing_bytes_per_token(cfg)
+
+
+def mlp_elements_per_token(cfg, grouped_experts: bool) -> int:
+    """Elements a token's MLP holds at once in prefill, the widest layer's.
+
+    OPT: fc1's output. A gated MLP: gate, up and their product. A sparse layer: each of the token's
+    top-k expert rows holds its gate and up, their product, its input and its output (hidden), all at
+    once where HF groups the experts into one kernel; where it loops over experts, one expert's rows
+    at a time, about 2k/E of a token (twice the balanced share: random routers are not balanced),
+    plus the shared expert's gated MLP (Qwen2-MoE)."""
+    if cfg.family == "opt":
+        return cfg.intermediate_size
+    dense = 3 * cfg.intermediate_size if cfg.num_experts == 0 or cfg.dense_layers else 0
+    if not cfg.num_experts:
+        return dense
+    rows = cfg.experts_per_token if grouped_experts else min(1.0, 2 * cfg.experts_per_token / cfg.num_experts)
+    sparse = rows * (3 * cfg.expert_intermediate_size + 2 * cfg.hidden_size) + 3 * cfg.shared_expert_intermediate_size
+    return int(max(dense, sparse))
+
+
+def routing_bytes_per_token(cfg) -> int:
+    """A token's router tensors in a sparse layer: logits (fp16), their softmax (fp32), and the one-hot
+    expert mask (int64, tokens x k x experts) transformers 4.x builds to find each expert's tokens."""
+    if not cfg.num_experts:
+        return 0
+    return cfg.num_experts * (2 + 4) + cfg.experts_per_token * cfg.num_experts * 8
+
+
+def largest_layer_bytes(cfg) -> int:
+    """fp16 bytes of the largest decoder layer: what the offload hooks bring to the GPU for one forward."""
+    kinds = {cfg.sparse_layer(i): i for i in range(cfg.num_layers)}  # one layer of each MLP kind
+    return 2 * max(sum(spec.numel for spec in stage_specs(cfg, Stage("layer", i))) for i in kinds.values())
 
 
 def host_bytes() -> int:
@@ -70,6 +109,14 @@ def host_bytes() -> int:
 
 def emit(result: dict) -> None:
     print(MARK + json.dumps(result), flush=True)
+
+
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A line on stderr with the seconds since start: building 90 GB of weights takes minutes."""
+    print(f"[{time.perf_counter() - _START:6.1f} s] {message}", file=sys.stderr, flush=True)
 
 
 class PrefillClock:
@@ -88,51 +135,88 @@ class PrefillClock:
         pass
 
 
-def build_model(cfg, gpu_weight_bytes: int, host_budget: int):
-    """The OPT model on meta, placed by Accelerate, each parameter filled on its device, then dispatched."""
+def meta_model(cfg, empty_weights=None):
+    """The transformers model of ``cfg`` on the meta device, fp16, in eval mode; refused (Unmapped) where
+    the installed transformers builds other parameters than flexoff counts (an older class without a
+    field, say): the baseline must run the same model. ``empty_weights`` makes the context that puts new
+    parameters on meta: Accelerate's, which keeps buffers (RoPE's frequencies) real, by default."""
     import torch
-    from accelerate import dispatch_model, infer_auto_device_map, init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
-    from transformers import OPTConfig, OPTForCausalLM
+    import transformers
 
-    hf_config = OPTConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
-                          num_attention_heads=cfg.num_heads, ffn_dim=cfg.intermediate_size,
-                          max_position_embeddings=cfg.max_positions, word_embed_proj_dim=cfg.word_embed_proj_dim,
-                          do_layer_norm_before=cfg.do_layer_norm_before, pad_token_id=cfg.pad_token_id,
-                          bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_ids[0])
-    with init_empty_weights():
-        model = OPTForCausalLM(hf_config).to(torch.float16)
-    model.eval()
-    device_map = infer_auto_device_map(model, max_memory={0: gpu_weight_bytes, "cpu": host_budget},
-                                       no_split_module_classes=["OPTDecoderLayer"], dtype=torch.float16)
-    if "disk" in device_map.values():
-        return None, device_map
-    pools = {}
+    if empty_weights is None:
+        from accelerate import init_empty_weights as empty_weights
 
-    def fill(name, tensor_shape, device):
-        # Random values, cheaply: one random pool per device, copied over and over (speed does not
-        # depend on the values, and drawing 60 GB of normals would take minutes).
-        pool = pools.setdefault(device, torch.randn(1 << 24, dtype=torch.float16, device=device) * 0.02)
-        value = torch.empty(tensor_shape, dtype=torch.float16, device=device)
+    config, model_class = hf_config(cfg)
+    with empty_weights():
+        model = model_class(config).to(torch.float16)
+    built, expected = sum(p.numel() for p in model.parameters()), parameter_count(cfg)
+    if built != expected:
+        raise Unmapped(f"transformers {transformers.__version__}'s {model_class.__name__} has {built:,} "
+                       f"parameters where flexoff's {cfg.name} has {expected:,}")
+    return model.eval()
+
+
+def materialise(model, device_of, report=progress) -> None:
+    """Give every meta parameter random fp16 values on its device (``device_of(name)``), in place.
+
+    Cheaply: one random pool per device, each tensor a window of it (at an offset of its name's, so
+    layers' routers differ) copied over and over (speed does not depend on the values, as long as
+    routers are not constant, and drawing 90 GB of normals would take minutes)."""
+    import torch
+
+    pools, window = {}, 1 << 24
+    params = [(name, p) for name, p in model.named_parameters() if p.device.type == "meta"]
+    total, done, last = sum(p.numel() for _, p in params) * 2, 0, time.perf_counter()
+
+    def fill(name, shape):
+        device = device_of(name)
+        if device not in pools:  # once per device (setdefault would draw a new pool for every tensor)
+            pools[device] = torch.randn(2 * window, dtype=torch.float16, device=device) * 0.02
+        offset = zlib.crc32(name.encode()) % window
+        pool = pools[device][offset:offset + window]
+        value = torch.empty(shape, dtype=torch.float16, device=device)
         flat = value.view(-1)
         for start in range(0, flat.numel(), pool.numel()):
             piece = flat[start:start + pool.numel()]
             piece.copy_(pool[:piece.numel()])
-        set_module_tensor_to_device(model, name, device, value=value)
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
+        return value.numel() * 2
+
+    for name, param in params:
+        done += fill(name, param.shape)
+        if time.perf_counter() - last > 10:
+            report(f"filled {done / GiB:.1f} of {total / GiB:.1f} GiB")
+            last = time.perf_counter()
+    model.tie_weights()  # filling replaced a shared embedding: tie the head to it again
+    for name, param in list(model.named_parameters(remove_duplicate=False)):
+        if param.device.type == "meta":  # a tie the model does not restore itself
+            fill(name, param.shape)
+    report(f"filled {total / GiB:.1f} GiB of weights")
+
+
+def build_model(cfg, gpu_weight_bytes: int, host_budget: int):
+    """The model on meta, placed by Accelerate, each parameter filled on its device, then dispatched;
+    (None, device map) where Accelerate would need the disk."""
+    import torch
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    model = meta_model(cfg)
+    progress(f"{type(model).__name__} on meta: {parameter_count(cfg) / 1e9:.1f}B parameters")
+    device_map = infer_auto_device_map(model, max_memory={0: gpu_weight_bytes, "cpu": host_budget},
+                                       no_split_module_classes=no_split_modules(model), dtype=torch.float16)
+    if "disk" in device_map.values():
+        return None, device_map
 
     def device_of(name):
         owner = max((key for key in device_map if key == "" or name == key or name.startswith(key + ".")), key=len)
         where = device_map[owner]
         return "cpu" if where == "cpu" else f"cuda:{where}" if isinstance(where, int) else where
 
-    for name, param in list(model.named_parameters()):
-        fill(name, param.shape, device_of(name))
-    model.tie_weights()  # filling replaced the shared embedding: tie the head to it again
-    for name, param in list(model.named_parameters(remove_duplicate=False)):
-        if param.device.type == "meta":
-            fill(name, param.shape, device_of(name))
-    pools.clear()
-    return dispatch_model(model, device_map=device_map, main_device=0), device_map
+    materialise(model, device_of)
+    model = dispatch_model(model, device_map=device_map, main_device=0)
+    progress("dispatched")
+    return model, device_map
 
 
 def generate(model, batch: int, prompt_len: int, gen_len: int, pad_id: int, device: str = "cuda:0"):
@@ -142,6 +226,7 @@ def generate(model, batch: int, prompt_len: int, gen_len: int, pad_id: int, devi
     ids = torch.full((batch, prompt_len), 100, dtype=torch.long, device=device)
     ids[:, 0] = 2
     ids[:, 1:] += torch.arange(prompt_len - 1, device=device) % 997
+    ids %= model.config.vocab_size  # the same ids for every real vocabulary; tiny test models have less
     clock = PrefillClock()
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     sync()
@@ -155,21 +240,48 @@ def generate(model, batch: int, prompt_len: int, gen_len: int, pad_id: int, devi
     return first - start, stop - first
 
 
+def warm_up(model, cfg) -> dict:
+    """Run one short generation (kernels, allocator, the hooks' first copies); return the transformers
+    version and the attention and experts kernels that ran. Where transformers' default experts kernel
+    fails on fp16 (grouped matmuls are built for bf16 on some versions), the experts run eagerly, as
+    the result then says."""
+    import torch
+    import transformers
+
+    def kernel(kind):
+        return getattr(model.config, f"_{kind}_implementation", None)
+
+    kernels = {"transformers": transformers.__version__, "attention": kernel("attn"),
+               "experts": kernel("experts") if cfg.num_experts else None}
+    try:
+        generate(model, 1, 32, 1, cfg.pad_token_id)
+    except RuntimeError as error:
+        if (isinstance(error, torch.cuda.OutOfMemoryError) or kernels["experts"] in (None, "eager")
+                or not hasattr(model, "set_experts_implementation")):
+            raise
+        progress(f"the {kernels['experts']} experts kernel failed ({str(error).splitlines()[0][:120]}); eager instead")
+        model.set_experts_implementation("eager")
+        kernels["experts"] = f"eager ({kernels['experts']} failed)"
+        generate(model, 1, 32, 1, cfg.pad_token_id)
+    progress(f"warmed up: {kernels}")
+    return kernels
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="opt-30b", help="an OPT model of flexoff's registry, e.g. opt-30b")
+    parser.add_argument("--model", default="opt-30b", help="a model of flexoff's registry, e.g. mixtral-8x7b")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--gpu-mem", help="cap the GPU memory, e.g. 16GiB (default: the whole card)")
     parser.add_argument("--batch-sizes", help="comma-separated batch sizes to try, largest first "
                                               "(default: from just above the memory estimate down to 1)")
+    parser.add_argument("--experts", help="transformers 5's experts kernel, e.g. eager or grouped_mm "
+                                          "(default: transformers' own choice)")
     args = parser.parse_args()
     cfg = REGISTRY[args.model]
-    if cfg.family != "opt":
-        emit({"error": f"cannot run: this driver builds OPT models, not {cfg.family}"})
-        return
 
     import torch
+    import transformers
 
     total = torch.cuda.get_device_properties(0).total_memory
     cap = min(total, parse_size(args.gpu_mem)) if args.gpu_mem else total
@@ -179,23 +291,35 @@ def main() -> None:
     if verdict:
         emit({"error": verdict})
         return
-    model, device_map = build_model(cfg, gpu_weights, int(HOST_SHARE * host) - PROCESS_OVERHEAD)
+    try:
+        model, device_map = build_model(cfg, gpu_weights, int(HOST_SHARE * host) - PROCESS_OVERHEAD)
+    except Unmapped as error:
+        emit({"error": f"cannot run: {error}"})
+        return
     if model is None:
         emit({"error": "cannot run: Accelerate would put part of the model on disk"})
         return
+    if args.experts and cfg.num_experts:
+        if not hasattr(model, "set_experts_implementation"):
+            emit({"error": f"cannot run: transformers {transformers.__version__} has no experts kernels to choose"})
+            return
+        model.set_experts_implementation(args.experts)
+    kernels = warm_up(model, cfg)
     on_gpu = sum(p.numel() * 2 for p in model.parameters() if p.device.type == "cuda")
-    free = cap - torch.cuda.memory_allocated(0)
+    # Room for sequences: the cap less the weights kept on the GPU and the offloaded layer being run.
+    free = cap - torch.cuda.memory_allocated(0) - largest_layer_bytes(cfg)
     positions = args.prompt_len + args.gen_len
-    estimate = free * 0.8 / per_sequence_bytes(cfg, positions, args.prompt_len)
+    grouped = kernels["experts"] is not None and not kernels["experts"].startswith("eager")
+    estimate = free * 0.8 / per_sequence_bytes(cfg, positions, args.prompt_len, grouped)
     ladder = ([int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes
               else batch_ladder(estimate, largest=256))
-    print(f"weights on the GPU {on_gpu / GiB:.1f} GiB, {free / GiB:.1f} GiB left; batches to try {ladder}",
-          flush=True)
-    generate(model, 1, 32, 1, cfg.pad_token_id)  # warm-up: kernels, allocator, the hooks' first copies
+    print(f"weights on the GPU {on_gpu / GiB:.1f} GiB, {free / GiB:.1f} GiB left beside a layer in flight; "
+          f"{kernels}; batches to try {ladder}", flush=True)
     for batch in ladder:
         try:
             # Probe: a prefill at the longest context needs at least the timed run's GPU memory, in one forward.
             generate(model, batch, positions - 1, 1, cfg.pad_token_id)
+            progress(f"batch {batch}: the probe fits; timing {args.gen_len} tokens")
             torch.cuda.reset_peak_memory_stats(0)
             prefill, decode = generate(model, batch, args.prompt_len, args.gen_len, cfg.pad_token_id)
         except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
@@ -207,11 +331,12 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             continue
+        progress(f"batch {batch}: prefill {prefill:.1f} s, decode {decode:.1f} s")
         emit({"prefill": batch * args.prompt_len / prefill,
               "decode": batch * (args.gen_len - 1) / max(decode, 1e-10),
               "total": batch * args.gen_len / (prefill + decode),
               "gpu_peak": torch.cuda.max_memory_allocated(0), "batch": batch, "gpu_weights": on_gpu,
-              "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+              "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **kernels})
         return
     emit({"error": f"cannot run: out of GPU memory at batch {ladder[-1]}"})
 

@@ -7,12 +7,15 @@ others down; its peak resident memory comes from the kernel's accounting of that
 - named policies (POLICIES, FlexGen's flags) run by both flexoff and FlexGen (--policies), or by FlexGen
   alone (--flexgen-policies); the best FlexGen policy is marked, one that fails is "cannot run: <why>";
 - HF transformers + Accelerate with CPU offload at the largest batch that fits (--systems ...,hf).
---gpu-mem caps every system's GPU memory; --cpu-mem caps flexoff's host memory. The decode roofline is the
-token/s a policy would reach if decode were bound only by moving its bytes (off-GPU weights, a travelling
-cache) over the busiest link, PCIe or disk, at the packaged H200 profile's measured bandwidths. The output ends with a markdown table for bench/RESULTS.md.
+FlexGen runs OPT models only: for others its rows say so. --gpu-mem caps every system's GPU memory; --cpu-mem
+caps flexoff's host memory. The decode roofline is the token/s a policy would reach if decode were bound only
+by moving its bytes (off-GPU weights, a travelling cache) over the busiest link, PCIe or disk, at the packaged
+H200 profile's measured bandwidths. The output ends with a markdown table for bench/RESULTS.md.
 
     python bench/throughput.py --model opt-30b --gpu-mem 16GiB --policy auto --systems flexoff,flexgen,hf \\
         --flexgen-policies "4-bit w+c w 0/100 cache-cpu 64x2,4-bit w+c w 0/100 cache-cpu 64x4" --offload-dir /tmp/o
+    python bench/throughput.py --model mixtral-8x7b --gpu-mem 16GiB --policy auto --compress auto \\
+        --systems flexoff,hf --offload-dir /tmp/o --timeout 900
 """
 
 from __future__ import annotations
@@ -192,6 +195,8 @@ def run_all(args) -> list[dict]:
     if "hf" in systems:
         result = in_workdir(run_hf)
         label = f"device_map, batch {result['batch']}" if "batch" in result else "device_map"
+        if result.get("experts"):
+            label += f", experts {result['experts']}"
         rows.append(row("hf", label, result, args))
     return rows
 
@@ -262,7 +267,10 @@ def ratio_lines(rows: list[dict], top: dict | None) -> list[str]:
         return " · ".join(f"{k} {a['result'][k] / b['result'][k]:.2f}×" for k in ("prefill", "decode", "total"))
 
     if any(r["system"] == "flexgen" for r in rows):
-        if top is None:
+        reasons = {r["result"]["error"] for r in rows if r["system"] == "flexgen" and not ok(r)}
+        if top is None and len(reasons) == 1:
+            lines.append(f"- FlexGen 0.1.8 {reasons.pop()}.")
+        elif top is None:
             lines.append("- FlexGen 0.1.8 has no policy that runs here: every one tried cannot run (see the notes).")
         elif ours:
             lines.append(f"- flexoff ({ours['policy']}) / FlexGen's best ({top['policy']}): {ratio(ours, top)}")
@@ -311,6 +319,7 @@ def parse_args(argv=None):
     parser.add_argument("--cpu-mem", metavar="SIZE", help="flexoff's host memory cap, e.g. 64GiB")
     parser.add_argument("--dtype", default="auto", help="flexoff's --dtype (on a CPU, float16 or bfloat16 for auto)")
     parser.add_argument("--hf-batch-sizes", help="batch sizes HF tries, largest first (default: from its estimate)")
+    parser.add_argument("--hf-experts", help="HF's experts kernel (transformers 5), e.g. eager (default: its own)")
     parser.add_argument("--offload-dir", default=tempfile.gettempdir())
     parser.add_argument("--timeout", type=int, default=480, help="seconds per run")
     parser.add_argument("--flexgen-fewer-batch", action="store_true",

@@ -94,7 +94,17 @@ def run_flexoff_auto(args, workdir: Path, num_prompts: int) -> dict:
     return _flexoff(args, workdir, argv, num_prompts)
 
 
+def flexgen_refusal(model: str) -> str | None:
+    """Why FlexGen cannot run ``model`` (it builds OPT models only), or None when it can."""
+    from flexoff.models import REGISTRY
+
+    return None if REGISTRY[model].family == "opt" else f"cannot run: it runs OPT models only, not {model}"
+
+
 def run_flexgen(spec: dict, args, workdir: Path) -> dict:
+    refusal = flexgen_refusal(args.model)
+    if refusal:
+        return {"error": refusal, "rss": 0}
     log_file = workdir / "flexgen.log.txt"
     argv = [sys.executable, str(ROOT / "bench" / "flexgen_driver.py"), "--model", f"facebook/{args.model}",
             "--path", "_DUMMY_", "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
@@ -135,6 +145,8 @@ def run_hf(args, workdir: Path) -> dict:
         argv += ["--gpu-mem", args.gpu_mem]
     if args.hf_batch_sizes:
         argv += ["--batch-sizes", args.hf_batch_sizes]
+    if args.hf_experts:
+        argv += ["--experts", args.hf_experts]
     code, output, rss, timed_out = run_process(argv, args.timeout, workdir / "hf.out")
     result = hf_result(output)
     if result is None or (code != 0 and "error" not in result):
