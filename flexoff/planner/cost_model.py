@@ -39,6 +39,7 @@ from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_reques
                       dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel, registered_bytes,
                       sampler_state_bytes, slab_bytes, sparse_mlp_bytes, weight_buffer_bytes, weight_host_requests,
                       working_bytes)
+from ..models.moe import CHUNK_TOKENS
 from ..models.config import ModelConfig
 from ..policy import TIERS, Policy, TierFractions
 # The frame types are named here too: code plans and predicts through this module.
@@ -110,12 +111,13 @@ class CostModel:
     def matmul_seconds(self, tokens: int, head_tokens: int, rows: int) -> float:
         """Seconds of one layer's matmuls over ``tokens`` tokens, and of its share of the head's over
         ``head_tokens``, in GPU batches of ``rows`` rows; a routed expert's matmul has its share of
-        the rows, and runs at that size's rate."""
+        the rows of one chunk of tokens (models.moe.CHUNK_TOKENS), and runs at that size's rate."""
         shared = self.layer_matmul_numel - self.routed_matmul_numel
         hw = self.hardware
         seconds = 2 * (shared * tokens + self.head_matmul_numel_per_layer * head_tokens) / hw.matmul_flops_at(rows)
         if self.routed_matmul_numel:
-            seconds += 2 * self.routed_matmul_numel * tokens / hw.matmul_flops_at(rows * self.rows_per_expert)
+            routed_rows = min(rows, CHUNK_TOKENS) * self.rows_per_expert
+            seconds += 2 * self.routed_matmul_numel * tokens / hw.matmul_flops_at(routed_rows)
         return seconds
 
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
