@@ -316,3 +316,24 @@ def test_the_summary_names_the_tiers_as_they_are_and_tells_where_every_weight_is
     assert printed["ram"] == pytest.approx(peaks["cpu_rss"], rel=5e-3)
     assert printed["disk"] == pytest.approx(peaks["disk"], rel=5e-3)
     assert "cpu_weights" not in lines["peak mem   "]
+
+
+def test_memory_running_out_past_the_plan_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """An allocation the plan did not foresee fails the run with one line, not a traceback."""
+    import torch
+
+    from flexoff.commands.main import main
+    from flexoff.models import llama
+
+    def exhausted(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(llama, "_rotate", exhausted)
+    path, _ = tiny_model_dir("llama-gqa")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a dog\n")
+    capsys.readouterr()
+    assert main(["run", "--model", str(path), "--prompts", str(prompts), "--gen-len", "2", "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("flexoff: error: out of GPU memory while running (CUDA out of memory)"), err

@@ -169,6 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("flexoff: interrupted", file=sys.stderr)
         return 130
+    except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if not isinstance(exc, MemoryError) and type(exc).__name__ != "OutOfMemoryError":
+            raise
+        print(out_of_memory_line(exc), file=sys.stderr)
+        return 1
+
+
+def out_of_memory_line(exc: BaseException) -> str:
+    """One line for memory that ran out past the plan's check (results written so far are kept:
+    the batch and bench commands resume from them)."""
+    where = "host" if isinstance(exc, MemoryError) else "GPU"
+    first = str(exc).split(". ")[0].strip() or type(exc).__name__
+    return (f"flexoff: error: out of {where} memory while running ({first}); the policy's memory estimate fell short: "
+            "retry with a smaller --gpu-batch-size or --num-gpu-batches, or a lower --gpu-mem/--cpu-mem cap")
 
 
 def _terminate(signum, frame):

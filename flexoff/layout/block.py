@@ -63,14 +63,30 @@ def _chunk_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
     return peak
 
 
+def attention_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
+    """A token's share of the layer's largest moment up to and through attention, with its hidden
+    state: OPT's q/k/v and hidden states; for the Llama family, ``models.llama.attention_inputs``'
+    largest moment (its input norm's fp32 copy and result, the projections beside the normalised
+    input, the q/k norms' fp32 copies, a rotation's output and half-width temporary) or attention's
+    q, k, v and output."""
+    h = cfg.hidden_size
+    if cfg.family == "opt":
+        return 4 * h * itemsize
+    q, kv, fp32 = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, 4
+    moments = [h * (fp32 + itemsize), (h + q + 2 * kv) * itemsize, (2 * q + 2 * kv) * itemsize + q * itemsize // 2]
+    if cfg.qk_norm:
+        moments.append((2 * q + 2 * kv) * itemsize + q * fp32)
+    return h * itemsize + max(moments)
+
+
 def working_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int) -> int:
     """Working memory of a GPU batch of ``rows`` sequences over ``tokens`` tokens (the prefill's
-    rows x prompt length): q/k/v and the hidden states, the MLP's intermediates (a MoE model's
-    sparse layers take their own, see sparse_mlp_bytes; its dense layers, if any, the dense one),
-    and the head step's logits of the last position and the sampler's work on them."""
+    rows x prompt length): attention's (see attention_bytes_per_token), the MLP's intermediates (a
+    MoE model's sparse layers take their own, see sparse_mlp_bytes; its dense layers, if any, the
+    dense one), and the head step's logits of the last position and the sampler's work on them."""
     dense_mlp = tokens * cfg.intermediate_size * itemsize if has_dense_mlp(cfg) else 0
-    return (tokens * 4 * cfg.hidden_size * itemsize + max(dense_mlp, sparse_mlp_bytes(cfg, tokens, itemsize))
-            + head_step_bytes(rows, cfg.vocab_size, itemsize))
+    return (tokens * attention_bytes_per_token(cfg, itemsize)
+            + max(dense_mlp, sparse_mlp_bytes(cfg, tokens, itemsize)) + head_step_bytes(rows, cfg.vocab_size, itemsize))
 
 
 def kv_buffer_parts(cfg: ModelConfig, slots: int, rows: int, compression: CompressionConfig | None,

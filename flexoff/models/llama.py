@@ -82,16 +82,22 @@ def step_context(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) 
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, the same sums, with half of x as the only temporary: a long
+    prefill's rotation is its largest moment before attention."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out
 
 
 def _rms_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # Normalised in fp32, as the reference implementation does, so fp16 runs do not overflow.
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
-    return weight * x32.to(x.dtype)
+    # Normalised in fp32, as the reference implementation does, so fp16 runs do not overflow; one
+    # fp32 copy of x, scaled in place, is the only temporary the size of x.
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    x32 = x.to(torch.float32, copy=True)
+    x32.mul_(torch.rsqrt(norm.square_().div_(x.shape[-1]).add_(cfg.norm_eps)))
+    return x32.to(x.dtype).mul_(weight)
 
 
 def embed(cfg: ModelConfig, w: dict, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -110,10 +116,13 @@ def attention_inputs(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context):
         out = linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias"))
         return out.view(batch, seq, heads, cfg.head_dim).transpose(1, 2)
 
-    q, k = project("q_proj", cfg.num_heads), project("k_proj", cfg.num_kv_heads)
+    q, k, v = project("q_proj", cfg.num_heads), project("k_proj", cfg.num_kv_heads), project("v_proj", cfg.num_kv_heads)
+    del x  # freed before the rotations, a long prefill's largest moment here
     if cfg.qk_norm:  # over each head's head_dim, before the rotation
-        q, k = _rms_norm(cfg, q, w["self_attn.q_norm.weight"]), _rms_norm(cfg, k, w["self_attn.k_norm.weight"])
-    return _rotate(q, cos, sin), _rotate(k, cos, sin), project("v_proj", cfg.num_kv_heads)
+        q = _rms_norm(cfg, q, w["self_attn.q_norm.weight"])
+        k = _rms_norm(cfg, k, w["self_attn.k_norm.weight"])
+    q = _rotate(q, cos, sin)
+    return q, _rotate(k, cos, sin), v
 
 
 def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
