@@ -336,4 +336,5 @@ def test_memory_running_out_past_the_plan_is_one_line(tiny_model_dir, tmp_path, 
     assert main(["run", "--model", str(path), "--prompts", str(prompts), "--gen-len", "2", "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0], err
-    assert err[0].startswith("flexoff: error: out of GPU memory while running (CUDA out of memory)"), err
+    assert err[0].startswith("flexoff: error: out of GPU memory while running (CUDA out of memory. Tried to "
+                             "allocate 384.00 MiB)"), err

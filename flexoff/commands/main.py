@@ -180,7 +180,7 @@ def out_of_memory_line(exc: BaseException) -> str:
     """One line for memory that ran out past the plan's check (results written so far are kept:
     the batch and bench commands resume from them)."""
     where = "host" if isinstance(exc, MemoryError) else "GPU"
-    first = str(exc).split(". ")[0].strip() or type(exc).__name__
+    first = ". ".join(str(exc).split(". ")[:2]).strip() or type(exc).__name__  # torch's: what, and how much
     return (f"flexoff: error: out of {where} memory while running ({first}); the policy's memory estimate fell short: "
             "retry with a smaller --gpu-batch-size or --num-gpu-batches, or a lower --gpu-mem/--cpu-mem cap")
 

@@ -83,9 +83,10 @@ def step_context(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, the same sums, with half of x as the only temporary: a long
-    prefill's rotation is its largest moment before attention."""
+    prefill's rotation is its largest moment before attention. The result is contiguous whatever
+    x's strides, so that attention folds a KV head's query heads into rows without a copy."""
     half = x.shape[-1] // 2
-    out = x * cos
+    out = torch.mul(x, cos, out=torch.empty(x.shape, dtype=x.dtype, device=x.device))
     out[..., :half] -= x[..., half:] * sin[..., :half]
     out[..., half:] += x[..., :half] * sin[..., half:]
     return out
