@@ -14,7 +14,7 @@ and the planner read the same figures, so memory is counted once.
 """
 
 from .block import (CPU_ATTENTION_ROWS, WorkspaceLayout, block_bytes, block_disk_files, block_host_requests,
-                    has_dense_mlp, kv_buffer_parts, kv_cache_bytes, sparse_mlp_bytes, working_bytes,
+                    has_dense_mlp, kv_buffer_parts, kv_cache_bytes, sparse_mlp_bytes, step_state_bytes, working_bytes,
                     workspace_layout)
 from .head import SORTED_ROWS, head_step_bytes, logprob_positions, sampler_state_bytes, sampler_step_bytes
 from .capacity import Capacity, check_fits, job_bytes, overflow, tier_limits, tier_name
@@ -31,7 +31,7 @@ __all__ = [
     "block_host_requests", "buffer_copies", "Capacity", "check_fits", "compressible",
     "dequantize_scratch_numel", "dequantizes_once", "disk_file_bytes", "has_dense_mlp", "head_step_bytes", "job_bytes",
     "kv_buffer_parts", "kv_cache_bytes", "largest_matrix_numel", "logprob_positions", "overflow", "pages",
-    "Piece", "sampler_state_bytes", "sampler_step_bytes", "SORTED_ROWS", "sparse_mlp_bytes", "pins_host_memory",
+    "Piece", "sampler_state_bytes", "sampler_step_bytes", "SORTED_ROWS", "sparse_mlp_bytes", "step_state_bytes", "pins_host_memory",
     "place_layer", "place_stage", "realised_fractions", "requested_fractions", "registered_bytes", "slab_bytes",
     "SlabPlan", "split_rows", "stage_placements",
     "stored_parts", "TensorPlacement", "tier_limits", "tier_name", "weight_buffer_bytes", "weight_bytes",

@@ -79,6 +79,14 @@ def attention_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
     return h * itemsize + max(moments)
 
 
+def step_state_bytes(cfg: ModelConfig, rows: int, queries: int, keys: int, itemsize: int) -> int:
+    """A GPU batch's state for one token step, kept from its first stage to its last: the attention
+    mask (one bool per query and key) and, for rotary models, the cos and sin of each query's
+    position. At the prefill every batch of the block holds its own at once."""
+    rotary = 2 * cfg.head_dim * itemsize if cfg.family == "llama" else 0
+    return rows * queries * (keys + rotary)
+
+
 def working_bytes(cfg: ModelConfig, tokens: int, rows: int, itemsize: int) -> int:
     """Working memory of a GPU batch of ``rows`` sequences over ``tokens`` tokens (the prefill's
     rows x prompt length): attention's (see attention_bytes_per_token), the MLP's intermediates (a
@@ -188,6 +196,7 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
     # Working memory of the largest step, one batch at a time, and the samplers' state, kept for
     # every sequence of the block.
     sizes["gpu"] += working_bytes(cfg, rows * prompt_len, rows, itemsize)
+    sizes["gpu"] += policy.num_gpu_batches * step_state_bytes(cfg, rows, prompt_len, prompt_len, itemsize)
     sizes["gpu"] += sampler_state_bytes(policy.block_size, cfg.vocab_size)
     # The host worker's queued prefill jobs each keep one batch's new keys and values of the rows
     # they store in host memory on the GPU until copied, through two pinned chunks.

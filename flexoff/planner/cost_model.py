@@ -37,8 +37,8 @@ import torch
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
                       dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel, registered_bytes,
-                      sampler_state_bytes, slab_bytes, sparse_mlp_bytes, weight_buffer_bytes, weight_host_requests,
-                      working_bytes)
+                      sampler_state_bytes, slab_bytes, sparse_mlp_bytes, step_state_bytes, weight_buffer_bytes,
+                      weight_host_requests, working_bytes)
 from ..models.moe import CHUNK_TOKENS
 from ..models.config import ModelConfig
 from ..policy import TIERS, Policy, TierFractions
@@ -334,11 +334,13 @@ class CostModel:
                        # format: this batch's, and the host worker's queue
                        + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16 * s * gbs
                        + prefill_workspace
+                       + frame.num_gpu_batches * step_state_bytes(c, gbs, s, s, FP16_BYTES)
                        + intermediates(gbs * s, s))
         gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
                       + buffers
                       + 2 * (1 - p.hg) * act * gbs
                       + workspace
+                      + frame.num_gpu_batches * step_state_bytes(c, gbs, 1, s_max, FP16_BYTES)
                       + intermediates(gbs, s_max))
         # The CPU stages what moves between disk and GPU.
         weight_factor, cache_factor = self.pinned_host_factors(frame)

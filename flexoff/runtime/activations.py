@@ -50,7 +50,8 @@ class BatchActivations:
             return
         self._shape = hidden.shape
         pieces = self._pieces(hidden.shape[0])
-        self._hidden = hidden[pieces[0].start:pieces[0].stop] if pieces[0].tier == "gpu" else None
+        # A copy of the GPU rows, not a view: a view would keep every row's storage on the GPU.
+        self._hidden = hidden[pieces[0].start:pieces[0].stop].clone() if pieces[0].tier == "gpu" else None
         for piece in pieces:
             if piece.tier == "gpu":
                 continue

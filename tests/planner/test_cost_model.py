@@ -234,11 +234,12 @@ def test_everything_on_gpu_memory_by_hand(model):
     # head step's, not the memory-efficient kernel's for 8 query rows over 4 keys (q,k,v and output
     # 16 x 2 B, mask and bias 4 x 3 B, log-sum-exp 2 x 4 B: 8 x 52 = 416): fp16 logits 2 x 10 x 2 B
     # and the sampler's 20 entries x 14 B of work, and x 44 B of sort (2 rows sorted at once): 1200.
-    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 64 + 448 + 1200 + 128 + 160 + 100)
+    # The batch's attention mask for the step, 2 rows x 4 queries x 4 keys of one byte: 32.
+    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 64 + 448 + 1200 + 128 + 160 + 100 + 32)
     # decode: hidden 8 x 2; attention's 2 rows x (32 + 7 keys x 3 + 8) = 122 is below the head
-    # step's 1200 too; two hidden copies 32
-    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 16 + 448 + 1200 + 32 + 160 + 100)
-    assert p.peak_memory == {"gpu": pytest.approx(3044), "cpu": 0, "disk": 0}
+    # step's 1200 too; two hidden copies 32; the mask 2 rows x 7 keys
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 16 + 448 + 1200 + 32 + 160 + 100 + 14)
+    assert p.peak_memory == {"gpu": pytest.approx(3076), "cpu": 0, "disk": 0}
 
 
 def test_a_long_prompt_makes_attention_the_prefills_largest_transient(tiny_llama, round_hardware):
@@ -248,9 +249,10 @@ def test_a_long_prompt_makes_attention_the_prefills_largest_transient(tiny_llama
     # query rows over 32 keys (q,k,v and output 24 x 2 B, mask and bias 32 x 3 B, log-sum-exp 4 x
     # 4 B: 64 x 160 = 10240) over the MLP's 3 x 64 x 12 x 2 B = 4608 and the head step's 1200, and
     # two hidden copies 2048. Decode: the head step's 1200 (attention takes 2 x (48 + 35 x 3 + 16)
-    # = 338), two hidden copies 64.
+    # = 338), two hidden copies 64. The step's mask and rotary cos and sin (head_dim 2, fp16):
+    # 2 x 32 x (32 + 8) = 2560 at the prefill, 2 x (35 + 8) = 86 at the decode.
     difference = p.memory_by_phase[("gpu", "prefill")] - p.memory_by_phase[("gpu", "decode")]
-    assert difference == pytest.approx(992 + 10240 + 2048 - 1200 - 64)
+    assert difference == pytest.approx(992 + 10240 + 2048 - 1200 - 64 + 2560 - 86)
 
 
 def test_offloaded_activations_add_their_copies_to_the_compute(model):
@@ -273,11 +275,12 @@ def test_offloaded_memory_counts_double_buffers(model):
     # weight buffers as the runtime counts them (a ring of two layers, the embedding's and the head's:
     # 944; no tensor is split with nothing on the GPU), two batches of hidden (8 x 4 x 2 each), and the new
     # cache (16 x 4 x 2) of this batch and of the three the host worker may still be copying, the
-    # transients (1200 + 128) and the sampler's state (100), as with everything on the GPU
-    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 4 * 128 + 1328 + 100)
+    # transients (1200 + 128), the sampler's state (100) and the step's mask (32), as with everything
+    # on the GPU
+    assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 4 * 128 + 1328 + 100 + 32)
     # decode: two hidden buffers (8 x 2 each), two batches of cache (16 x 7 x 2 each), transients
-    # 1200 + 32, state 100
-    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 1232 + 100)
+    # 1200 + 32, state 100, mask 14
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 1232 + 100 + 14)
     assert p.memory_by_phase[("cpu", "prefill")] == pytest.approx(944 + 448 + 64)
     assert p.peak_memory["cpu"] == pytest.approx(1456)
 

@@ -91,3 +91,20 @@ def test_score_matches_under_offloading(tiny_model_dir, tmp_path):
         PROMPTS[:3], ["the cat", "sat", "on the mat"])
     for a, b in zip(plain, offloaded):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=1e-4, atol=1e-5)
+
+
+def test_offloaded_activations_keep_only_their_gpu_rows_on_the_gpu():
+    """Between stages a batch's GPU share of its hidden state is all that stays in device memory:
+    the rows sent to the host do not stay behind in the same storage."""
+    from flexoff.runtime.activations import BatchActivations
+    from flexoff.runtime.tiers import HostMemory
+
+    host = HostMemory(False)
+    store = BatchActivations(8, 5 * 4, TierFractions(0.25, 0.75, 0), torch.device("cpu"), torch.float32, host, None,
+                             "batch")
+    hidden = torch.randn(8, 5, 4)
+    store.put(hidden)
+    kept = store._hidden
+    assert kept.shape[0] == 2 and kept.untyped_storage().nbytes() == 2 * 5 * 4 * 4
+    torch.testing.assert_close(store.get(), hidden)
+    host.close()
