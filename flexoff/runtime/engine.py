@@ -153,6 +153,9 @@ class Engine:
             if batch.start == 0:
                 self._prompt_logprobs(arch, batch, weights)
             logits = arch.head(self.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0]
+            # Its last hidden state is spent: held until the next token's embedding, every batch's
+            # prefill states would fill the GPU by the block's last head step.
+            batch.hidden = None
             choice = samplers[id(batch)].choose(logits, [not s.finished for s in batch.seqs])
             top = choice.top or [None] * len(batch.seqs)
             produced = 0

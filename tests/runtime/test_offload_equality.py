@@ -108,3 +108,21 @@ def test_offloaded_activations_keep_only_their_gpu_rows_on_the_gpu():
     assert kept.shape[0] == 2 and kept.untyped_storage().nbytes() == 2 * 5 * 4 * 4
     torch.testing.assert_close(store.get(), hidden)
     host.close()
+
+
+def test_no_batch_holds_its_hidden_state_past_its_head_step(tiny_model_dir, monkeypatch):
+    """After a batch's head step at most the next batch, whose input is loaded a batch ahead, holds a
+    hidden state: the block's batches do not each keep their prefill's last one on the GPU."""
+    from flexoff.runtime import interpreter
+
+    path, _ = tiny_model_dir("llama-gqa")
+    held = []
+    real = interpreter.BlockInterpreter.head
+
+    def head(self, step):
+        real(self, step)
+        held.append(sum(b.hidden is not None for b in self.batches))
+
+    monkeypatch.setattr(interpreter.BlockInterpreter, "head", head)
+    generate(path, policy(activations=ON_CPU), params=PARAMS)
+    assert held and max(held) <= 1
