@@ -103,5 +103,6 @@ def test_a_blocks_gpu_memory_counts_the_head_step_and_the_samplers_state_by_hand
     beyond_cache = block_bytes(cfg, policy, 4, 3, 2)["gpu"] - kv_cache_bytes(cfg, policy, 7, 2)["gpu"]
     # hidden states 6 rows x 4 tokens x 4 x 2 B = 192; the prefill's MLP and q/k/v 2 x 4 x (8 + 16) x 2 B
     # = 384; the head step of a batch: fp16 logits 2 x 10 x 2 B = 40, the sampler's work 20 entries x
-    # 14 B and its sort of both rows 20 x 44 B = 1160; the block's samplers' state 6 x 10 x 5 B = 300
-    assert beyond_cache == 192 + 384 + 40 + 1160 + 300
+    # 14 B and its sort of both rows 20 x 44 B = 1160; the block's samplers' state 6 x 10 x 5 B = 300;
+    # each batch's prefill attention mask, 3 batches x 2 rows x 4 queries x 4 keys of one byte = 96
+    assert beyond_cache == 192 + 384 + 40 + 1160 + 300 + 96
