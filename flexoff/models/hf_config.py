@@ -82,8 +82,9 @@ def config_from_dir(path: str | Path) -> ModelConfig:
     return ModelConfig(name=path.name, **values)
 
 
-def _read_keys(raw: dict, keys: dict) -> tuple[dict, dict]:
-    """(ModelConfig values as config.json gives them, the config.json name of each)."""
+def _read_fields(raw: dict, keys: dict) -> tuple[dict, dict]:
+    """(ModelConfig values as config.json gives them, the config.json name of each); ``keys`` maps a
+    field to its key and its default (_REQUIRED: the key must be there)."""
     values, names = {}, {}
     for name, (key, default) in keys.items():
         if key not in raw and default is _REQUIRED:
@@ -91,6 +92,12 @@ def _read_keys(raw: dict, keys: dict) -> tuple[dict, dict]:
         value = raw.get(key)
         values[name] = default if value is None and default is not _REQUIRED else value
         names[name] = key
+    return values, names
+
+
+def _read_keys(raw: dict, keys: dict) -> tuple[dict, dict]:
+    """The common fields of ``keys`` (see _read_fields), token ids in the form ModelConfig takes them."""
+    values, names = _read_fields(raw, keys)
     values["eos_token_ids"] = _eos_tuple(values["eos_token_ids"])
     if is_int(values["pad_token_id"]) and values["pad_token_id"] < 0:
         values["pad_token_id"] = None  # some exports write -1 for "no padding token"
@@ -193,12 +200,7 @@ def _experts_from_json(where: str, raw: dict, layers: int) -> tuple[dict, dict]:
                      "norm_topk_prob": ("norm_topk_prob", False)})
     if model_type == "qwen2_moe":
         keys["shared_expert_intermediate_size"] = ("shared_expert_intermediate_size", _REQUIRED)
-    values, names = {}, {}
-    for name, (key, default) in keys.items():
-        if raw.get(key) is None and default is _REQUIRED:
-            raise KeyError(key)
-        values[name] = raw.get(key) if raw.get(key) is not None else default
-        names[name] = key
+    values, names = _read_fields(raw, keys)
     if mixtral:
         return values, names
     step, only = raw.get("decoder_sparse_step", 1), raw.get("mlp_only_layers") or []
