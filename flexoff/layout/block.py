@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..models import ModelConfig
-from ..models import moe
+from ..models import ModelConfig, moe
 from ..policy import TIERS, CompressionConfig, Policy
 from .head import head_step_bytes, sampler_state_bytes
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes

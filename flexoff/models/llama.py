@@ -34,8 +34,7 @@ def layer_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
     if cfg.sparse_layer(index):
         specs += moe.mlp_specs(cfg, index)
     else:
-        specs += [spec("mlp.gate_proj.weight", (ffn, h), prefixes), spec("mlp.up_proj.weight", (ffn, h), prefixes),
-                  spec("mlp.down_proj.weight", (h, ffn), prefixes)]
+        specs += moe.swiglu_specs("mlp.", h, ffn, prefixes)
     if cfg.attention_bias:
         for name, size in (("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)):
             specs.append(spec(f"self_attn.{name}.bias", (size,), prefixes, "bias"))
@@ -112,12 +111,9 @@ def attention_inputs(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context):
     cos, sin = context
     batch, seq, _ = hidden.shape
     x = _rms_norm(cfg, hidden, w["input_layernorm.weight"])
-
-    def project(name: str, heads: int) -> torch.Tensor:
-        out = linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias"))
-        return out.view(batch, seq, heads, cfg.head_dim).transpose(1, 2)
-
-    q, k, v = project("q_proj", cfg.num_heads), project("k_proj", cfg.num_kv_heads), project("v_proj", cfg.num_kv_heads)
+    q, k, v = (linear(x, w[f"self_attn.{name}.weight"], w.get(f"self_attn.{name}.bias"))
+               .view(batch, seq, heads, cfg.head_dim).transpose(1, 2)
+               for name, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads), ("v_proj", cfg.num_kv_heads)))
     del x  # freed before the rotations, a long prefill's largest moment here
     if cfg.qk_norm:  # over each head's head_dim, before the rotation
         q = _rms_norm(cfg, q, w["self_attn.q_norm.weight"])

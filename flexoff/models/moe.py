@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import WeightSpec, linear
+from .common import WeightSpec, linear, spec
 from .config import ModelConfig
 
 # Tokens routed together: the sorted rows and the experts' intermediates of a chunk are the layer's
@@ -22,7 +22,6 @@ CHUNK_TOKENS = 2048
 ROUTER = "mlp.router.weight"
 GATE_UP = "mlp.experts.gate_up"
 DOWN = "mlp.experts.down"
-_SHARED = ("gate_proj", "up_proj", "down_proj")
 
 
 def mlp_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
@@ -48,9 +47,7 @@ def mlp_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
     ]
     shared = cfg.shared_expert_intermediate_size
     if shared:
-        shapes = {"gate_proj": (shared, hidden), "up_proj": (shared, hidden), "down_proj": (hidden, shared)}
-        specs += [WeightSpec(f"mlp.shared_expert.{name}.weight", (f"{p}mlp.shared_expert.{name}.weight",), shape)
-                  for name, shape in shapes.items()]
+        specs += swiglu_specs("mlp.shared_expert.", hidden, shared, (p,))
         specs.append(WeightSpec("mlp.shared_expert_gate.weight", (f"{p}mlp.shared_expert_gate.weight",),
                                 (1, hidden), quantizable=False))
     return specs
@@ -119,6 +116,12 @@ def _sparse_chunk(cfg: ModelConfig, w, flat: torch.Tensor) -> torch.Tensor:
         shared = swiglu(w, flat, "mlp.shared_expert.")
         out = out + torch.sigmoid(linear(flat, w["mlp.shared_expert_gate.weight"])) * shared
     return out
+
+
+def swiglu_specs(prefix: str, hidden: int, width: int, checkpoint_prefixes: tuple[str, ...]) -> list[WeightSpec]:
+    """The weights :func:`swiglu` reads under ``prefix``, ``width`` wide."""
+    shapes = {"gate_proj": (width, hidden), "up_proj": (width, hidden), "down_proj": (hidden, width)}
+    return [spec(f"{prefix}{name}.weight", shape, checkpoint_prefixes) for name, shape in shapes.items()]
 
 
 def swiglu(w, x: torch.Tensor, prefix: str) -> torch.Tensor:
