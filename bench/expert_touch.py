@@ -129,7 +129,7 @@ def layer_bytes(cfg, index: int, compression) -> tuple[int, int]:
     for spec in stage_specs(cfg, Stage("layer", index)):
         size = spec.numel * (bytes_per_element(compression) if compressible(spec) else FP16_BYTES)
         whole += size
-        experts += size if spec.name in (moe.GATE_UP, moe.DOWN) else 0
+        experts += size if spec.experts else 0
     return int(experts), int(whole)
 
 

@@ -45,14 +45,17 @@ def dequantizes_once(policy) -> bool:
     return policy.compress_weight is not None and policy.num_gpu_batches > 1
 
 
+def largest_stage_matrix_numel(cfg: ModelConfig) -> int:
+    """Elements of the compressible matrices of the stage that has the most."""
+    return max(sum(spec.numel for spec in stage_specs(cfg, stage) if compressible(spec)) for stage in stages(cfg))
+
+
 def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None, per_stage: bool = False) -> int:
     """Elements of the buffer compressed matrices are dequantized into: the largest matrix, or with
     ``per_stage`` the largest stage's matrices together."""
     if compression is None:
         return 0
-    if not per_stage:
-        return largest_matrix_numel(cfg)
-    return max(sum(spec.numel for spec in stage_specs(cfg, stage) if compressible(spec)) for stage in stages(cfg))
+    return largest_stage_matrix_numel(cfg) if per_stage else largest_matrix_numel(cfg)
 
 
 def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int) -> list[int]:

@@ -36,7 +36,8 @@ import torch
 
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
-                      dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel, registered_bytes,
+                      dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel,
+                      largest_stage_matrix_numel, registered_bytes,
                       sampler_state_bytes, slab_bytes, sparse_mlp_bytes, step_state_bytes, weight_buffer_bytes,
                       weight_host_requests, working_bytes)
 from ..models.moe import CHUNK_TOKENS
@@ -48,7 +49,7 @@ from .hardware import HardwareProfile
 from .experts import expected_expert_bytes, expert_bytes_per_layer
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
-    largest_stage_matrix_numel, layer_active_matmul_numel, layer_matrix_numel, layer_routed_matmul_numel,
+    layer_active_matmul_numel, layer_matrix_numel, layer_routed_matmul_numel,
     layer_vector_numel,
 )
 

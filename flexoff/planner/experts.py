@@ -14,7 +14,7 @@ from ..layout import compressible, stored_parts
 from ..models import Stage, stage_specs
 from ..models.config import ModelConfig
 from ..policy import CompressionConfig
-from .sizes import FP16_BYTES, STACKED_EXPERTS
+from .sizes import FP16_BYTES
 
 
 def expected_experts_touched(num_experts: int, experts_per_token: int, tokens: float) -> float:
@@ -33,7 +33,7 @@ def expert_bytes_per_layer(config: ModelConfig, compression: CompressionConfig |
         return 0.0
     # Sparse layers are alike: one of them, times their number.
     one = sum(sum(stored_parts(spec.shape, compression if compressible(spec) else None, FP16_BYTES))
-              for spec in stage_specs(config, Stage("layer", sparse[0])) if spec.name in STACKED_EXPERTS)
+              for spec in stage_specs(config, Stage("layer", sparse[0])) if spec.experts)
     return one * len(sparse) / config.num_layers
 
 

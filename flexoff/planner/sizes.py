@@ -6,15 +6,12 @@ from __future__ import annotations
 
 from ..layout import compressible
 from ..models import Stage, stage_specs
-from ..models.moe import DOWN, GATE_UP
 from ..models.config import ModelConfig
 from ..policy import CompressionConfig
 
 FP16_BYTES = 2
 # Group-wise quantization keeps a minimum and a scale per group, both fp16.
 GROUP_METADATA_BYTES = 2 * FP16_BYTES
-# A sparse layer's experts, stacked: one row of the first dimension per expert.
-STACKED_EXPERTS = (GATE_UP, DOWN)
 
 
 def _numel(config: ModelConfig, stages: tuple[Stage, ...], matrices: bool) -> int:
@@ -57,7 +54,7 @@ def layer_weight_numel(config: ModelConfig) -> float:
 def _active_numel(config: ModelConfig, stage: Stage) -> float:
     share = config.experts_per_token / config.num_experts if config.num_experts else 1.0
     # A stacked tensor holds one expert per row of its first dimension; a token uses k of them.
-    return sum(spec.numel * (share if spec.name in STACKED_EXPERTS else 1.0)
+    return sum(spec.numel * (share if spec.experts else 1.0)
                for spec in stage_specs(config, stage) if len(spec.shape) >= 2)
 
 
@@ -73,15 +70,9 @@ def layer_routed_matmul_numel(config: ModelConfig) -> float:
     layers: each expert multiplies only the rows routed to it."""
     def routed(stage: Stage) -> float:
         specs = stage_specs(config, stage)
-        return sum(spec.numel for spec in specs if spec.name in STACKED_EXPERTS) \
+        return sum(spec.numel for spec in specs if spec.experts) \
             * config.experts_per_token / max(config.num_experts, 1)
     return _mean_over_layers(config, routed)
-
-
-def largest_stage_matrix_numel(config: ModelConfig) -> int:
-    """Matrix elements of the stage (a layer of each kind, the embedding, the head) with the most."""
-    stages = [stage for stage, _count in _layer_groups(config)] + list(_OUTSIDE)
-    return max(_numel(config, (stage,), True) for stage in stages)
 
 
 def embedding_matrix_numel(config: ModelConfig) -> int:
