@@ -157,10 +157,10 @@ def truncated_model(name: str, layers: int, directory: Path) -> Path:
 
 def model_terms(model: CostModel, policy: Policy) -> dict:
     """The model's decode seconds per layer and the terms behind it."""
-    frame, placement = PolicyFrame.of(policy), Placement.of(policy)
+    frame, placement = PolicyFrame.of(policy), Placement.of(policy, model.config)
     io, compute = model.phase_terms(frame, placement)["decode"]
     resident = replace(policy, weights=TierFractions(1, 0, 0))
-    alone = model.phase_terms(PolicyFrame.of(resident), Placement.of(resident))["decode"][1]
+    alone = model.phase_terms(PolicyFrame.of(resident), Placement.of(resident, model.config))["decode"][1]
     return {"decode_layer": model.phase_seconds(io, compute, policy.overlap),
             "cpu_attention_alone": alone["cpu_attention"], "cpu_attention": compute["cpu_attention"],
             "weight_copy": io["cpu_to_gpu"], "gpu_matmul": compute["gpu_matmul"], "host": io["host"]}

@@ -105,7 +105,7 @@ def _decode_io(model: str, policy: Policy, prompt_len: int, gen_len: int):
 
     hw = packaged_profile("h200")
     cost = CostModel(REGISTRY[model], Workload(prompt_len, gen_len), hw)
-    io, _ = cost.phase_terms(PolicyFrame.of(policy), Placement.of(policy))["decode"]
+    io, _ = cost.phase_terms(PolicyFrame.of(policy), Placement.of(policy, cost.config))["decode"]
     return hw, cost.num_layers, io
 
 

@@ -380,7 +380,7 @@ class CostModel:
         return total / (blocks * block_size)
 
     def predict(self, policy: Policy) -> Prediction:
-        frame, p = PolicyFrame.of(policy), Placement.of(policy)
+        frame, p = PolicyFrame.of(policy), Placement.of(policy, self.config)
         memory = {k: float(v) for k, v in self.memory_terms(frame, p).items()}
         peak = {t: max(memory[(t, ph)] for ph in PHASES) for t in TIERS}
         disk_cached = self.disk_reads_cached(peak)

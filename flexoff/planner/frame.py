@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..errors import ConfigError
+from ..layout import requested_fractions
+from ..models import ModelConfig, stage_specs, stages
 from ..policy import TIERS, CompressionConfig, Policy, TierFractions
 
 
@@ -44,8 +46,15 @@ class Placement(NamedTuple):
     hd: object
 
     @classmethod
-    def of(cls, policy: Policy) -> "Placement":
-        return cls(*policy.weights.as_tuple(), *policy.cache.as_tuple(), *policy.activations.as_tuple())
+    def of(cls, policy: Policy, config: ModelConfig) -> "Placement":
+        """A policy's fractions; the weights' are all of ``config``'s weight elements on each tier,
+        its experts counted at their own fractions where the policy places them apart."""
+        weights = policy.weights.as_tuple()
+        if policy.experts is not None:
+            specs = [spec for stage in stages(config) for spec in stage_specs(config, stage)]
+            share = requested_fractions(specs, policy.weights, policy.experts)
+            weights = tuple(share[tier] for tier in TIERS)
+        return cls(*weights, *policy.cache.as_tuple(), *policy.activations.as_tuple())
 
 
 @dataclass(frozen=True)

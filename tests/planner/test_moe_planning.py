@@ -145,3 +145,28 @@ def test_policy_auto_runs_a_tiny_mixture_of_experts(tiny_model_dir, tmp_path, ca
     assert "searched" in err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [len(r["token_ids"]) for r in rows] == [3, 3]
+
+
+def test_experts_placed_apart_are_priced_at_their_own_fractions():
+    """A policy with the attention on the GPU and the experts in host memory moves the experts'
+    bytes each step: its weight share on the GPU is the non-expert elements', as the layout
+    places them, not the weights' fraction alone."""
+    from flexoff.layout import requested_fractions
+    from flexoff.models import stage_specs, stages
+    from flexoff.policy import TierFractions
+
+    config = REGISTRY["mixtral-8x7b"]
+    on_gpu, on_cpu = TierFractions(1, 0, 0), TierFractions(0, 1, 0)
+    apart = Policy(16, 2, weights=on_gpu, experts=on_cpu, cache=on_cpu, compress_weight=CompressionConfig(4, 64))
+    placement = Placement.of(apart, config)
+    specs = [spec for stage in stages(config) for spec in stage_specs(config, stage)]
+    expected = requested_fractions(specs, on_gpu, on_cpu)
+    assert (placement.wg, placement.wc, placement.wd) == pytest.approx((expected["gpu"], expected["cpu"], 0))
+    assert 0.03 < placement.wg < 0.1  # Mixtral's attention, router, embedding and head: a few percent
+    model = CostModel(config, WORKLOAD, packaged_profile("h100"))
+    moved = model.predict(apart).decode.io["cpu_to_gpu"]
+    together = Policy(16, 2, weights=TierFractions(placement.wg, placement.wc, 0), cache=on_cpu,
+                      compress_weight=CompressionConfig(4, 64))
+    assert moved == pytest.approx(model.predict(together).decode.io["cpu_to_gpu"])
+    assert moved > model.predict(Policy(16, 2, weights=on_gpu, cache=on_cpu,
+                                        compress_weight=CompressionConfig(4, 64))).decode.io["cpu_to_gpu"]
