@@ -88,8 +88,12 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
     matmul, and the results are put back in pair order and summed over each token's choices in a
     fixed order (no atomic adds, so every run gives the same sums)."""
     tokens, k = experts.shape
-    order = experts.reshape(-1).argsort(stable=True)
-    ends = torch.bincount(experts.reshape(-1), minlength=cfg.num_experts).cumsum(0).to(torch.int32)
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)
+    # Each expert's end in the sorted pairs. Not bincount: on CUDA it reads the largest id back to
+    # the host, a synchronisation in every sparse layer of every batch.
+    ends = torch.searchsorted(flat[order], torch.arange(1, cfg.num_experts + 1, device=flat.device,
+                                                        dtype=flat.dtype)).to(torch.int32)
     rows = x[order // k]
     gate, up = grouped_linear(rows, w[GATE_UP], ends).chunk(2, dim=-1)
     out = grouped_linear(F.silu(gate) * up, w[DOWN], ends)

@@ -105,3 +105,26 @@ def test_auto_dtype_is_the_models_own_on_cuda(tiny_model_dir, tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**{k: v for k, v in raw.items() if k != "dtype"},
                                                            key: "bfloat16"}))
         assert resolve_dtype("auto", cuda, config_from_dir(tmp_path)) == torch.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [5, 300])
+def test_a_sparse_layer_never_waits_for_the_gpu(tokens):
+    """Routing, sorting and the grouped matmuls enqueue everything without reading a value back:
+    a synchronisation in every sparse layer of every GPU batch would stop the host from running
+    ahead of the device (in torch's sync debug mode, one raises)."""
+    cfg = REGISTRY["mixtral-8x7b"].replace(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=8,
+                                           expert_intermediate_size=128)
+    generator = torch.Generator().manual_seed(2)
+    w = {moe.ROUTER: torch.randn(8, 64, generator=generator), moe.GATE_UP: torch.randn(8, 256, 64, generator=generator),
+         moe.DOWN: torch.randn(8, 64, 128, generator=generator)}
+    w = {name: tensor.to("cuda", torch.bfloat16) for name, tensor in w.items()}
+    x = torch.randn(1, tokens, 64, generator=generator).to("cuda", torch.bfloat16)
+    expected = moe.sparse_mlp(cfg, w, x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = moe.sparse_mlp(cfg, w, x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
