@@ -136,13 +136,15 @@ def workspace_layout(cfg: ModelConfig, policy: Policy, rows: int, slots: int, it
 
 def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) -> dict[str, int]:
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
-    compresses the cache), disk rows' host staging, and the GPU workspace the batches share."""
+    compresses the cache), disk rows' host staging (reads and writes), and the GPU workspace the
+    batches share."""
     sizes = dict.fromkeys(TIERS, 0)
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
         sizes[piece.tier] += cfg.num_layers * layer_bytes * policy.num_gpu_batches
         if piece.tier == "disk":
-            sizes["cpu"] += layer_bytes * policy.num_gpu_batches  # each batch stages one layer
+            # Each batch stages one layer's rows read in, and one layer's new slots written out.
+            sizes["cpu"] += 2 * layer_bytes * policy.num_gpu_batches
     workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, slots, itemsize)
     if workspace is not None:
         sizes["gpu"] += workspace.nbytes(itemsize)
@@ -151,14 +153,14 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) 
 
 def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
     """Host allocations of one block in the order the engine makes them: batch by batch, its cache
-    (each tier's rows for every layer, keys then values; one staging pair for disk rows), then its
-    offloaded activations."""
+    (each tier's rows for every layer, keys then values; for disk rows, a staging pair for reads and
+    one for writes), then its offloaded activations."""
     cache: list[int] = []
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "gpu":
             continue
         pair = kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
-        cache += pair * (cfg.num_layers if piece.tier == "cpu" else 1)
+        cache += pair * (cfg.num_layers if piece.tier == "cpu" else 2)
     activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
                    for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
     return (cache + activations) * policy.num_gpu_batches

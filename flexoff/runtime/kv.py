@@ -14,11 +14,10 @@ keys and values; the cache only keeps them.
 New slots of a travelling CPU cache (slot-major, so a slot is one contiguous run) are stored by
 asynchronous copies on the store stream, enqueued by the main thread; the load of that layer's
 cache for the next token waits for them on the GPU, so no thread waits. Other host work (writing
-new slots into a row-major CPU cache or to disk, CPU attention) runs on the engine's one
-:class:`~.tiers.HostWorker` thread, so the main thread never waits for a device-to-host copy and
-keeps enqueuing GPU work. The worker runs jobs in order, which orders every write to a layer's
-host cache before the next read of it on the worker; the main thread's own reads (loads for GPU
-attention) wait for the layer's last write.
+new slots into a row-major CPU cache or to disk, reading disk rows in, CPU attention) runs on the
+engine's one :class:`~.tiers.HostWorker` thread, so the main thread never waits for a
+device-to-host copy or a file and keeps enqueuing GPU work. The worker runs jobs in order, which
+orders every write to a layer's host cache before the next read of it.
 """
 
 from __future__ import annotations
@@ -112,7 +111,10 @@ class _Group:
             self.store = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in layers]
             return
         # One host staging pair serves every layer: a layer's slots are read in just before use.
+        # New slots are written out through a pair of their own, since reads of other layers may
+        # be refilling the staging pair meanwhile.
         self.staging = (fmt.empty(shape, host.empty), fmt.empty(shape, host.empty))
+        self.outbox = (fmt.empty(shape, host.empty), fmt.empty(shape, host.empty))
         # A file holds the buffer's parts (the values; or codes, scales and minimums) one after
         # another, each slot-major, so the first n slots are one read per part.
         self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.staging[0])]
@@ -133,16 +135,21 @@ class _Group:
             for part, offset in zip(self.fmt.parts(buffer), self.sections):
                 region.read_into(part[:end], offset)
 
-    def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, copy_across=None) -> None:
+    def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, copy_across=None,
+            staged: bool = False) -> None:
         """Store keys and values (rows, kv_heads, seq, head_dim) at slots [start, start + seq), and
-        persist them to disk for disk rows. ``copy_across`` brings device tensors to the host."""
-        for buffer, new in zip(self.pair(layer), (keys, values)):
+        persist them to disk for disk rows. ``copy_across`` brings device tensors to the host.
+        ``staged``: disk rows' staging pair holds this layer, and gets the new slots too."""
+        targets = self.outbox if self.tier == "disk" else self.store[layer]
+        for buffer, new in zip(targets, (keys, values)):
             self.layout.write(self.fmt, buffer, start, new, copy_across)
         if self.tier == "disk":
             end = start + keys.shape[2]
-            for region, buffer in zip(self.files[layer], self.staging):
+            for region, buffer, staging in zip(self.files[layer], self.outbox, self.staging):
                 for part, offset, slot_nbytes in zip(self.fmt.parts(buffer), self.sections, self.slot_nbytes):
                     region.write(part[start:end], offset + start * slot_nbytes)
+                if staged:
+                    staging.narrow(0, start, end - start).copy_(buffer.narrow(0, start, end - start))
 
     def read(self, buffer, end: int, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.layout.read(self.fmt, buffer, end, rows, out)
@@ -150,7 +157,7 @@ class _Group:
     def nbytes_by_tier(self) -> dict[str, int]:
         if self.tier == "disk":
             return {"disk": sum(r.num_bytes for pair in self.files for r in pair),
-                    "cpu": sum(self.fmt.size_of(buffer) for buffer in self.staging)}
+                        "cpu": sum(self.fmt.size_of(buffer) for buffer in (*self.staging, *self.outbox))}
         return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store for buffer in pair)}
 
 
@@ -206,8 +213,9 @@ class BatchKV:
         self.groups = [_Group(p, block.cfg, slots, self.fmt, block.device, block.host, block.disk,
                               policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
-        self._loaded: dict[int, tuple] = {}  # layer -> (workspace set, event marking its load done)
-        self._staging_copied = None  # the last copy out of disk rows' staging (CUDA only)
+        # layer -> (workspace set, event marking its CPU rows' load done, the worker's disk rows' load)
+        self._loaded: dict[int, tuple] = {}
+        self._staging_copied = None  # the last copy out of disk rows' staging (the reader's; CUDA only)
         self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
         self._stored: dict[int, object] = {}  # layer -> event: the store stream's last write to its host rows
         self._cpu_output: torch.Tensor | None = None  # (offloaded rows, heads, 1, head_dim), pinned
@@ -226,12 +234,13 @@ class BatchKV:
         return [g for g in self.groups if g.tier != "gpu"]
 
     def _on_worker(self, group: _Group) -> bool:
-        # Disk rows that GPU attention loads are written in place instead: the main thread refills
-        # their staging pair, shared by all layers, for each layer's load. Slot-major CPU rows are
-        # written by copies on the store stream.
+        # Disk rows are always the worker's (their file writes and reads would stall the main
+        # thread, and a write from the GPU would synchronise with it), and so is their staging
+        # pair, shared by all layers: the worker's jobs run in order, so it is never used twice at
+        # once. Slot-major CPU rows are written by copies on the store stream.
         if group.tier == "cpu":
             return group.layout is not SLOT_MAJOR
-        return group.tier == "disk" and self.cpu_attention
+        return group.tier == "disk"
 
     def _on_store_stream(self, group: _Group) -> bool:
         return group.tier == "cpu" and group.layout is SLOT_MAJOR and self.streams.store is not None
@@ -280,33 +289,45 @@ class BatchKV:
     def prefetch(self, layer: int, start: int) -> None:
         """Before a decode step: bring off-GPU rows' first ``start`` slots to the GPU workspace.
 
-        CPU attention reads disk rows in just before it runs instead: with one GPU batch, the
-        schedule loads layer j + 1 before layer j computes, and both share the staging pair.
+        CPU rows are copied now, on the cache stream. Disk rows are read and copied by the worker's
+        reader thread, so that neither the main thread nor the worker's writes wait for the file.
+        CPU attention reads disk rows in just before it runs instead.
         """
         groups = self._offloaded()
         if not groups or start == 0 or layer in self._loaded or self.cpu_attention:
             return
-        written = self._written.pop(layer, None)
-        if written is not None:
-            written.result()  # the host rows' last slot, written by the worker
         index = self.workspace.take()
-        self.streams.wait(self.streams.cache, self._stored.pop(layer, None))  # ... or by the store stream
-        if self._staging_copied is not None:
-            # The staging pair is about to be refilled from disk: the host waits until the last
-            # copy out of it has finished (on CUDA it runs asynchronously on the cache stream).
-            self._staging_copied.synchronize()
+        self.streams.wait(self.streams.cache, self._stored.pop(layer, None))  # CPU rows' last slot
+        first = groups[0].rows.start
+        self._copy_in([g for g in groups if g.tier != "disk"], layer, start, index, first)
+        ready = self.streams.record(self.streams.cache)
+        on_disk = [g for g in groups if g.tier == "disk"]
+        from_disk = self.worker.read(partial(self._load_from_disk, on_disk, layer, start, index, first,
+                                             self._written.pop(layer, None))) if on_disk else None
+        self._loaded[layer] = (index, ready, from_disk)
+
+    def _copy_in(self, groups: list[_Group], layer: int, start: int, index: int, first: int) -> None:
+        """Copy the groups' first ``start`` slots into workspace set ``index`` on the cache stream."""
         with self.streams.on(self.streams.cache):
             for group in groups:
                 group.load(layer, start)
-                offset = group.rows.start - groups[0].rows.start
-                count = group.rows.stop - group.rows.start
+                offset, count = group.rows.start - first, group.rows.stop - group.rows.start
                 for target, source in zip(self.workspace.sets[index], group.pair(layer)):
                     target.narrow(1, offset, count).narrow(0, 0, start).copy_(source.narrow(0, 0, start),
                                                                              non_blocking=True)
-        ready = self.streams.record(self.streams.cache)
-        self._loaded[layer] = (index, ready)
-        if any(group.tier == "disk" for group in groups):
-            self._staging_copied = ready
+
+    def _load_from_disk(self, groups: list[_Group], layer: int, start: int, index: int, first: int,
+                        written: Future | None):
+        """The worker's reader: once the worker has written this layer's last slot (``written``, the
+        only host job on a travelling cache) and the last copy out of the staging pairs has finished,
+        refill them from the files and copy them into the workspace; returns the copies' event."""
+        if written is not None:
+            written.result()
+        if self._staging_copied is not None:
+            self._staging_copied.synchronize()
+        self._copy_in(groups, layer, start, index, first)
+        self._staging_copied = self.streams.record(self.streams.cache)
+        return self._staging_copied
 
     def attender(self, layer: int, start: int, mask: torch.Tensor, expand: torch.Tensor | None = None):
         """What a layer calls to store its new keys and values and attend. ``expand`` (prefill only):
@@ -376,7 +397,7 @@ class BatchKV:
             queries, allowed = q[rows].to("cpu", self.dtype), mask[rows].cpu()
             for group in offloaded:
                 group.load(layer, start)
-                group.put(layer, start, k[group.rows], v[group.rows], self.worker.copy_to_host)
+                group.put(layer, start, k[group.rows], v[group.rows], self.worker.copy_to_host, staged=True)
                 keys, values = group.pair(layer)
                 local = slice(group.rows.start - rows.start, group.rows.stop - rows.start)
                 cpu_attention(queries[local], partial(group.read, keys, end), partial(group.read, values, end),
@@ -393,8 +414,10 @@ class BatchKV:
 
     def _attend_loaded(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
         """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace."""
-        index, ready = self._loaded[layer]
+        index, ready, from_disk = self._loaded[layer]
         self.streams.wait(self.streams.compute, ready)
+        if from_disk is not None:
+            self.streams.wait(self.streams.compute, from_disk.result())
         rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
         loaded = [buffer.narrow(1, 0, rows.stop - rows.start) for buffer in self.workspace.sets[index]]
         for buffer, new in zip(loaded, (k, v)):

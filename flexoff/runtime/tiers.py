@@ -203,7 +203,7 @@ class _Nothing:
 
 class HostWorker:
     """One thread for host-side cache work: placing new keys and values in host caches, and CPU
-    attention.
+    attention; and one reading disk rows in for GPU attention.
 
     The main thread only enqueues GPU work and records an event; a job waits for that event on the
     store stream, so the host work of one GPU batch runs while the GPU computes the others. Being
@@ -219,7 +219,11 @@ class HostWorker:
         self.streams = streams
         self.pin = pins_host_memory(pin)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host")
+        # Reads of disk rows for GPU attention run on a thread of their own: they wait for nothing
+        # on the GPU, so queued behind jobs that do, they would hold up the batch they load.
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host-read")
         self._jobs: deque[Future] = deque()
+        self._reads: deque[Future] = deque()
         self._chunks: list[torch.Tensor] = []
 
     def submit(self, fn, ready) -> Future:
@@ -230,6 +234,13 @@ class HostWorker:
         self._jobs.append(future)
         return future
 
+    def read(self, fn) -> Future:
+        """Run ``fn()`` on the reader thread, in submission order among reads."""
+        while self._reads and self._reads[0].done():
+            self._reads.popleft().result()
+        self._reads.append(self._reader.submit(self._run, fn, None))
+        return self._reads[-1]
+
     def _run(self, fn, ready):
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
         with device, self.streams.on(self.streams.store):
@@ -238,7 +249,8 @@ class HostWorker:
 
     def drain(self) -> None:
         """Wait for every job, then raise the first failure, if any."""
-        jobs, self._jobs = list(self._jobs), deque()
+        jobs, self._jobs = [*self._jobs, *self._reads], deque()
+        self._reads = deque()
         wait(jobs)
         for job in jobs:
             job.result()
@@ -277,6 +289,7 @@ class HostWorker:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reader.shutdown(wait=True, cancel_futures=True)
         self._jobs.clear()
         self._chunks.clear()
 

@@ -126,3 +126,31 @@ def test_no_batch_holds_its_hidden_state_past_its_head_step(tiny_model_dir, monk
     monkeypatch.setattr(interpreter.BlockInterpreter, "head", head)
     generate(path, policy(activations=ON_CPU), params=PARAMS)
     assert held and max(held) <= 1
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_travelling_caches_disk_rows_are_read_and_written_off_the_main_thread(tiny_model_dir, references,
+                                                                                 tmp_path, monkeypatch, compress):
+    """A file read or write on the main thread (or a copy from the GPU it waits for) would stall
+    the enqueuing of every batch behind it: disk rows are written by the host worker and read in by
+    its reader, and the tokens stay the plain run's."""
+    import threading
+
+    from flexoff.policy import CompressionConfig
+    from flexoff.runtime.tiers import DiskRegion
+
+    threads = []
+    for name in ("read_into", "write"):
+        original = getattr(DiskRegion, name)
+
+        def recording(self, *args, _original=original, **kwargs):
+            threads.append(threading.current_thread().name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(DiskRegion, name, recording)
+    four_bit = {"compress_cache": CompressionConfig(4, 4)} if compress else {}
+    outs = generate(tiny_model_dir("llama-gqa")[0], policy(cache=TierFractions(0.34, 0.33, 0.33), gpu_batch_size=3,
+                                                           num_gpu_batches=2, **four_bit), tmp_path, params=PARAMS)
+    assert threads and all(name.startswith("flexoff-host") for name in threads), set(threads)
+    if not compress:
+        assert_same_outputs(outs, references["llama-gqa"])
