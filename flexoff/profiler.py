@@ -416,8 +416,9 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
                                    "stream (the figure without them is kept in measurements)")
     notes["host_seconds"] = ("measured: decode of one sequence through the runtime on 128-wide OPT models of 2 "
                              "and 10 layers, all on the device, with the cache travelling (plain and 4-bit), and "
-                             "with 4-bit weights; fit: the slope is per layer, the intercept per step, the extras "
-                             "are differences of slopes")
+                             "with 4-bit weights; and on Llama-family models alike, dense and with 8 experts (2 a "
+                             "token); fit: the slope is per layer, the intercept per step, the extras are "
+                             "differences of slopes")
 
     return HardwareProfile(
         name=f"measured-{'cuda' if use_cuda else 'cpu'}",

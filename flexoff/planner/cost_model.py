@@ -92,6 +92,12 @@ class CostModel:
         self.kv_width = c.num_kv_heads * c.head_dim
         self.mlp_buffers = 2 if c.family == "opt" else 3  # fc1 out; or gate, up and their product
         self.dense_mlp = has_dense_mlp(c)
+        # The host's time to issue one GPU batch's layer: a Llama-family layer and a sparse MLP
+        # issue more than an OPT layer.
+        sparse_share = sum(map(c.sparse_layer, range(layers))) / layers
+        self.host_seconds_per_layer = (hardware.host_seconds_per_layer
+                                       + (hardware.host_seconds_per_llama_layer if c.family == "llama" else 0.0)
+                                       + sparse_share * hardware.host_seconds_per_sparse_layer)
         self._buffer_bytes: dict = {}
         self._pinned_factors: dict = {}
 
@@ -194,7 +200,7 @@ class CostModel:
         cw, cc, cpu_att = frame.compress_weight is not None, frame.compress_cache is not None, frame.cpu_attention
         dequantized = 1 if dequantizes_once(frame) else nb  # passes over a stage's compressed weights
         # Per layer: every GPU batch's layer, and its share of the step's embedding, head and sampling.
-        host = nb * (hw.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers) + 0.0 * w_off
+        host = nb * (self.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers) + 0.0 * w_off
 
         def activation_copies(tokens: int):
             """Seconds per layer of moving offloaded hidden states out and back. The runtime does it on

@@ -36,7 +36,8 @@ _COMPUTE_FIELDS = (
     "cpu_dequant_elements_per_s",
 )
 HOST_EXTRA_FIELDS = ("host_seconds_per_travelling_layer", "host_seconds_per_compressed_cache_layer",
-                     "host_seconds_per_compressed_weight_layer")
+                     "host_seconds_per_compressed_weight_layer", "host_seconds_per_llama_layer",
+                     "host_seconds_per_sparse_layer")
 _OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "gpu_kv_quant_elements_per_s",
                             "cpu_attention_share_under_copy", "cpu_attention_seconds_per_call",
                             "host_seconds_per_layer", "host_seconds_per_step", *HOST_EXTRA_FIELDS)
@@ -95,6 +96,11 @@ class HardwareProfile:
     host_seconds_per_travelling_layer: float = 0.0
     host_seconds_per_compressed_cache_layer: float = 0.0
     host_seconds_per_compressed_weight_layer: float = 0.0
+    # The host's extra time per layer of a Llama-family model over an OPT one (RMS norms, rotary
+    # embedding, a gated MLP), and per sparse layer of a mixture of experts over a dense one (the
+    # router, the sort by expert, the grouped matmuls). 0: not measured.
+    host_seconds_per_llama_layer: float = 0.0
+    host_seconds_per_sparse_layer: float = 0.0
     usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)
     # The runtime pins host memory where CUDA exists; the cache in slabs whose unused ends count too.
     pinned_host_memory: bool = True

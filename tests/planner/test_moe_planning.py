@@ -170,3 +170,24 @@ def test_experts_placed_apart_are_priced_at_their_own_fractions():
     assert moved == pytest.approx(model.predict(together).decode.io["cpu_to_gpu"])
     assert moved > model.predict(Policy(16, 2, weights=on_gpu, cache=on_cpu,
                                         compress_weight=CompressionConfig(4, 64))).decode.io["cpu_to_gpu"]
+
+
+def test_the_host_issues_more_for_a_llama_layer_and_more_again_for_a_sparse_one(make_hardware):
+    """Each GPU batch's layer costs the host the OPT figure, plus the Llama family's extra, plus
+    the sparse MLP's extra on the share of layers that route."""
+    hardware = make_hardware(host_seconds_per_layer=1.0, host_seconds_per_llama_layer=0.5,
+                             host_seconds_per_sparse_layer=0.25)
+    frame = PolicyFrame(64, 2)
+
+    def host_per_layer(config):
+        io, _ = CostModel(config, WORKLOAD, hardware).phase_terms(frame, CACHE_ON_GPU)["prefill"]
+        return io["host"] / frame.num_gpu_batches
+
+    mixtral = REGISTRY["mixtral-8x7b"]
+    half_dense = mixtral.replace(name="half-dense", dense_layers=tuple(range(0, mixtral.num_layers, 2)))
+    assert host_per_layer(REGISTRY["opt-30b"]) == pytest.approx(1.0)
+    assert host_per_layer(dense_twin("mixtral-8x7b")) == pytest.approx(1.5)
+    assert host_per_layer(mixtral) == pytest.approx(1.75)
+    assert host_per_layer(half_dense) == pytest.approx(1.625)
+    # A profile that did not measure the extras charges every family the OPT figure.
+    assert CostModel(mixtral, WORKLOAD, make_hardware(host_seconds_per_layer=1.0)).host_seconds_per_layer == 1.0
