@@ -235,6 +235,38 @@ def show(rows: list[dict], m, bandwidth: float, layers: int) -> list[dict]:
     return summaries
 
 
+def print_syncs(run) -> None:
+    """Run ``run()`` in torch's sync debug mode and print each place in flexoff where the calling
+    thread synchronised with the GPU, with its count: each one stalls the host's enqueuing."""
+    import threading
+    import traceback
+    import warnings
+
+    counts: dict[str, int] = defaultdict(int)
+    main_thread = threading.get_ident()
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchronizing" not in str(message) or threading.get_ident() != main_thread:
+            return
+        frames = [f for f in traceback.extract_stack()[:-1] if "/flexoff/" in f.filename]
+        counts[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:]))] += 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = note
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = note
+            run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+    print(f"\nmain-thread synchronisations in a 2-token run: {sum(counts.values())}")
+    for where, count in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(f"{count:8d}  {where}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="opt-30b")
@@ -254,6 +286,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="layers of the last token to print step by step")
     parser.add_argument("--cprofile", action="store_true",
                         help="also run a 2-token generation under cProfile (the main thread's Python time)")
+    parser.add_argument("--sync-debug", action="store_true",
+                        help="also run a 2-token generation in torch's sync debug mode and print where the "
+                             "main thread synchronised with the GPU")
     parser.add_argument("--jobs-in-flight", default="",
                         help="comma-separated values of the host worker's job limit to time in turn (default: as built)")
     parser.add_argument("--json", help="write every step and the summaries here")
@@ -299,6 +334,10 @@ def main() -> None:
             llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if args.sync_debug:
+        llm.engine.observer = None
+        few = prompts[:2 * policy.gpu_batch_size]  # two GPU batches make every kind of step
+        print_syncs(lambda: llm.generate(few, SamplingParams(max_new_tokens=2, ignore_eos=True)))
     if args.cprofile:
         import cProfile
         import pstats
