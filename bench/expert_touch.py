@@ -32,7 +32,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoff.errors import FlexoffError, error_line  # noqa: E402
-from flexoff.layout.weights import compressible  # noqa: E402
+from flexoff.layout import ROUTE_FIRST_MIN_SAVING as WORTHWHILE  # noqa: E402
+from flexoff.layout import compressible, expected_experts_touched  # noqa: E402
 from flexoff.models import Stage, architecture, moe, resolve_model, stage_specs  # noqa: E402
 from flexoff.models.common import attention, attention_mask  # noqa: E402
 from flexoff.planner.sizes import FP16_BYTES, bytes_per_element  # noqa: E402
@@ -42,13 +43,6 @@ from flexoff.weights import CheckpointWeights, DummyWeights  # noqa: E402
 BLOCK_SIZES = tuple(2**i for i in range(11))  # 1 ... 1024 tokens
 HIDDEN = "independent random tokens: N(0, 1) times the layer's post-attention norm weight, not the model's activations"
 NORM = "post_attention_layernorm.weight"
-# The saving below which route-first loading is not worth its data-decided loads.
-WORTHWHILE = 0.10
-
-
-def uniform_touched(experts: int, top_k: int, tokens: int) -> float:
-    """Expected touched fraction when each token picks top_k distinct experts uniformly at random."""
-    return 1 - ((experts - top_k) / experts) ** tokens
 
 
 def touched_counts(chosen: torch.Tensor, experts: int, block_sizes) -> torch.Tensor:
@@ -161,7 +155,7 @@ def measure(args) -> dict:
         skipped = float((1 - touched.mean(dim=1)).mul(expert_bytes / len(sparse)).sum())
         rows.append({"tokens": tokens, "touched_mean": float(touched.mean()), "touched_min": float(touched.min()),
                      "touched_max": float(touched.max()),
-                     "uniform": uniform_touched(cfg.num_experts, cfg.experts_per_token, tokens),
+                     "uniform": expected_experts_touched(cfg.num_experts, cfg.experts_per_token, tokens) / cfg.num_experts,
                      "skipped_bytes": skipped, "skipped_share_of_layers": skipped / weight_bytes})
     hidden = (HIDDEN if args.hidden == "random" else
               f"the model's own: the last token of each of N random prompts of {args.prompt_len} tokens, "

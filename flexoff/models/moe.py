@@ -88,6 +88,9 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
     matmul, and the results are put back in pair order and summed over each token's choices in a
     fixed order (no atomic adds, so every run gives the same sums)."""
     tokens, k = experts.shape
+    fetch = getattr(w, "fetch_experts", None)
+    if fetch is not None:  # route-first loading: only the chosen experts are copied in, now
+        fetch(experts)
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     # Each expert's end in the sorted pairs. Not bincount: on CUDA it reads the largest id back to

@@ -37,7 +37,7 @@ import torch
 from ..errors import ConfigError
 from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
                       dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel,
-                      largest_stage_matrix_numel, registered_bytes,
+                      largest_stage_matrix_numel, registered_bytes, routes_first,
                       sampler_state_bytes, slab_bytes, sparse_mlp_bytes, step_state_bytes, weight_buffer_bytes,
                       weight_host_requests, working_bytes)
 from ..models.moe import CHUNK_TOKENS
@@ -64,9 +64,11 @@ FP32_BYTES = 4
 class CostModel:
     """Predicts time and memory of policies for one model, workload and machine."""
 
-    def __init__(self, config: ModelConfig, workload: Workload, hardware: HardwareProfile, route_first: bool = False):
+    def __init__(self, config: ModelConfig, workload: Workload, hardware: HardwareProfile,
+                 route_first: bool | None = None):
         """``route_first``: a sparse layer's experts are loaded after its router ran, only those its
-        block's tokens chose (expected under uniform routing); else all of them, as the runtime does."""
+        block's tokens chose (expected under uniform routing), or all of them a stage ahead; None:
+        as the runtime does for the frame (``layout.routes_first``)."""
         positions = workload.prompt_len + workload.gen_len
         if positions > config.max_positions:
             raise ConfigError(f"prompt {workload.prompt_len} + generate {workload.gen_len} needs {positions} "
@@ -110,7 +112,10 @@ class CostModel:
         """Bytes of a layer's weights loaded for a pass of ``tokens`` tokens: all of them, or with
         route-first loading all but the experts the tokens are expected to leave untouched."""
         weights = self.weight_bytes_per_layer(frame)
-        if not self.route_first:
+        route_first = self.route_first
+        if route_first is None:
+            route_first = routes_first(self.config, frame.gpu_batch_size, frame.num_gpu_batches)
+        if not route_first:
             return weights
         return (weights - expert_bytes_per_layer(self.config, frame.compress_weight)
                 + expected_expert_bytes(self.config, frame.compress_weight, tokens))

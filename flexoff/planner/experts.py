@@ -1,29 +1,16 @@
-"""How many of a layer's experts a block touches, and their bytes.
-
-Each token of a sparse layer picks ``k`` of its ``E`` experts. Under uniform routing a given expert
-escapes one token with probability (E - k) / E, so N tokens touch E * (1 - ((E - k) / E) ** N)
-distinct experts on average. Real routers are less even than uniform, which only lowers the count:
-the figure is what loading only the touched experts (route first) could save at most. The runtime
-loads every expert of a layer (prefetch-all), so the cost model prices all their bytes unless it is
-asked about route-first loading.
-"""
+"""The experts' bytes a sparse layer moves: all of them, or, where the runtime routes first
+(``layout.routes_first``), those a block's tokens are expected to touch (``layout.experts`` holds
+the estimate)."""
 
 from __future__ import annotations
 
-from ..layout import compressible, stored_parts
+from ..layout import compressible, expected_experts_touched, stored_parts
 from ..models import Stage, stage_specs
 from ..models.config import ModelConfig
 from ..policy import CompressionConfig
 from .sizes import FP16_BYTES
 
-
-def expected_experts_touched(num_experts: int, experts_per_token: int, tokens: float) -> float:
-    """Expected distinct experts that ``tokens`` tokens, each routed uniformly to
-    ``experts_per_token`` distinct experts of ``num_experts``, touch together."""
-    if num_experts <= 0:
-        return 0.0
-    missed = (num_experts - experts_per_token) / num_experts
-    return num_experts * (1.0 - missed ** tokens)
+__all__ = ["expected_experts_touched", "expert_bytes_per_layer", "expected_expert_bytes"]
 
 
 def expert_bytes_per_layer(config: ModelConfig, compression: CompressionConfig | None) -> float:

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from ..compression import CompressedTensor, dequantize, quantize
 from ..layout import (TensorPlacement, buffer_copies, compressible, dequantize_scratch_numel, dequantizes_once,
-                      realised_fractions, requested_fractions, stage_placements)
+                      realised_fractions, requested_fractions, routes_first, stage_placements)
 from ..models import ModelConfig, Stage, WeightSpec
 from ..weights import WeightSource
 from ..policy import TIERS, CompressionConfig, Policy
@@ -61,6 +62,19 @@ class _OnDisk:
     offset: int
     template: Stored  # a host tensor of the piece's kind and shapes (its values are not used)
 
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.template)
+
+    def read_rows(self, region: DiskRegion, staging: torch.Tensor, start: int, stop: int) -> None:
+        """Read rows [start, stop) of the piece (every part's) into ``staging`` where ``view`` sees them."""
+        offset = self.offset
+        for part in _parts(self.template):
+            row = part[0].numel() * part.element_size()
+            lo, hi = offset + start * row, offset + stop * row
+            region.read_into(staging[lo:hi], lo)
+            offset += part.numel() * part.element_size()
+
     def view(self, staging: torch.Tensor) -> Stored:
         views, offset = [], self.offset
         for part in _parts(self.template):
@@ -75,6 +89,9 @@ class _StagePieces:
     resident: dict[str, Stored] = field(default_factory=dict)  # wholly on the GPU (maybe compressed)
     # name -> list of (start row, stop row, storage): a GPU or host tensor (maybe compressed) or _OnDisk
     parts: dict[str, list] = field(default_factory=dict)
+    # With route-first loading, expert stacks' host and disk pieces, as in ``parts``: copied only
+    # for the experts a step's tokens chose, once its router has run.
+    routed: dict[str, list] = field(default_factory=dict)
     region: DiskRegion | None = None
     disk_bytes: int = 0
 
@@ -84,6 +101,7 @@ class _BufferSet:
     tensors: dict[str, Stored]  # assembled weights: in the compute dtype, or compressed
     staging: torch.Tensor | None  # pinned host bytes for this stage's disk pieces
     holder: Stage | None = None  # stage whose weights are (being) loaded here
+    experts: set = field(default_factory=set)  # with route-first loading, the experts copied here so far
     ready: object = None  # event: the loads are done
     free: object = None  # event: the last compute that read these buffers is done
     pending: object = None  # future of a load running on the disk threads
@@ -97,7 +115,10 @@ class StageWeights(Mapping):
     mappings), each into its own place in the scratch on first read, kept for later reads."""
 
     def __init__(self, tensors: dict[str, Stored], scratch: torch.Tensor | None,
-                 dequantized: dict[str, torch.Tensor] | None = None):
+                 dequantized: dict[str, torch.Tensor] | None = None, fetch_experts=None):
+        # With route-first loading, what a sparse layer calls with its tokens' chosen experts
+        # (tokens, k) before it reads the expert stacks: it copies those experts in.
+        self.fetch_experts = fetch_experts
         self._tensors = tensors
         self._scratch = scratch
         self._dequantized = dequantized
@@ -125,6 +146,17 @@ class StageWeights(Mapping):
         return len(self._tensors)
 
 
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ids as [first, last) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 class TieredWeights:
     def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
                  streams: Streams, disk: DiskTier | None):
@@ -136,6 +168,7 @@ class TieredWeights:
         self.host = HostMemory(policy.pin_cpu_memory, exact=True)
         self._disk = disk
         self.placements = stage_placements(cfg, policy)
+        self._route_first = routes_first(cfg, policy.gpu_batch_size, policy.num_gpu_batches)
         self._fractions = (policy.weights, policy.expert_fractions)
         self.bytes = {tier: 0 for tier in TIERS}
         self._stages: dict[Stage, _StagePieces] = {}
@@ -170,7 +203,8 @@ class TieredWeights:
                 storage = self.host.empty(spec.shape, self.dtype)
                 source.load_tensor(stage.name, spec, storage.device, self.dtype, out=storage)
                 self.bytes["cpu"] += spec.numel * self.dtype.itemsize
-                pieces.parts[spec.name] = [(0, spec.shape[0], storage)]
+                (pieces.routed if self._route_first and spec.experts else pieces.parts)[spec.name] = [
+                    (0, spec.shape[0], storage)]
                 continue
             # Quantize where it is fastest: on the GPU when there is one.
             full = source.load_tensor(stage.name, spec, self.device if compressed else torch.device("cpu"), self.dtype)
@@ -180,7 +214,7 @@ class TieredWeights:
                     pieces.resident[spec.name] = full
                     self.bytes["gpu"] += _nbytes(full)
                     continue
-            parts = []
+            parts, routed = [], []
             for piece in placement.pieces:
                 rows = full.narrow(0, piece.start, piece.stop - piece.start)
                 if piece.tier == "gpu":
@@ -195,8 +229,11 @@ class TieredWeights:
                     for target, value in zip(_parts(storage), _parts(rows)):
                         target.copy_(value)
                 self.bytes[piece.tier] += _nbytes(rows)
-                parts.append((piece.start, piece.stop, storage))
+                later = self._route_first and spec.experts and piece.tier != "gpu"
+                (routed if later else parts).append((piece.start, piece.stop, storage))
             pieces.parts[spec.name] = parts
+            if routed:
+                pieces.routed[spec.name] = routed
         if on_disk:  # the region's size is known once every piece of the stage is (maybe) compressed
             pieces.region = self._disk.allocate(stage.name, pieces.disk_bytes)
             for rows, where in on_disk:
@@ -214,7 +251,7 @@ class TieredWeights:
         for kind in dict.fromkeys(stage.kind for stage in self._stages):  # in stage order, as the layout lists them
             of_kind = [stage for stage in self._stages if stage.kind == kind]
             specs = {p.spec.name: p.spec for stage in of_kind for p in self.placements[stage]
-                     if p.spec.name in self._stages[stage].parts}
+                     if p.spec.name in self._stages[stage].parts or p.spec.name in self._stages[stage].routed}
             if not specs:
                 continue
             disk_bytes = max(self._stages[stage].disk_bytes for stage in of_kind)
@@ -265,11 +302,18 @@ class TieredWeights:
     def _load(self, stage: Stage, buffer: _BufferSet) -> None:
         pieces = self._stages[stage]
         streams = self.streams
+        buffer.experts = set()
         if pieces.disk_bytes:
             # Copies out of staging for the previous stage must finish before it is refilled.
             if buffer.ready is not None:
                 buffer.ready.synchronize()
-            pieces.region.read_into(buffer.staging[:pieces.disk_bytes])
+            if pieces.routed:  # experts' rows are read once the router has chosen them
+                for parts in pieces.parts.values():
+                    for _, _, storage in parts:
+                        if isinstance(storage, _OnDisk):
+                            storage.read_rows(pieces.region, buffer.staging, 0, storage.template.shape[0])
+            else:
+                pieces.region.read_into(buffer.staging[:pieces.disk_bytes])
         streams.wait(streams.load, buffer.free)
         with streams.on(streams.load):
             for name, parts in pieces.parts.items():
@@ -293,8 +337,36 @@ class TieredWeights:
             buffer.pending = None
         self.streams.wait(self.streams.compute, buffer.ready)
         weights = dict(pieces.resident)
-        weights.update({name: buffer.tensors[name] for name in pieces.parts})
-        return StageWeights(weights, self._scratch, self._dequantized_of(stage))
+        weights.update({name: buffer.tensors[name] for name in (*pieces.parts, *pieces.routed)})
+        fetch = partial(self._fetch_experts, pieces, buffer) if pieces.routed else None
+        return StageWeights(weights, self._scratch, self._dequantized_of(stage), fetch)
+
+    def _fetch_experts(self, pieces: _StagePieces, buffer: _BufferSet, experts: torch.Tensor) -> None:
+        """Copy the host and disk rows of the experts in ``experts`` not copied yet into the
+        stage's buffers, for compute enqueued after this call. The host reads the choice back: the
+        copies cannot be enqueued before it is known."""
+        wanted = sorted(set(experts.unique().tolist()) - buffer.experts)
+        if not wanted:
+            return
+        buffer.experts.update(wanted)
+        runs = _runs(wanted)
+        streams = self.streams
+        with streams.on(streams.load):
+            for name, parts in pieces.routed.items():
+                landing = buffer.tensors[name]
+                for start, stop, storage in parts:
+                    for first, last in runs:
+                        lo, hi = max(first, start), min(last, stop)
+                        if lo >= hi:
+                            continue
+                        if isinstance(storage, _OnDisk):
+                            storage.read_rows(pieces.region, buffer.staging, lo - start, hi - start)
+                            source = storage.view(buffer.staging)
+                        else:
+                            source = storage
+                        landing.narrow(0, lo, hi - lo).copy_(source.narrow(0, lo - start, hi - lo), non_blocking=True)
+        buffer.ready = streams.record(streams.load)
+        streams.wait(streams.compute, buffer.ready)
 
     def _dequantized_of(self, stage: Stage) -> dict[str, torch.Tensor] | None:
         """The stage's matrices dequantized so far, when they are shared by its batches; reading
@@ -343,7 +415,8 @@ class TieredWeights:
                 staging = pieces.region.read_into(torch.empty(pieces.disk_bytes, dtype=torch.uint8))
             stored = list(pieces.resident.items()) + [
                 (name, storage.view(staging) if isinstance(storage, _OnDisk) else storage)
-                for name, parts in pieces.parts.items() for _, _, storage in parts]
+                for placed in (pieces.parts, pieces.routed) for name, parts in placed.items()
+                for _, _, storage in parts]
             for name, value in stored:
                 if any(part.is_floating_point() and not bool(torch.isfinite(part).all()) for part in _parts(value)):
                     return f"{name} of {stage}"

@@ -58,23 +58,27 @@ def test_an_experts_matmul_runs_at_the_rate_of_its_share_of_the_rows(make_hardwa
     assert at["round1"] > 1.5 * at["round0"]
 
 
-def test_weight_loads_are_all_experts_unless_route_first(make_hardware):
-    """The runtime loads every expert of a layer; route-first loading would load the experts a pass's
-    tokens touch: at decode with one sequence, k of E."""
+def test_weight_loads_are_the_touched_experts_where_the_runtime_routes_first(make_hardware):
+    """A block of one sequence routes first (as the runtime does for it): a decode step loads the
+    experts its token touches, k of E; a block of two GPU batches, or one of 64 sequences, loads
+    every expert. A prefill of 512 tokens touches them all either way."""
     hardware = make_hardware()
     config = REGISTRY["mixtral-8x7b"]
-    frame = PolicyFrame(1, 1, FOUR_BIT)
-    all_experts = CostModel(config, WORKLOAD, hardware)
-    routed = CostModel(config, WORKLOAD, hardware, route_first=True)
-    stored = all_experts.weight_bytes_per_layer(frame)
-    decode = {m: m.phase_terms(frame, CACHE_ON_GPU)["decode"][0]["cpu_to_gpu"] for m in (all_experts, routed)}
-    assert decode[all_experts] == pytest.approx(stored / hardware.cpu_to_gpu_bandwidth)
+    model = CostModel(config, WORKLOAD, hardware)
+    all_experts = CostModel(config, WORKLOAD, hardware, route_first=False)
     experts = expert_bytes_per_layer(config, FOUR_BIT)
+
+    def loads(m, frame, phase="decode"):
+        return m.phase_terms(frame, CACHE_ON_GPU)[phase][0]["cpu_to_gpu"] * hardware.cpu_to_gpu_bandwidth
+
+    one = PolicyFrame(1, 1, FOUR_BIT)
+    stored = model.weight_bytes_per_layer(one)
+    assert loads(all_experts, one) == pytest.approx(stored)
     untouched = experts * (1 - expected_experts_touched(8, 2, 1) / 8)
-    assert decode[routed] == pytest.approx((stored - untouched) / hardware.cpu_to_gpu_bandwidth)
-    # A prefill of 512 tokens touches every expert.
-    prefill = {m: m.phase_terms(frame, CACHE_ON_GPU)["prefill"][0]["cpu_to_gpu"] for m in (all_experts, routed)}
-    assert prefill[routed] == pytest.approx(prefill[all_experts])
+    assert loads(model, one) == pytest.approx(stored - untouched)
+    for frame in (PolicyFrame(1, 2, FOUR_BIT), PolicyFrame(64, 1, FOUR_BIT)):
+        assert loads(model, frame) == pytest.approx(loads(all_experts, frame))
+    assert loads(model, one, "prefill") == pytest.approx(loads(all_experts, one, "prefill"))
 
 
 def test_the_sorted_rows_bound_a_moes_prefill_batch(make_hardware):

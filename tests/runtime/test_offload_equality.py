@@ -84,6 +84,63 @@ def test_expert_placement_matches_plain_run(tiny_model_dir, references, tmp_path
     assert os.listdir(tmp_path) == []
 
 
+# Blocks of one GPU batch of up to 3 sequences route first (four experts a layer, two a token).
+ROUTE_FIRST_POLICIES = {
+    "experts-cpu": policy(experts=ON_CPU, gpu_batch_size=1, num_gpu_batches=1),
+    "experts-spread-rest-cpu": policy(weights=ON_CPU, experts=TierFractions(0.25, 0.5, 0.25), gpu_batch_size=3,
+                                      num_gpu_batches=1),
+    "experts-disk-cpu-attention": policy(weights=TierFractions(0, 0.5, 0.5), experts=ON_DISK, cache=ON_CPU,
+                                         cpu_attention=True, gpu_batch_size=2, num_gpu_batches=1),
+}
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("name", list(ROUTE_FIRST_POLICIES))
+@pytest.mark.parametrize("compress", [False, True])
+def test_route_first_loading_matches_the_plain_run(tiny_model_dir, references, tmp_path, monkeypatch, kind, name,
+                                                    compress):
+    """Loading a sparse layer's experts after its router, only those its tokens chose, gives the
+    tokens of loading them all (compressed weights: of the compressed plain run); and a decode
+    step of one sequence copies in at most its k experts of a layer (none that its buffers
+    still hold)."""
+    from dataclasses import replace
+
+    from flexoff.policy import CompressionConfig
+    from flexoff.runtime.weight_store import TieredWeights
+
+    copied = []
+    fetch = TieredWeights._fetch_experts
+
+    def counting(self, pieces, buffer, experts):
+        before = len(buffer.experts)
+        fetch(self, pieces, buffer, experts)
+        copied.append((experts.shape[0], len(buffer.experts) - before))
+
+    monkeypatch.setattr(TieredWeights, "_fetch_experts", counting)
+    path, _ = tiny_model_dir(kind)
+    chosen = ROUTE_FIRST_POLICIES[name]
+    reference = references[kind]
+    if compress:
+        four_bit = CompressionConfig(4, 4)
+        chosen = replace(chosen, compress_weight=four_bit)
+        reference = generate(path, Policy(gpu_batch_size=8, compress_weight=four_bit), params=PARAMS)
+    outs = generate(path, chosen, tmp_path, params=PARAMS)
+    assert_same_outputs(outs, reference, rtol=1e-4, atol=1e-5)
+    assert copied, "route-first loading was not used"
+    assert all(count <= 2 for tokens, count in copied if tokens == 1)
+    assert os.listdir(tmp_path) == []
+
+
+def test_blocks_of_several_batches_or_many_sequences_load_every_expert_ahead(tiny_model_dir, tmp_path, monkeypatch):
+    from flexoff.runtime.weight_store import TieredWeights
+
+    monkeypatch.setattr(TieredWeights, "_fetch_experts", lambda *args: pytest.fail("routed first"))
+    path, _ = tiny_model_dir("mixtral")
+    for chosen in (policy(experts=ON_CPU, gpu_batch_size=1, num_gpu_batches=2),
+                   policy(experts=ON_CPU, gpu_batch_size=4, num_gpu_batches=1)):
+        generate(path, chosen, tmp_path, params=PARAMS)
+
+
 def test_score_matches_under_offloading(tiny_model_dir, tmp_path):
     path, _ = tiny_model_dir("llama-gqa")
     plain = LLM(str(path)).score(PROMPTS[:3], ["the cat", "sat", "on the mat"])
