@@ -90,6 +90,18 @@ def row_splits(triple, rows: int) -> list[tuple[float, float, float]]:
 ROW_SPLIT = (3, 6)  # the first fraction of the cache's and of the activations' triples
 
 
+def _unsplit_cache(split: tuple[float, float, float]) -> list[tuple[float, float, float]]:
+    """Without CPU attention, a batch with cache rows both on the GPU and off it attends in two
+    passes a layer (its GPU rows in place, the others in the workspace), each with its own slot
+    write, dequantization and attention: twice the host time of a layer whose rows all travel
+    (``bench/split_cache_host.py``), a cost no affine term holds. Such a split is realised as
+    either whole side: its GPU rows moved to the CPU, or every row on the GPU."""
+    gpu, cpu, disk = split
+    if 0 < gpu < 1:
+        return [(0.0, cpu + gpu, disk), (1.0, 0.0, 0.0)]
+    return [split]
+
+
 class FrameProblem:
     """One frame's affine terms, read off the cost model, and the LP over its placement."""
 
@@ -214,6 +226,8 @@ class FrameProblem:
         Each of the two triples is tried at the row counts around the LP's; of equally fast ones,
         the nearest to the LP's answer is kept."""
         options = [row_splits(fractions[first:first + 3], self.frame.gpu_batch_size) for first in ROW_SPLIT]
+        if not self.frame.cpu_attention:
+            options[0] = sorted({whole for split in options[0] for whole in _unsplit_cache(split)})
         best, best_key = None, None
         for cache in options[0]:
             for activations in options[1]:

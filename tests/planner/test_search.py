@@ -109,6 +109,18 @@ def test_searched_cache_and_activations_split_whole_sequences(model_name, profil
         assert rows == pytest.approx([round(r) for r in rows], abs=policy.gpu_batch_size * 1e-4)
 
 
+@pytest.mark.parametrize("model_name, cap", [("qwen3-30b-a3b", 16), ("opt-30b", 40), ("mixtral-8x7b", 24)])
+def test_without_cpu_attention_no_batch_splits_its_cache_between_gpu_and_elsewhere(model_name, cap):
+    """Such a batch would attend twice a layer (its GPU rows in place, the others in the workspace):
+    the cache is realised with all of a batch's rows on one side of the GPU (Qwen3-30B-A3B's LP
+    answer at 16 GiB keeps 3% of them on the GPU)."""
+    hardware = packaged_profile("h100").with_memory(cap << 30, None)
+    for compress in ("off", "auto"):
+        policy = search_policy(REGISTRY[model_name], WORKLOAD, hardware, compress=compress,
+                               cpu_attention="off").policy
+        assert policy.cache.gpu in (0.0, 1.0), (compress, policy.cache)
+
+
 _FIELDS = ["gpu_memory", "cpu_memory", "disk_memory", "cpu_to_gpu_bandwidth", "gpu_to_cpu_bandwidth",
            "disk_to_cpu_bandwidth", "cpu_to_disk_bandwidth", "cpu_attention_flops", "gpu_dequant_throughput"]
 

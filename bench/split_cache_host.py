@@ -1,0 +1,72 @@
+"""The host's time per layer when a GPU batch's cache is split between GPU rows and travelling rows.
+
+Without CPU attention such a batch attends twice a layer: its GPU rows in place, the others in the
+workspace the travelling rows are loaded into, each with its own slot write, dequantization and
+attention. On models too narrow (hidden 128, two sequences) to keep the device busy, the decode time
+per layer is the host's: this prints it with the cache all on the device, all travelling, and split
+half and half, for a Llama-family layer with 8 experts (2 a token) and a 4-bit cache.
+
+    python bench/split_cache_host.py                  # on CUDA where there is one, else the CPU
+    python bench/split_cache_host.py --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flexoff.models.config import ModelConfig  # noqa: E402
+from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
+from flexoff.runtime.batch import Sequence  # noqa: E402
+from flexoff.runtime.engine import Engine  # noqa: E402
+from flexoff.runtime.sampling import SamplingParams  # noqa: E402
+from flexoff.weights.dummy import DummyWeights  # noqa: E402
+
+FIELDS = dict(family="llama", vocab_size=512, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=512,
+              max_positions=64, tie_word_embeddings=False, num_experts=8, experts_per_token=2,
+              expert_intermediate_size=256)
+CACHES = {"on the device": TierFractions(1, 0, 0), "travelling": TierFractions(0, 1, 0),
+          "split half and half": TierFractions(0.5, 0.5, 0)}
+STEPS = 24
+
+
+def seconds_per_layer(device: torch.device, cache: TierFractions, depths=(2, 10), repeats: int = 3) -> float:
+    """Decode seconds per layer: the slope of a step's time between two depths."""
+    params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
+    per_step = {}
+    for layers in depths:
+        config = ModelConfig(name=f"split-cache-{layers}", num_layers=layers, **FIELDS)
+        policy = Policy(2, 1, TierFractions(1, 0, 0), cache, TierFractions(1, 0, 0),
+                        compress_cache=CompressionConfig(4, 64))
+        engine = Engine(config, DummyWeights(0), policy, device, torch.float32)
+        try:
+            times = []
+            for _ in range(repeats + 1):  # the first run warms up
+                rows = [Sequence(i, [5] * 8, params, 0) for i in range(2)]
+                times.append(engine.generate_block(rows).decode_time / STEPS)
+            per_step[layers] = min(times[1:])
+        finally:
+            engine.close()
+    low, high = depths
+    return (per_step[high] - per_step[low]) / (high - low)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(parser.parse_args().device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"decode ms per layer, 2 sequences, {name}")
+    times = {label: seconds_per_layer(device, cache) for label, cache in CACHES.items()}
+    for label, seconds in times.items():
+        print(f"  {label:<20} {seconds * 1e3:7.3f}")
+    print(f"split over travelling: {times['split half and half'] / times['travelling']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
