@@ -142,6 +142,7 @@ class Engine:
         max_new = max(s.params.max_new_tokens for s in seqs)
         self.memory.reset()
         batches = self._make_batches(seqs, max_new)
+        self.weights.begin_block(max(len(batch.seqs) for batch in batches), len(batches))
         metrics = Metrics(num_sequences=len(seqs))
         stops = {id(seq): StopCondition(seq.params, self.cfg.eos_token_ids, decode) for seq in seqs}
         samplers = {id(batch): BatchSampler(batch.seqs, self.cfg.eos_token_ids, self.cfg.vocab_size, self.device)

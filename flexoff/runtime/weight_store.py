@@ -89,9 +89,10 @@ class _StagePieces:
     resident: dict[str, Stored] = field(default_factory=dict)  # wholly on the GPU (maybe compressed)
     # name -> list of (start row, stop row, storage): a GPU or host tensor (maybe compressed) or _OnDisk
     parts: dict[str, list] = field(default_factory=dict)
-    # With route-first loading, expert stacks' host and disk pieces, as in ``parts``: copied only
-    # for the experts a step's tokens chose, once its router has run.
+    # Expert stacks' host and disk pieces (also in ``parts``): with route-first loading, left out of
+    # the stage's load and copied only for the experts a step's tokens chose, once it has routed.
     routed: dict[str, list] = field(default_factory=dict)
+    routed_ids: set = field(default_factory=set)  # id() of their storage
     region: DiskRegion | None = None
     disk_bytes: int = 0
 
@@ -168,7 +169,7 @@ class TieredWeights:
         self.host = HostMemory(policy.pin_cpu_memory, exact=True)
         self._disk = disk
         self.placements = stage_placements(cfg, policy)
-        self._route_first = routes_first(cfg, policy.gpu_batch_size, policy.num_gpu_batches)
+        self._route_first = False  # for the block being run: see begin_block
         self._fractions = (policy.weights, policy.expert_fractions)
         self.bytes = {tier: 0 for tier in TIERS}
         self._stages: dict[Stage, _StagePieces] = {}
@@ -203,8 +204,9 @@ class TieredWeights:
                 storage = self.host.empty(spec.shape, self.dtype)
                 source.load_tensor(stage.name, spec, storage.device, self.dtype, out=storage)
                 self.bytes["cpu"] += spec.numel * self.dtype.itemsize
-                (pieces.routed if self._route_first and spec.experts else pieces.parts)[spec.name] = [
-                    (0, spec.shape[0], storage)]
+                pieces.parts[spec.name] = [(0, spec.shape[0], storage)]
+                if spec.experts:
+                    pieces.routed[spec.name] = list(pieces.parts[spec.name])
                 continue
             # Quantize where it is fastest: on the GPU when there is one.
             full = source.load_tensor(stage.name, spec, self.device if compressed else torch.device("cpu"), self.dtype)
@@ -214,7 +216,7 @@ class TieredWeights:
                     pieces.resident[spec.name] = full
                     self.bytes["gpu"] += _nbytes(full)
                     continue
-            parts, routed = [], []
+            parts = []
             for piece in placement.pieces:
                 rows = full.narrow(0, piece.start, piece.stop - piece.start)
                 if piece.tier == "gpu":
@@ -229,11 +231,12 @@ class TieredWeights:
                     for target, value in zip(_parts(storage), _parts(rows)):
                         target.copy_(value)
                 self.bytes[piece.tier] += _nbytes(rows)
-                later = self._route_first and spec.experts and piece.tier != "gpu"
-                (routed if later else parts).append((piece.start, piece.stop, storage))
+                parts.append((piece.start, piece.stop, storage))
             pieces.parts[spec.name] = parts
+            routed = [part for part, piece in zip(parts, placement.pieces) if spec.experts and piece.tier != "gpu"]
             if routed:
                 pieces.routed[spec.name] = routed
+        pieces.routed_ids = {id(storage) for parts in pieces.routed.values() for _, _, storage in parts}
         if on_disk:  # the region's size is known once every piece of the stage is (maybe) compressed
             pieces.region = self._disk.allocate(stage.name, pieces.disk_bytes)
             for rows, where in on_disk:
@@ -251,7 +254,7 @@ class TieredWeights:
         for kind in dict.fromkeys(stage.kind for stage in self._stages):  # in stage order, as the layout lists them
             of_kind = [stage for stage in self._stages if stage.kind == kind]
             specs = {p.spec.name: p.spec for stage in of_kind for p in self.placements[stage]
-                     if p.spec.name in self._stages[stage].parts or p.spec.name in self._stages[stage].routed}
+                     if p.spec.name in self._stages[stage].parts}
             if not specs:
                 continue
             disk_bytes = max(self._stages[stage].disk_bytes for stage in of_kind)
@@ -281,6 +284,22 @@ class TieredWeights:
         return sets[stage.index % len(sets)]
 
     # Streaming
+    def begin_block(self, rows: int, batches: int) -> None:
+        """Before a block of ``batches`` GPU batches of up to ``rows`` sequences: whether its sparse
+        layers load their experts route first (``layout.routes_first``). Not where the block's
+        batches share one dequantization of a stage, which newly copied experts would leave stale.
+        On a change, every buffer set forgets what it holds."""
+        route_first = routes_first(self.cfg, rows, batches) and not self._per_stage
+        if route_first == self._route_first:
+            return
+        self._route_first = route_first
+        for sets in self._buffers.values():
+            for buffer in sets:
+                if buffer.pending is not None:
+                    buffer.pending.result()
+                    buffer.pending = None
+                buffer.holder = None
+
     def prefetch(self, stage: Stage) -> None:
         """Start assembling ``stage``'s weights on the GPU (a no-op if they are resident).
 
@@ -307,18 +326,21 @@ class TieredWeights:
             # Copies out of staging for the previous stage must finish before it is refilled.
             if buffer.ready is not None:
                 buffer.ready.synchronize()
-            if pieces.routed:  # experts' rows are read once the router has chosen them
+            if self._route_first and pieces.routed:  # experts' rows are read once the router has chosen them
                 for parts in pieces.parts.values():
                     for _, _, storage in parts:
-                        if isinstance(storage, _OnDisk):
+                        if isinstance(storage, _OnDisk) and id(storage) not in pieces.routed_ids:
                             storage.read_rows(pieces.region, buffer.staging, 0, storage.template.shape[0])
             else:
                 pieces.region.read_into(buffer.staging[:pieces.disk_bytes])
         streams.wait(streams.load, buffer.free)
+        skipped = pieces.routed_ids if self._route_first else ()
         with streams.on(streams.load):
             for name, parts in pieces.parts.items():
                 landing = buffer.tensors[name]
                 for start, stop, storage in parts:
+                    if id(storage) in skipped:
+                        continue
                     if isinstance(storage, _OnDisk):
                         storage = storage.view(buffer.staging)
                     landing.narrow(0, start, stop - start).copy_(storage, non_blocking=True)
@@ -337,8 +359,8 @@ class TieredWeights:
             buffer.pending = None
         self.streams.wait(self.streams.compute, buffer.ready)
         weights = dict(pieces.resident)
-        weights.update({name: buffer.tensors[name] for name in (*pieces.parts, *pieces.routed)})
-        fetch = partial(self._fetch_experts, pieces, buffer) if pieces.routed else None
+        weights.update({name: buffer.tensors[name] for name in pieces.parts})
+        fetch = partial(self._fetch_experts, pieces, buffer) if self._route_first and pieces.routed else None
         return StageWeights(weights, self._scratch, self._dequantized_of(stage), fetch)
 
     def _fetch_experts(self, pieces: _StagePieces, buffer: _BufferSet, experts: torch.Tensor) -> None:
@@ -415,8 +437,7 @@ class TieredWeights:
                 staging = pieces.region.read_into(torch.empty(pieces.disk_bytes, dtype=torch.uint8))
             stored = list(pieces.resident.items()) + [
                 (name, storage.view(staging) if isinstance(storage, _OnDisk) else storage)
-                for placed in (pieces.parts, pieces.routed) for name, parts in placed.items()
-                for _, _, storage in parts]
+                for name, parts in pieces.parts.items() for _, _, storage in parts]
             for name, value in stored:
                 if any(part.is_floating_point() and not bool(torch.isfinite(part).all()) for part in _parts(value)):
                     return f"{name} of {stage}"

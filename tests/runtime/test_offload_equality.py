@@ -131,14 +131,28 @@ def test_route_first_loading_matches_the_plain_run(tiny_model_dir, references, t
     assert os.listdir(tmp_path) == []
 
 
-def test_blocks_of_several_batches_or_many_sequences_load_every_expert_ahead(tiny_model_dir, tmp_path, monkeypatch):
+def test_blocks_of_several_batches_or_many_sequences_load_every_expert_ahead(tiny_model_dir, references, tmp_path,
+                                                                             monkeypatch):
+    """Each block decides for itself: under a policy of 4-sequence blocks, five prompts make a
+    smaller block too, which routes first, and the tokens are still the plain run's."""
     from flexoff.runtime.weight_store import TieredWeights
 
-    monkeypatch.setattr(TieredWeights, "_fetch_experts", lambda *args: pytest.fail("routed first"))
     path, _ = tiny_model_dir("mixtral")
+    fetched = []
+    fetch = TieredWeights._fetch_experts
+    monkeypatch.setattr(TieredWeights, "_fetch_experts", lambda self, *args: pytest.fail("routed first"))
     for chosen in (policy(experts=ON_CPU, gpu_batch_size=1, num_gpu_batches=2),
                    policy(experts=ON_CPU, gpu_batch_size=4, num_gpu_batches=1)):
-        generate(path, chosen, tmp_path, params=PARAMS)
+        generate(path, chosen, tmp_path, params=PARAMS, prompts=PROMPTS[:4])
+
+    def recording(self, pieces, buffer, experts):
+        fetched.append(experts.shape[0])
+        fetch(self, pieces, buffer, experts)
+
+    monkeypatch.setattr(TieredWeights, "_fetch_experts", recording)
+    outs = generate(path, policy(experts=ON_CPU, gpu_batch_size=4, num_gpu_batches=1), tmp_path, params=PARAMS)
+    assert_same_outputs(outs, references["mixtral"], rtol=1e-4, atol=1e-5)
+    assert fetched and min(fetched) <= 3  # decode steps of a block smaller than the policy's
 
 
 def test_score_matches_under_offloading(tiny_model_dir, tmp_path):
