@@ -185,10 +185,13 @@ class CompressedTensor:
         return self.shape.numel()
 
     def _with_parts(self, data, scale, minimum, shape=None) -> "CompressedTensor":
-        return CompressedTensor(
-            data, scale, minimum, self.shape if shape is None else shape,
-            self.dtype, self.dim, self.bits, self.group_size,
-        )
+        """The same layout over other parts, made from this tensor's by a view or a copy, so they
+        agree with it by construction: no checks (a cache layer's attention takes a dozen views)."""
+        other = object.__new__(CompressedTensor)
+        other.data, other.scale, other.minimum = data, scale, minimum
+        other.shape = self.shape if shape is None else torch.Size(shape)
+        other.dtype, other.dim, other.bits, other.group_size = self.dtype, self.dim, self.bits, self.group_size
+        return other
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "CompressedTensor":
         parts = (t.to(device, non_blocking=non_blocking) for t in (self.data, self.scale, self.minimum))
