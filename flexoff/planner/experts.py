@@ -10,8 +10,6 @@ from ..models.config import ModelConfig
 from ..policy import CompressionConfig
 from .sizes import FP16_BYTES
 
-__all__ = ["expected_experts_touched", "expert_bytes_per_layer", "expected_expert_bytes"]
-
 
 def expert_bytes_per_layer(config: ModelConfig, compression: CompressionConfig | None) -> float:
     """Stored bytes of a layer's routed experts (all of them), averaged over the layers."""

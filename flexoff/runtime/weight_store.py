@@ -62,10 +62,6 @@ class _OnDisk:
     offset: int
     template: Stored  # a host tensor of the piece's kind and shapes (its values are not used)
 
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.template)
-
     def read_rows(self, region: DiskRegion, staging: torch.Tensor, start: int, stop: int) -> None:
         """Read rows [start, stop) of the piece (every part's) into ``staging`` where ``view`` sees them."""
         offset = self.offset

@@ -8,7 +8,8 @@ import torch
 
 from flexoff.compression import compressed_nbytes
 from flexoff.models import REGISTRY, resolve_model_config
-from flexoff.planner.experts import expected_expert_bytes, expected_experts_touched, expert_bytes_per_layer
+from flexoff.layout import expected_experts_touched
+from flexoff.planner.experts import expected_expert_bytes, expert_bytes_per_layer
 from flexoff.policy import CompressionConfig
 
 TRIALS = 4000

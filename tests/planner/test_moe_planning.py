@@ -11,7 +11,8 @@ from flexoff.commands import main as cli
 from flexoff.layout import Capacity, check_fits, job_bytes, sparse_mlp_bytes, weight_layout
 from flexoff.models import REGISTRY
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
-from flexoff.planner.experts import expected_experts_touched, expert_bytes_per_layer
+from flexoff.layout import expected_experts_touched
+from flexoff.planner.experts import expert_bytes_per_layer
 from flexoff.planner.hardware import packaged_profile
 from flexoff.planner.search import search_policy
 from flexoff.policy import CompressionConfig, Policy
