@@ -20,40 +20,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoff.models.config import ModelConfig  # noqa: E402
+from flexoff.host_overhead import SPARSE_FIELDS, decode_seconds_per_layer  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
-from flexoff.runtime.batch import Sequence  # noqa: E402
-from flexoff.runtime.engine import Engine  # noqa: E402
-from flexoff.runtime.sampling import SamplingParams  # noqa: E402
-from flexoff.weights.dummy import DummyWeights  # noqa: E402
 
-FIELDS = dict(family="llama", vocab_size=512, hidden_size=128, num_heads=2, num_kv_heads=1, intermediate_size=512,
-              max_positions=64, tie_word_embeddings=False, num_experts=8, experts_per_token=2,
-              expert_intermediate_size=256)
 CACHES = {"on the device": TierFractions(1, 0, 0), "travelling": TierFractions(0, 1, 0),
           "split half and half": TierFractions(0.5, 0.5, 0)}
-STEPS = 24
 
 
-def seconds_per_layer(device: torch.device, cache: TierFractions, depths=(2, 10), repeats: int = 3) -> float:
-    """Decode seconds per layer: the slope of a step's time between two depths."""
-    params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
-    per_step = {}
-    for layers in depths:
-        config = ModelConfig(name=f"split-cache-{layers}", num_layers=layers, **FIELDS)
-        policy = Policy(2, 1, TierFractions(1, 0, 0), cache, TierFractions(1, 0, 0),
-                        compress_cache=CompressionConfig(4, 64))
-        engine = Engine(config, DummyWeights(0), policy, device, torch.float32)
-        try:
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                rows = [Sequence(i, [5] * 8, params, 0) for i in range(2)]
-                times.append(engine.generate_block(rows).decode_time / STEPS)
-            per_step[layers] = min(times[1:])
-        finally:
-            engine.close()
-    low, high = depths
-    return (per_step[high] - per_step[low]) / (high - low)
+def seconds_per_layer(device: torch.device, cache: TierFractions) -> float:
+    """Decode seconds per layer of two sequences with this cache placement (the profiler's measure)."""
+    policy = Policy(2, 1, TierFractions(1, 0, 0), cache, TierFractions(1, 0, 0), compress_cache=CompressionConfig(4, 64))
+    return decode_seconds_per_layer(device, torch.float32, policy, SPARSE_FIELDS, sequences=2)[0]
 
 
 def main() -> None:
