@@ -93,7 +93,7 @@ ROW_SPLIT = (3, 6)  # the first fraction of the cache's and of the activations' 
 def _unsplit_cache(split: tuple[float, float, float]) -> list[tuple[float, float, float]]:
     """Without CPU attention, a batch with cache rows both on the GPU and off it attends in two
     passes a layer (its GPU rows in place, the others in the workspace), each with its own slot
-    write, dequantization and attention: twice the host time of a layer whose rows all travel
+    write, dequantization and attention: more host time than either whole side takes
     (``bench/split_cache_host.py``), a cost no affine term holds. Such a split is realised as
     either whole side: its GPU rows moved to the CPU, or every row on the GPU."""
     gpu, cpu, disk = split
