@@ -1,0 +1,88 @@
+"""A sparse MLP's speed in prefill, by how many tokens are routed together (models.moe.CHUNK_TOKENS).
+
+One sparse layer of the model, random weights in the compute dtype on the device, ``--tokens``
+random hidden states through ``moe.sparse_mlp`` at each chunk size; and, for scale, a dense matmul
+of the same FLOPs at the rows an expert gets in one chunk, and the planner's rate for those rows
+(``HardwareProfile.matmul_flops_at``), so prefill's over-prediction can be traced to the kernel.
+TFLOP/s counts the active experts' FLOPs only (k of E experts a token).
+
+    python bench/moe_kernel.py --model mixtral-8x7b --device cuda --hardware h100
+    python bench/moe_kernel.py --model qwen3-30b-a3b --device cpu --tokens 512 --chunks 128,256,512
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from timing import median_seconds  # noqa: E402
+
+from flexoff.models import moe  # noqa: E402
+from flexoff.models.registry import resolve_model_config  # noqa: E402
+from flexoff.planner.hardware import resolve_hardware  # noqa: E402
+
+
+def layer_weights(cfg, dtype, device) -> dict:
+    width, hidden, experts = cfg.expert_intermediate_size, cfg.hidden_size, cfg.num_experts
+    scale = hidden ** -0.5
+
+    def draw(*shape):
+        return (torch.randn(*shape, device=device) * scale).to(dtype)
+
+    w = {moe.ROUTER: draw(experts, hidden), moe.GATE_UP: draw(experts, 2 * width, hidden),
+         moe.DOWN: draw(experts, hidden, width)}
+    if cfg.shared_expert_intermediate_size:
+        shared = cfg.shared_expert_intermediate_size
+        w.update({"mlp.shared_expert.gate_proj.weight": draw(shared, hidden),
+                  "mlp.shared_expert.up_proj.weight": draw(shared, hidden),
+                  "mlp.shared_expert.down_proj.weight": draw(hidden, shared),
+                  "mlp.shared_expert_gate.weight": draw(1, hidden)})
+    return w
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="mixtral-8x7b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens through the layer per call")
+    parser.add_argument("--chunks", default="512,1024,2048,4096,8192,16384")
+    parser.add_argument("--hardware", help="a profile whose matmul curve to show beside the kernel")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    cfg = resolve_model_config(args.model)
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    cuda = device.type == "cuda"
+    w = layer_weights(cfg, dtype, device)
+    x = torch.randn(1, args.tokens, cfg.hidden_size, device=device).to(dtype)
+    k, experts = cfg.experts_per_token, cfg.num_experts
+    active = 2 * 3 * cfg.hidden_size * cfg.expert_intermediate_size * k  # FLOPs a token, routed experts
+    hw = resolve_hardware(args.hardware) if args.hardware else None
+    print(f"{args.model}: one sparse layer, {args.tokens} tokens, {args.dtype} on {args.device}, "
+          f"{experts} experts, {k} a token; TFLOP/s of the active experts")
+    print("| chunk tokens | rows an expert | ms | TFLOP/s | dense matmul TFLOP/s at those rows | profile's rate |")
+    print("|---|---|---|---|---|---|")
+    default = moe.CHUNK_TOKENS
+    try:
+        for chunk in (int(c) for c in args.chunks.split(",")):
+            moe.CHUNK_TOKENS = chunk
+            seconds = median_seconds(lambda: moe.sparse_mlp(cfg, w, x), args.repeats, cuda)
+            rows = max(1, min(chunk, args.tokens) * k // experts)
+            a = torch.randn(rows, cfg.hidden_size, device=device).to(dtype)
+            b = torch.randn(cfg.hidden_size, 2 * cfg.expert_intermediate_size, device=device).to(dtype)
+            dense = median_seconds(lambda: a @ b, args.repeats, cuda)
+            dense_rate = 2 * rows * b.numel() / dense / 1e12
+            profile = f"{hw.matmul_flops_at(rows) / 1e12:.0f}" if hw else "-"
+            print(f"| {chunk} | {rows} | {seconds * 1e3:.2f} | {active * args.tokens / seconds / 1e12:.1f} | "
+                  f"{dense_rate:.1f} | {profile} |", flush=True)
+    finally:
+        moe.CHUNK_TOKENS = default
+
+
+if __name__ == "__main__":
+    main()
