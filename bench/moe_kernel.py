@@ -1,4 +1,4 @@
-"""A sparse MLP's speed in prefill, by how many tokens are routed together (models.moe.CHUNK_TOKENS).
+"""A sparse MLP's speed in prefill, by how many tokens are routed together (models.moe.chunk_tokens).
 
 One sparse layer of the model, random weights in the compute dtype on the device, ``--tokens``
 random hidden states through ``moe.sparse_mlp`` at each chunk size; and, for scale, a dense matmul
@@ -67,10 +67,10 @@ def main() -> None:
           f"{experts} experts, {k} a token; TFLOP/s of the active experts")
     print("| chunk tokens | rows an expert | ms | TFLOP/s | dense matmul TFLOP/s at those rows | profile's rate |")
     print("|---|---|---|---|---|---|")
-    default = moe.CHUNK_TOKENS
+    default, chosen = moe.chunk_tokens, moe.chunk_tokens(cfg)
     try:
         for chunk in (int(c) for c in args.chunks.split(",")):
-            moe.CHUNK_TOKENS = chunk
+            moe.chunk_tokens = lambda _cfg, chunk=chunk: chunk
             seconds = median_seconds(lambda: moe.sparse_mlp(cfg, w, x), args.repeats, cuda)
             rows = max(1, min(chunk, args.tokens) * k // experts)
             a = torch.randn(rows, cfg.hidden_size, device=device).to(dtype)
@@ -78,10 +78,10 @@ def main() -> None:
             dense = median_seconds(lambda: a @ b, args.repeats, cuda)
             dense_rate = 2 * rows * b.numel() / dense / 1e12
             profile = f"{hw.matmul_flops_at(rows) / 1e12:.0f}" if hw else "-"
-            print(f"| {chunk} | {rows} | {seconds * 1e3:.2f} | {active * args.tokens / seconds / 1e12:.1f} | "
+            print(f"| {chunk}{' (the default)' if chunk == chosen else ''} | {rows} | {seconds * 1e3:.2f} | {active * args.tokens / seconds / 1e12:.1f} | "
                   f"{dense_rate:.1f} | {profile} |", flush=True)
     finally:
-        moe.CHUNK_TOKENS = default
+        moe.chunk_tokens = default
 
 
 if __name__ == "__main__":

@@ -27,9 +27,12 @@ def sparse_mlp_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
     """The largest transient of a sparse layer's MLP over ``tokens`` tokens (0 for a dense model),
     as ``models.moe.sparse_mlp`` allocates it: one chunk's (see _chunk_bytes), and past one chunk
     the output the chunks are written into."""
-    if tokens <= moe.CHUNK_TOKENS:
+    if not cfg.num_experts:
+        return 0
+    chunk = moe.chunk_tokens(cfg)
+    if tokens <= chunk:
         return _chunk_bytes(cfg, tokens, itemsize)
-    return _chunk_bytes(cfg, moe.CHUNK_TOKENS, itemsize) + tokens * cfg.hidden_size * itemsize
+    return _chunk_bytes(cfg, chunk, itemsize) + tokens * cfg.hidden_size * itemsize
 
 
 def _chunk_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:

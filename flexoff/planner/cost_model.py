@@ -40,7 +40,7 @@ from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_reques
                       largest_stage_matrix_numel, registered_bytes, routes_first,
                       sampler_state_bytes, slab_bytes, sparse_mlp_bytes, step_state_bytes, weight_buffer_bytes,
                       weight_host_requests, working_bytes)
-from ..models.moe import CHUNK_TOKENS
+from ..models.moe import chunk_tokens
 from ..models.config import ModelConfig
 from ..policy import TIERS, Policy, TierFractions
 # The frame types are named here too: code plans and predicts through this module.
@@ -84,6 +84,7 @@ class CostModel:
         self.layer_matmul_numel = layer_active_matmul_numel(c)
         self.routed_matmul_numel = layer_routed_matmul_numel(c)
         self.rows_per_expert = c.experts_per_token / c.num_experts if c.num_experts else 1.0
+        self.chunk_tokens = chunk_tokens(c) if c.num_experts else 0
         self.head_matmul_numel_per_layer = head_matmul_numel(c) / layers
         # The tensor a weight fraction splits is assembled whole (see weight_buffer_bytes). A MoE
         # layer's stacked experts are most of it, so at a small GPU share the cut falls inside them
@@ -123,12 +124,12 @@ class CostModel:
     def matmul_seconds(self, tokens: int, head_tokens: int, rows: int) -> float:
         """Seconds of one layer's matmuls over ``tokens`` tokens, and of its share of the head's over
         ``head_tokens``, in GPU batches of ``rows`` rows; a routed expert's matmul has its share of
-        the rows of one chunk of tokens (models.moe.CHUNK_TOKENS), and runs at that size's rate."""
+        the rows of one chunk of tokens (models.moe.chunk_tokens), and runs at that size's rate."""
         shared = self.layer_matmul_numel - self.routed_matmul_numel
         hw = self.hardware
         seconds = 2 * (shared * tokens + self.head_matmul_numel_per_layer * head_tokens) / hw.matmul_flops_at(rows)
         if self.routed_matmul_numel:
-            routed_rows = min(rows, CHUNK_TOKENS) * self.rows_per_expert
+            routed_rows = min(rows, self.chunk_tokens) * self.rows_per_expert
             seconds += 2 * self.routed_matmul_numel * tokens / hw.matmul_flops_at(routed_rows)
         return seconds
 

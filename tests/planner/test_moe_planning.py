@@ -82,19 +82,27 @@ def test_weight_loads_are_the_touched_experts_where_the_runtime_routes_first(mak
     assert loads(model, one, "prefill") == pytest.approx(loads(all_experts, one, "prefill"))
 
 
-def test_the_sorted_rows_bound_a_moes_prefill_batch(make_hardware):
-    """Mixtral's prefill sorts its tokens' rows through experts 14336 wide, 2048 tokens at a time
-    (models.moe.CHUNK_TOKENS): each routed pair a token adds at least its gathered row, gate-up and
-    activation in fp16 for a chunk, and the chunks' output is held for the whole GPU batch."""
+def test_the_sorted_rows_bound_a_moes_prefill_batch(make_hardware, monkeypatch):
+    """Mixtral's prefill sorts its tokens' rows through experts 14336 wide, 4096 tokens at a time
+    (models.moe.chunk_tokens): a batch of 16384 prompt tokens in one chunk would hold every routed
+    pair's gathered row, gate-up and activation in fp16 at once; in chunks it holds a chunk's, and
+    the chunks' output for the whole batch."""
+    from flexoff.models import moe
+
     hardware = make_hardware(gpu_memory=1 << 50, cpu_memory=1 << 50)
     frame = PolicyFrame(32, 1, FOUR_BIT, FOUR_BIT)
-    peak = {}
-    for config in (REGISTRY["mixtral-8x7b"], REGISTRY["mixtral-8x7b"].replace(experts_per_token=1)):
-        peak[config.experts_per_token] = CostModel(config, WORKLOAD, hardware).memory_terms(
-            frame, CPU_WEIGHTS)[("gpu", "prefill")]
-    pairs = 2048
-    assert peak[2] - peak[1] >= pairs * (4096 + 3 * 14336) * 2
-    assert peak[2] - peak[1] < 2 * pairs * (4 * 4096 + 3 * 14336) * 2  # a chunk's, not the batch's 16384 tokens
+    mixtral = REGISTRY["mixtral-8x7b"]
+
+    def peak():
+        return CostModel(mixtral, WORKLOAD, hardware).memory_terms(frame, CPU_WEIGHTS)[("gpu", "prefill")]
+
+    assert moe.chunk_tokens(mixtral) == 4096
+    chunked = peak()
+    monkeypatch.setattr(moe, "CHUNK_ELEMENTS", 1 << 40)  # every token in one chunk
+    whole = peak()
+    pairs, output = (16384 - 4096) * 2, 16384 * 4096 * 2
+    assert whole - chunked >= pairs * (4096 + 3 * 14336) * 2 - output
+    assert whole - chunked < pairs * (4 * 4096 + 3 * 14336) * 2
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "qwen1.5-moe-a2.7b"])

@@ -177,7 +177,7 @@ def test_a_sparse_mlp_peaks_at_the_layouts_working_memory(monkeypatch, grouped, 
     if not grouped:
         monkeypatch.setattr(moe, "_grouped_kernel_fits", lambda *args: False)
     if chunk:
-        monkeypatch.setattr(moe, "CHUNK_TOKENS", chunk)
+        monkeypatch.setattr(moe, "chunk_tokens", lambda cfg: chunk)
     weights, x = _sparse_mlp_inputs(cfg, tokens, torch.float32, "cpu")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                  with_stack=True) as prof:
