@@ -84,10 +84,10 @@ def test_expert_placement_matches_plain_run(tiny_model_dir, references, tmp_path
     assert os.listdir(tmp_path) == []
 
 
-# Blocks of one GPU batch of up to 3 sequences route first (four experts a layer, two a token).
+# Blocks of one GPU batch of up to 2 sequences route first (four experts a layer, two a token).
 ROUTE_FIRST_POLICIES = {
     "experts-cpu": policy(experts=ON_CPU, gpu_batch_size=1, num_gpu_batches=1),
-    "experts-spread-rest-cpu": policy(weights=ON_CPU, experts=TierFractions(0.25, 0.5, 0.25), gpu_batch_size=3,
+    "experts-spread-rest-cpu": policy(weights=ON_CPU, experts=TierFractions(0.25, 0.5, 0.25), gpu_batch_size=2,
                                       num_gpu_batches=1),
     "experts-disk-cpu-attention": policy(weights=TierFractions(0, 0.5, 0.5), experts=ON_DISK, cache=ON_CPU,
                                          cpu_attention=True, gpu_batch_size=2, num_gpu_batches=1),
