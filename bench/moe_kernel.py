@@ -25,24 +25,7 @@ from timing import median_seconds  # noqa: E402
 from flexoff.models import moe  # noqa: E402
 from flexoff.models.registry import resolve_model_config  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
-
-
-def layer_weights(cfg, dtype, device) -> dict:
-    width, hidden, experts = cfg.expert_intermediate_size, cfg.hidden_size, cfg.num_experts
-    scale = hidden ** -0.5
-
-    def draw(*shape):
-        return (torch.randn(*shape, device=device) * scale).to(dtype)
-
-    w = {moe.ROUTER: draw(experts, hidden), moe.GATE_UP: draw(experts, 2 * width, hidden),
-         moe.DOWN: draw(experts, hidden, width)}
-    if cfg.shared_expert_intermediate_size:
-        shared = cfg.shared_expert_intermediate_size
-        w.update({"mlp.shared_expert.gate_proj.weight": draw(shared, hidden),
-                  "mlp.shared_expert.up_proj.weight": draw(shared, hidden),
-                  "mlp.shared_expert.down_proj.weight": draw(hidden, shared),
-                  "mlp.shared_expert_gate.weight": draw(1, hidden)})
-    return w
+from flexoff.sparse_kernel import layer_weights  # noqa: E402
 
 
 def main() -> None:

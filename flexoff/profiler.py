@@ -24,6 +24,7 @@ import torch
 
 from .errors import ConfigError
 from .host_overhead import host_overhead
+from .sparse_kernel import measure_sparse_rates
 from .planner.hardware import HardwareProfile, default_profile_path
 
 MiB = 1 << 20
@@ -395,6 +396,16 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
     log("the runtime's host time per layer")
     host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(compute, dtype)
+    sparse = ()
+    if use_cuda and not quick:
+        log("the routed experts of each mixture-of-experts shape")
+        # bfloat16: the mixtures' own dtype, which dtype auto runs them in on a GPU.
+        sparse, measurements["sparse_mlp"] = measure_sparse_rates(
+            compute, torch.bfloat16, lambda fn: _time(fn, compute, sizes.min_seconds), log=log)
+        notes["sparse_mlp_flop_per_s"] = ("measured: a sparse layer's routed experts as the runtime runs them "
+                                          "(routing, sort by expert, grouped matmuls, weighted sum), bfloat16, random "
+                                          "weights, each expert shape of the registry; FLOP/s of the experts a token "
+                                          "is routed to, by tokens routed together")
     share_under_copy = 1.0
     if use_cuda:
         log("CPU attention while pinned copies stream")
@@ -426,7 +437,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_cpu,
         disk_to_cpu_bandwidth=disk_read, cpu_to_disk_bandwidth=disk_write,
         disk_to_cpu_cached_bandwidth=cached_read,
-        matmul_flops=tuple((float(m), float(f)) for m, f in curve),
+        matmul_flops=tuple((float(m), float(f)) for m, f in curve), sparse_mlp_flops=sparse,
         prefill_attention_flops=attention["prefill_attention_flop_per_s"],
         decode_attention_flops=attention["decode_attention_flop_per_s"],
         gpu_memory_bandwidth=attention["gpu_memory_bytes_per_s"],

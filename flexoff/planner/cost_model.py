@@ -41,6 +41,7 @@ from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_reques
                       sampler_state_bytes, slab_bytes, sparse_mlp_bytes, step_state_bytes, weight_buffer_bytes,
                       weight_host_requests, working_bytes)
 from ..models.moe import chunk_tokens
+from .sparse_rate import expert_shape
 from ..models.config import ModelConfig
 from ..policy import TIERS, Policy, TierFractions
 # The frame types are named here too: code plans and predicts through this module.
@@ -85,6 +86,7 @@ class CostModel:
         self.routed_matmul_numel = layer_routed_matmul_numel(c)
         self.rows_per_expert = c.experts_per_token / c.num_experts if c.num_experts else 1.0
         self.chunk_tokens = chunk_tokens(c) if c.num_experts else 0
+        self.expert_shape = expert_shape(c)
         self.head_matmul_numel_per_layer = head_matmul_numel(c) / layers
         # The tensor a weight fraction splits is assembled whole (see weight_buffer_bytes). A MoE
         # layer's stacked experts are most of it, so at a small GPU share the cut falls inside them
@@ -124,13 +126,16 @@ class CostModel:
     def matmul_seconds(self, tokens: int, head_tokens: int, rows: int) -> float:
         """Seconds of one layer's matmuls over ``tokens`` tokens, and of its share of the head's over
         ``head_tokens``, in GPU batches of ``rows`` rows; a routed expert's matmul has its share of
-        the rows of one chunk of tokens (models.moe.chunk_tokens), and runs at that size's rate."""
+        the rows of one chunk of tokens (models.moe.chunk_tokens), and runs at the rate the profile
+        measured for the experts' shape at that chunk, or else at the dense rate of those rows."""
         shared = self.layer_matmul_numel - self.routed_matmul_numel
         hw = self.hardware
         seconds = 2 * (shared * tokens + self.head_matmul_numel_per_layer * head_tokens) / hw.matmul_flops_at(rows)
         if self.routed_matmul_numel:
-            routed_rows = min(rows, self.chunk_tokens) * self.rows_per_expert
-            seconds += 2 * self.routed_matmul_numel * tokens / hw.matmul_flops_at(routed_rows)
+            together = min(rows, self.chunk_tokens)
+            rate = (hw.sparse_mlp_flops_at(self.expert_shape, together)
+                    or hw.matmul_flops_at(together * self.rows_per_expert))
+            seconds += 2 * self.routed_matmul_numel * tokens / rate
         return seconds
 
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:

@@ -7,7 +7,6 @@ All quantities are in base units: bytes, bytes per second, FLOP per second, elem
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
 import os
@@ -18,6 +17,8 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..fileio import nothing_at, read_user_json, write_text_atomic
 from ..units import parse_size
+from .sparse_rate import KEY as SPARSE_KEY
+from .sparse_rate import SparseRate, loglog, parse_sparse_rates
 
 FORMAT_TAG = "flexoff-hardware-profile"
 FORMAT_VERSION = 1
@@ -101,6 +102,8 @@ class HardwareProfile:
     # router, the sort by expert, the grouped matmuls). 0: not measured.
     host_seconds_per_llama_layer: float = 0.0
     host_seconds_per_sparse_layer: float = 0.0
+    # A sparse layer's routed experts by shape (see sparse_rate); none measured: the dense curve.
+    sparse_mlp_flops: tuple[SparseRate, ...] = ()
     usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)
     # The runtime pins host memory where CUDA exists; the cache in slabs whose unused ends count too.
     pinned_host_memory: bool = True
@@ -140,15 +143,15 @@ class HardwareProfile:
         so FLOP/s fall in proportion; above the largest they stay flat.
         """
         points = self.matmul_flops
-        ms = [m for m, _ in points]
-        if rows <= ms[0]:
-            return points[0][1] * rows / ms[0]
-        if rows >= ms[-1]:
-            return points[-1][1]
-        i = bisect.bisect_right(ms, rows)
-        (m0, f0), (m1, f1) = points[i - 1], points[i]
-        t = (math.log(rows) - math.log(m0)) / (math.log(m1) - math.log(m0))
-        return math.exp(math.log(f0) + t * (math.log(f1) - math.log(f0)))
+        if rows <= points[0][0]:
+            return points[0][1] * rows / points[0][0]
+        return loglog(points, rows)
+
+    def sparse_mlp_flops_at(self, shape: tuple[int, int, int, int], tokens: float) -> float | None:
+        """FLOP/s of the routed experts of ``shape`` (sparse_rate.expert_shape) with ``tokens`` tokens
+        routed together, where the profile measured that shape; None where it did not."""
+        rate = next((r for r in self.sparse_mlp_flops if r.shape == tuple(shape)), None)
+        return None if rate is None else rate.flops_at(tokens, self.matmul_flops_at)
 
     def with_memory(self, gpu: int | None = None, cpu: int | None = None, disk: int | None = None) -> "HardwareProfile":
         """The same machine with some tier capacities replaced (``--gpu-mem`` and friends)."""
@@ -185,6 +188,8 @@ class HardwareProfile:
                     *HOST_EXTRA_FIELDS):
             if getattr(self, key) > 0:
                 compute[key] = getattr(self, key)
+        if self.sparse_mlp_flops:
+            compute[SPARSE_KEY] = [rate.to_dict() for rate in self.sparse_mlp_flops]
         return {
             "format": FORMAT_TAG,
             "version": FORMAT_VERSION,
@@ -292,7 +297,8 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         for k in _OPTIONAL_BANDWIDTH_FIELDS
     }
 
-    compute = _section(data, "compute", source, ("matmul_flop_per_s",) + _COMPUTE_FIELDS, _OPTIONAL_COMPUTE_FIELDS)
+    compute = _section(data, "compute", source, ("matmul_flop_per_s",) + _COMPUTE_FIELDS,
+                       _OPTIONAL_COMPUTE_FIELDS + (SPARSE_KEY,))
     rates = {k: _positive(compute[k], f"compute.{k}", source) for k in _COMPUTE_FIELDS}
     optional = {k: _positive(compute[k], f"compute.{k}", source) if compute.get(k) is not None else None
                 for k in _OPTIONAL_COMPUTE_FIELDS}
@@ -329,6 +335,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         host_seconds_per_step=optional["host_seconds_per_step"] or 0.0,
         **{key: optional[key] or 0.0 for key in HOST_EXTRA_FIELDS},
         matmul_flops=tuple(points),
+        sparse_mlp_flops=parse_sparse_rates(compute.get(SPARSE_KEY, []), source),
         prefill_attention_flops=rates["prefill_attention_flop_per_s"],
         decode_attention_flops=rates["decode_attention_flop_per_s"],
         gpu_memory_bandwidth=rates["gpu_memory_bytes_per_s"],
