@@ -94,3 +94,17 @@ def test_the_profiler_rates_a_shape_by_the_flops_of_the_experts_each_token_is_ro
     assert [f for _, f in rate.points] == [6 * 32 * 16 * 2 * t / 2.0 for t, _ in rate.points]
     assert [out.shape for out in calls] == [(int(t), 32) for t, _ in rate.points]
     assert raw["32x16x4x2"]["tokens"] == [t for t, _ in rate.points]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_profiler_times_routed_experts_in_bfloat16_by_the_grouped_kernel():
+    """What `flexoff profile` measures on a GPU: a rate for every point, rising from a decode-sized
+    call (64 tokens) to the shape's prefill chunk, where every expert gets many rows."""
+    from flexoff.profiler import _time
+
+    cfg = REGISTRY["qwen3-30b-a3b"].replace(hidden_size=512, expert_intermediate_size=256)
+    device = torch.device("cuda")
+    (rate,), _ = measure_sparse_rates(device, torch.bfloat16, lambda fn: _time(fn, device, 0.05), configs=[cfg])
+    flops = [f for _, f in rate.points]
+    assert all(f > 0 for f in flops) and flops[-1] > flops[0]
