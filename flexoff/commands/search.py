@@ -133,5 +133,9 @@ def run_profile(args) -> int:
           f"dequant {profile.gpu_dequant_throughput / 1e9:.3g} G elements/s "
           f"(KV rows {profile.kv_dequant_throughput / 1e9:.3g}; CPU {profile.cpu_dequant_throughput / 1e9:.3g}); "
           f"quantizing a prefill's cache {profile.kv_quant_throughput / 1e9:.3g} G elements/s")
+    for rate in profile.sparse_mlp_flops:
+        points = ", ".join(f"{t:g}: {f / 1e12:.3g}" for t, f in rate.points)
+        print(f"  routed experts {'x'.join(map(str, rate.shape))} (hidden x width x experts x a token), "
+              f"TFLOP/s by tokens routed together {points}")
     print(f"wrote {output} in {time.perf_counter() - started:.1f} s")
     return 0

@@ -115,6 +115,24 @@ def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
     assert "wrote" in out
 
 
+def test_profile_prints_the_routed_experts_it_measured(capsys, tmp_path, monkeypatch):
+    """A GPU's profile lists each expert shape's rates (measured only on CUDA, so stood in for here)."""
+    from dataclasses import replace
+
+    from flexoff import profiler
+    from flexoff.planner.hardware import packaged_profile
+    from flexoff.planner.sparse_rate import SparseRate
+
+    rate = SparseRate((4096, 14336, 8, 2), ((512.0, 2.1e14), (4096.0, 5.2e14)))
+    measured = replace(packaged_profile("h100"), sparse_mlp_flops=(rate,))
+    monkeypatch.setattr(profiler, "profile_machine", lambda **kwargs: measured)
+    output = tmp_path / "hw.json"
+    code, out, err = run(["profile", "--output", str(output)], capsys)
+    assert code == 0, err
+    assert "routed experts 4096x14336x8x2" in out and "512: 210, 4096: 520" in out
+    assert HardwareProfile.load(output).sparse_mlp_flops == (rate,)
+
+
 @pytest.mark.parametrize("model, compress", [("opt-175b", "on"), ("opt-30b", "off")])
 def test_the_frontier_plots_tick_labels_do_not_overlap_and_its_title_names_workload_and_cap(model, compress):
     pytest.importorskip("matplotlib")
