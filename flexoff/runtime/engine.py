@@ -190,6 +190,8 @@ class Engine:
         self._execute(batches, max_new, sample)
         self._sync()
         end = time.perf_counter()
+        # GPU bytes of new keys and values kept for the store stream's copies to host rows, at most.
+        self.memory.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
         metrics.prefill_time = clock["prefill_end"] - clock["start"]
         metrics.decode_time = end - clock["prefill_end"]
         # Prompt tokens the prefill computed: rows sharing a prompt in a GPU batch count it once.

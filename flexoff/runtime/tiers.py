@@ -182,6 +182,9 @@ class StoreQueue:
         self._queue: deque = deque()  # (event, bytes held)
         self._held = 0
         self._largest = 0
+        # The most bytes held by stores not yet seen to have passed: the memory estimate reserves
+        # HOST_JOBS_IN_FLIGHT prefills' worth; this says how much of it a run used.
+        self.peak = 0
 
     def add(self, event, nbytes: int) -> None:
         self._largest = max(self._largest, nbytes)
@@ -191,6 +194,7 @@ class StoreQueue:
             oldest, size = self._queue.popleft()
             oldest.synchronize()
             self._held -= size
+        self.peak = max(self.peak, self._held)
 
 
 class _Nothing:

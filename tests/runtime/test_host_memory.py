@@ -145,3 +145,28 @@ def test_store_queue_waits_only_when_stores_hold_more_than_three_prefills():
     queue.add(_Event(waited, "big"), 1000)
     # Over 3 x 1000 again: the oldest decode stores are waited for until the rest fit.
     assert waited == ["prefill0"] + [f"decode{i}" for i in range(100)]
+    assert queue.peak == 3000  # never more held than three prefills'
+
+
+def test_the_store_queue_peak_counts_only_stores_not_yet_seen_to_pass():
+    waited: list = []
+    queue = tiers.StoreQueue()
+    first, second = _Event(waited, "first"), _Event(waited, "second")
+    queue.add(first, 1000)
+    first.done = True
+    queue.add(second, 1000)  # the first has passed: let go before the second is counted with it
+    assert queue.peak == 1000 and waited == []
+
+
+@pytest.mark.gpu
+def test_a_travelling_caches_stores_hold_at_most_what_the_estimate_reserves(tiny_model_dir, tmp_path):
+    """Prefill keys and values bound for CPU rows wait on the GPU for the store stream's copies: a run
+    reports the most they held, which is some, and at most the three prefills' worth the layout reserves."""
+    policy = Policy(4, 2, TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(1, 0, 0))
+    path, _ = tiny_model_dir("opt-post-proj")
+    prompt = 5
+    with LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float16", device="cuda") as llm:
+        result = llm.generate([[7] * prompt] * policy.block_size, SamplingParams(max_new_tokens=3, ignore_eos=True))
+        cfg = llm.config
+    one_prefill = 2 * policy.gpu_batch_size * prompt * cfg.num_kv_heads * cfg.head_dim * 2  # keys and values, fp16
+    assert 0 < result.metrics.peak_memory["gpu_store_stream_peak"] <= 3 * one_prefill
