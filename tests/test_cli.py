@@ -315,7 +315,7 @@ def test_the_summary_names_the_tiers_as_they_are_and_tells_where_every_weight_is
     assert lines["peak mem   "].startswith("peak mem   ram ") and "the device (cpu) and cpu tiers" in lines["peak mem   "]
     assert printed["ram"] == pytest.approx(peaks["cpu_rss"], rel=5e-3)
     assert printed["disk"] == pytest.approx(peaks["disk"], rel=5e-3)
-    assert "cpu_weights" not in lines["peak mem   "]
+    assert "cpu_weights" not in lines["peak mem   "] and "gpu_store_stream_peak" not in lines["peak mem   "]
 
 
 def test_memory_running_out_past_the_plan_is_one_line(tiny_model_dir, tmp_path, capsys, monkeypatch):

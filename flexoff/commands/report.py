@@ -218,6 +218,7 @@ def format_summary(llm, metrics) -> str:
     placement = llm.engine.placement_report
     peaks = dict(metrics.peak_memory)
     peaks.pop("cpu_weights", None)  # the weights line says where every weight is
+    peaks.pop("gpu_store_stream_peak", None)  # a share of the GPU peak, for the calibration
     ram = f"ram {format_size(peaks.pop('cpu_rss', 0))} (process rss"
     ram += f": the {tier_name('gpu', llm.device)} and cpu tiers)" if llm.device.type != "cuda" else ": the cpu tier)"
     memory = [f"{tier_name('gpu', llm.device)} {format_size(peaks.pop('gpu'))}"] if "gpu" in peaks else []
