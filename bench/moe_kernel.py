@@ -25,6 +25,7 @@ from timing import median_seconds  # noqa: E402
 from flexoff.models import moe  # noqa: E402
 from flexoff.models.registry import resolve_model_config  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
+from flexoff.planner.sparse_rate import active_flops_per_token, expert_shape  # noqa: E402
 from flexoff.sparse_kernel import layer_weights  # noqa: E402
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     w = layer_weights(cfg, dtype, device)
     x = torch.randn(1, args.tokens, cfg.hidden_size, device=device).to(dtype)
     k, experts = cfg.experts_per_token, cfg.num_experts
-    active = 2 * 3 * cfg.hidden_size * cfg.expert_intermediate_size * k  # FLOPs a token, routed experts
+    active = active_flops_per_token(expert_shape(cfg))
     hw = resolve_hardware(args.hardware) if args.hardware else None
     print(f"{args.model}: one sparse layer, {args.tokens} tokens, {args.dtype} on {args.device}, "
           f"{experts} experts, {k} a token; TFLOP/s of the active experts")

@@ -3,8 +3,8 @@
 One model with its experts in CPU memory (4-bit with --compress), blocks of one GPU batch of N
 sequences (N = 1, 2, 4, ... up to --max-rows), each run twice: with route-first loading forced on
 and forced off. Prints decode token/s of each and the time route-first saves; the runtime keeps it
-only where the uniform estimate says a decode step leaves at least 10% of the experts untouched
-(``flexoff.layout.routes_first``).
+only where the experts the uniform estimate leaves untouched, less route-first's measured cost, are
+at least 10% of them (``flexoff.layout.routes_first``).
 
     python bench/route_first.py --model mixtral-8x7b --compress --max-rows 16
 """
