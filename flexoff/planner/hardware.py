@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from ..fileio import nothing_at, read_user_json, write_text_atomic
 from ..units import parse_size
 from .sparse_rate import KEY as SPARSE_KEY
-from .sparse_rate import SparseRate, loglog, parse_sparse_rates
+from .sparse_rate import SHAPE_KEYS, SparseRate, loglog
 
 FORMAT_TAG = "flexoff-hardware-profile"
 FORMAT_VERSION = 1
@@ -256,6 +256,41 @@ def _section(data: dict, key: str, source: str, required: tuple, optional: tuple
     return section
 
 
+def _curve(value, where: str, source: str, unit: str) -> tuple[tuple[float, float], ...]:
+    """A non-empty list of [x, FLOP/s] pairs of positive numbers, x (a count of ``unit``s) strictly
+    increasing."""
+    if not isinstance(value, list) or not value:
+        raise ConfigError(f"{source}: field {where!r} must be a non-empty list of [{unit}s, FLOP/s] pairs")
+    points = []
+    for i, point in enumerate(value):
+        if not isinstance(point, list) or len(point) != 2:
+            raise ConfigError(f"{source}: field '{where}[{i}]' must be a [{unit}s, FLOP/s] pair, got {point!r}")
+        points.append((_positive(point[0], f"{where}[{i}][0]", source), _positive(point[1], f"{where}[{i}][1]", source)))
+    xs = [x for x, _ in points]
+    if xs != sorted(xs) or len(set(xs)) != len(xs):
+        raise ConfigError(f"{source}: field {where!r} must list strictly increasing {unit} counts")
+    return tuple(points)
+
+
+def _sparse_rates(value, source: str) -> tuple[SparseRate, ...]:
+    """The routed experts' rates by shape (see sparse_rate), each malformed field named."""
+    where = f"compute.{SPARSE_KEY}"
+    if not isinstance(value, list):
+        raise ConfigError(f"{source}: field {where!r} must be a list of measured expert shapes")
+    rates = []
+    for i, entry in enumerate(value):
+        at = f"{where}[{i}]"
+        if not isinstance(entry, dict) or set(entry) != {*SHAPE_KEYS, "points"}:
+            raise ConfigError(f"{source}: field {at!r} must be an object with {', '.join(SHAPE_KEYS)} and points")
+        for key in SHAPE_KEYS:
+            number = entry[key]
+            if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
+                raise ConfigError(f"{source}: field '{at}.{key}' must be a positive integer, got {number!r}")
+        rates.append(SparseRate(tuple(entry[key] for key in SHAPE_KEYS),
+                                _curve(entry["points"], f"{at}.points", source, "token")))
+    return tuple(rates)
+
+
 def _parse_profile(data, source: str) -> HardwareProfile:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a hardware profile must be a JSON object")
@@ -305,19 +340,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
     share = optional["cpu_attention_share_under_copy"]
     if share is not None and share > 1:
         raise ConfigError(f"{source}: field 'compute.cpu_attention_share_under_copy' must be at most 1, got {share}")
-    curve = compute["matmul_flop_per_s"]
-    where = "compute.matmul_flop_per_s"
-    if not isinstance(curve, list) or not curve:
-        raise ConfigError(f"{source}: field {where!r} must be a non-empty list of [rows, FLOP/s] pairs")
-    points = []
-    for i, point in enumerate(curve):
-        if not isinstance(point, list) or len(point) != 2:
-            raise ConfigError(f"{source}: field '{where}[{i}]' must be a [rows, FLOP/s] pair, got {point!r}")
-        rows = _positive(point[0], f"{where}[{i}][0]", source)
-        points.append((rows, _positive(point[1], f"{where}[{i}][1]", source)))
-    ms = [m for m, _ in points]
-    if ms != sorted(ms) or len(set(ms)) != len(ms):
-        raise ConfigError(f"{source}: field {where!r} must list strictly increasing row counts")
+    points = _curve(compute["matmul_flop_per_s"], "compute.matmul_flop_per_s", source, "row")
 
     return HardwareProfile(
         name=name,
@@ -334,8 +357,8 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         host_seconds_per_layer=optional["host_seconds_per_layer"] or 0.0,
         host_seconds_per_step=optional["host_seconds_per_step"] or 0.0,
         **{key: optional[key] or 0.0 for key in HOST_EXTRA_FIELDS},
-        matmul_flops=tuple(points),
-        sparse_mlp_flops=parse_sparse_rates(compute.get(SPARSE_KEY, []), source),
+        matmul_flops=points,
+        sparse_mlp_flops=_sparse_rates(compute.get(SPARSE_KEY, []), source),
         prefill_attention_flops=rates["prefill_attention_flop_per_s"],
         decode_attention_flops=rates["decode_attention_flop_per_s"],
         gpu_memory_bandwidth=rates["gpu_memory_bytes_per_s"],

@@ -15,11 +15,9 @@ import bisect
 import math
 from dataclasses import dataclass
 
-from ..errors import ConfigError
 from ..models.config import ModelConfig
 
 KEY = "sparse_mlp_flop_per_s"  # in a profile's compute section
-FIELD = f"compute.{KEY}"
 SHAPE_KEYS = ("hidden", "width", "experts", "per_token")
 
 
@@ -66,34 +64,3 @@ class SparseRate:
 
     def to_dict(self) -> dict:
         return {**dict(zip(SHAPE_KEYS, self.shape)), "points": [[t, f] for t, f in self.points]}
-
-
-def parse_sparse_rates(value, source: str) -> tuple[SparseRate, ...]:
-    """The profile's list of measured shapes; a ConfigError naming the field where one is malformed."""
-    if not isinstance(value, list):
-        raise ConfigError(f"{source}: field {FIELD!r} must be a list of measured expert shapes")
-    rates = []
-    for i, entry in enumerate(value):
-        where = f"{FIELD}[{i}]"
-        if not isinstance(entry, dict) or set(entry) != {*SHAPE_KEYS, "points"}:
-            raise ConfigError(f"{source}: field {where!r} must be an object with {', '.join(SHAPE_KEYS)} and points")
-        shape = []
-        for key in SHAPE_KEYS:
-            number = entry[key]
-            if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
-                raise ConfigError(f"{source}: field '{where}.{key}' must be a positive integer, got {number!r}")
-            shape.append(number)
-        points = entry["points"]
-        if not isinstance(points, list) or not points or not all(
-                isinstance(p, list) and len(p) == 2 and all(_positive(v) for v in p) for p in points):
-            raise ConfigError(f"{source}: field '{where}.points' must be a non-empty list of [tokens, FLOP/s] "
-                              "pairs of positive numbers")
-        tokens = [p[0] for p in points]
-        if tokens != sorted(set(tokens)):
-            raise ConfigError(f"{source}: field '{where}.points' must list strictly increasing token counts")
-        rates.append(SparseRate(tuple(shape), tuple((float(t), float(f)) for t, f in points)))
-    return tuple(rates)
-
-
-def _positive(value) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0

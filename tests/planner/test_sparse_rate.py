@@ -44,7 +44,7 @@ def test_the_profile_keeps_its_measured_shapes_through_json(make_hardware):
     ({"hidden": 4096, "width": 14336, "experts": 8, "points": [[1, 1]]}, "sparse_mlp_flop_per_s[0]'"),
     ({"hidden": 4096, "width": 14336, "experts": 0, "per_token": 2, "points": [[1, 1]]}, "[0].experts'"),
     ({"hidden": 4096, "width": 14336, "experts": 8, "per_token": 2, "points": []}, "[0].points'"),
-    ({"hidden": 4096, "width": 14336, "experts": 8, "per_token": 2, "points": [[1, -5]]}, "[0].points'"),
+    ({"hidden": 4096, "width": 14336, "experts": 8, "per_token": 2, "points": [[1, -5]]}, "[0].points[0][1]'"),
     ({"hidden": 4096, "width": 14336, "experts": 8, "per_token": 2, "points": [[8, 1], [4, 1]]}, "[0].points'"),
 ])
 def test_a_malformed_shape_names_its_field(make_hardware, entry, field):
