@@ -17,6 +17,7 @@ from .batch import GpuBatch, Sequence
 from .interpreter import BlockInterpreter, HeadHook, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, check_fits, job_bytes, logprob_positions, pins_host_memory, weight_bytes
+from .memory import grow_segments_in_place
 from .metrics import MemoryMeter, Metrics
 from ..policy import Policy
 from .sampler import BatchSampler, prompt_ranked
@@ -49,6 +50,7 @@ class Engine:
         self.seed = seed
         self.capacity = capacity or Capacity(None, None, None)
         self.stages = stages(cfg)
+        grow_segments_in_place(device)
         self.memory = MemoryMeter(device)
         self.streams = Streams(device, policy.overlap)
         # Host-side cache work (see kv.py), on one thread for the engine's lifetime.
