@@ -149,6 +149,7 @@ def meta_model(cfg, empty_weights=None):
     config, model_class = hf_config(cfg)
     with empty_weights():
         model = model_class(config).to(torch.float16)
+    model.tie_weights()  # transformers 5 leaves a tied head its own parameter when built on meta
     built, expected = sum(p.numel() for p in model.parameters()), parameter_count(cfg)
     if built != expected:
         raise Unmapped(f"transformers {transformers.__version__}'s {model_class.__name__} has {built:,} "
