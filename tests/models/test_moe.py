@@ -73,7 +73,9 @@ def test_bad_expert_percent_is_one_line(flag, message, capsys):
 
 
 def test_long_prefills_route_in_chunks_with_the_same_result(monkeypatch):
-    """Chunking the tokens (to bound the layer's transient memory) changes no output."""
+    """Chunking the tokens (to bound the layer's transient memory) changes no output, but for the
+    float32 rounding of a matmul library blocking other row counts otherwise: within a millionth
+    of the output's scale."""
     cfg = REGISTRY["mixtral-8x7b"].replace(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4,
                                            expert_intermediate_size=16)
     generator = torch.Generator().manual_seed(1)
@@ -82,7 +84,8 @@ def test_long_prefills_route_in_chunks_with_the_same_result(monkeypatch):
     x = torch.randn(3, 7, 32, generator=generator)
     whole = moe.sparse_mlp(cfg, w, x)
     monkeypatch.setattr(moe, "chunk_tokens", lambda cfg: 4)
-    torch.testing.assert_close(moe.sparse_mlp(cfg, w, x), whole, rtol=1e-5, atol=1e-5)
+    scale = whole.abs().max().item()
+    torch.testing.assert_close(moe.sparse_mlp(cfg, w, x), whole, rtol=1e-5, atol=1e-6 * scale)
 
 
 def test_auto_dtype_is_the_models_own_on_cuda(tiny_model_dir, tmp_path):
