@@ -27,15 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_policy import add_policy_args, policy_from_args  # noqa: E402
 from flexoff import LLM, SamplingParams  # noqa: E402
-from flexoff.models import resolve_model_config  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
-from flexoff.planner.hardware import resolve_hardware  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
-from flexoff.planner.search import search_policy  # noqa: E402
-from flexoff.policy import Policy  # noqa: E402
 from flexoff.runtime.schedule import LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, SYNC  # noqa: E402
-from flexoff.units import parse_size  # noqa: E402
 
 LOADS = (LOAD_WEIGHTS, LOAD_CACHE, LOAD_ACTIVATION)
 
@@ -269,20 +265,10 @@ def print_syncs(run) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="opt-30b")
-    parser.add_argument("--policy", choices=["auto"], help="search the policy (with --hardware and the caps)")
-    parser.add_argument("--policy-file", help="a policy JSON (flexoff search --output)")
-    parser.add_argument("--compress", default="off", choices=["off", "auto", "on"])
-    parser.add_argument("--hardware", default="h100")
-    parser.add_argument("--gpu-mem")
-    parser.add_argument("--cpu-mem")
-    parser.add_argument("--prompt-len", type=int, default=512)
+    add_policy_args(parser)
     parser.add_argument("--gen-len", type=int, default=4)
-    parser.add_argument("--num-prompts", type=int, help="default: one block of the policy")
-    parser.add_argument("--plan-gen-len", type=int, default=32, help="tokens generated in the searched workload")
     parser.add_argument("--kernels", action="store_true",
                         help="also profile a 2-token run with torch.profiler and print the top GPU kernels")
-    parser.add_argument("--offload-dir", default="/tmp")
     parser.add_argument("--layers", type=int, default=2, help="layers of the last token to print step by step")
     parser.add_argument("--cprofile", action="store_true",
                         help="also run a 2-token generation under cProfile (the main thread's Python time)")
@@ -295,14 +281,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("decode_timeline needs CUDA (the timeline is of the GPU's streams)")
-    config = resolve_model_config(args.model)
-    caps = [parse_size(v) if v else None for v in (args.gpu_mem, args.cpu_mem)]
-    hardware = resolve_hardware(args.hardware).with_memory(*caps)
-    if args.policy_file:
-        policy = Policy.load(args.policy_file)
-    else:
-        workload = Workload(args.prompt_len, args.plan_gen_len, args.num_prompts)
-        policy = search_policy(config, workload, hardware, compress=args.compress).policy
+    config, hardware, policy = policy_from_args(args)
     num_prompts = args.num_prompts or policy.block_size
     workload = Workload(args.prompt_len, args.gen_len, num_prompts)
     predicted = CostModel(config, workload, hardware).predict(policy)

@@ -183,30 +183,43 @@ def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: i
     return files * policy.num_gpu_batches
 
 
+def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int) -> dict[str, int]:
+    """One block's GPU memory by what holds it; ``block_bytes`` counts their sum on the GPU."""
+    rows = policy.gpu_batch_size
+    activation_rows = sum(p.stop - p.start for p in split_rows(rows, policy.activations) if p.tier == "gpu")
+    # The host worker's queued prefill jobs (and the store stream's copies) each keep one batch's
+    # new keys and values of the rows stored in host memory on the GPU until copied.
+    off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
+    per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return {
+        "kv cache and workspace": kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize)["gpu"],
+        "activations": activation_rows * prompt_len * cfg.hidden_size * itemsize * policy.num_gpu_batches,
+        # the largest step, one batch at a time
+        "working memory": working_bytes(cfg, rows * prompt_len, rows, itemsize),
+        "step state": policy.num_gpu_batches * step_state_bytes(cfg, rows, prompt_len, prompt_len, itemsize),
+        # kept for every sequence of the block
+        "samplers": sampler_state_bytes(policy.block_size, cfg.vocab_size),
+        "stores in flight": HOST_JOBS_IN_FLIGHT * per_job,
+    }
+
+
 def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
                 pinned: bool = False) -> dict[str, int]:
     """KV cache, activations and working memory of one full block, per tier. ``pinned``: host
     memory is pinned, so its figure is the slabs the block's allocations take."""
     sizes = kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize)
-    rows = policy.gpu_batch_size
     hidden_per_row = prompt_len * cfg.hidden_size * itemsize
-    for piece in split_rows(rows, policy.activations):
-        tier = "cpu" if piece.tier == "disk" else piece.tier  # disk rows are staged through host memory
-        sizes[tier] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
+    for piece in split_rows(policy.gpu_batch_size, policy.activations):
+        if piece.tier == "gpu":
+            continue  # among the GPU parts
+        # disk rows are staged through host memory
+        sizes["cpu"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
         if piece.tier == "disk":
             sizes["disk"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
     if pinned:
         sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize))
-    # Working memory of the largest step, one batch at a time, and the samplers' state, kept for
-    # every sequence of the block.
-    sizes["gpu"] += working_bytes(cfg, rows * prompt_len, rows, itemsize)
-    sizes["gpu"] += policy.num_gpu_batches * step_state_bytes(cfg, rows, prompt_len, prompt_len, itemsize)
-    sizes["gpu"] += sampler_state_bytes(policy.block_size, cfg.vocab_size)
-    # The host worker's queued prefill jobs each keep one batch's new keys and values of the rows
-    # they store in host memory on the GPU until copied, through two pinned chunks.
-    off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
-    if off_gpu:
-        per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
-        sizes["gpu"] += HOST_JOBS_IN_FLIGHT * per_job
-        sizes["cpu"] += 2 * HOST_CHUNK
+    parts = block_gpu_parts(cfg, policy, prompt_len, gen_len, itemsize)
+    sizes["gpu"] = sum(parts.values())
+    if parts["stores in flight"]:
+        sizes["cpu"] += 2 * HOST_CHUNK  # the host worker's pinned chunks
     return sizes
