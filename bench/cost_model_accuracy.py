@@ -43,7 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.calibration import report  # noqa: E402
+from bench.calibration import repredict  # noqa: E402
 from bench.calibration.cases import CASES, resolve, select  # noqa: E402
+from bench.calibration.repredict import GPU_RATES  # noqa: E402
 from bench.calibration.grid import neighbours  # noqa: E402
 from bench.calibration.runner import device_info, measure, measure_profile  # noqa: E402
 from flexoff.errors import FlexoffError  # noqa: E402
@@ -209,6 +211,18 @@ def print_report(files: list[str]) -> int:
     return 0
 
 
+def print_repredicted(files: list[str], name: str, fields: list[str], parser) -> int:
+    other = resolve_hardware(name)
+    print(f"\nre-predicted with {', '.join(fields)} from {other.name} ({other.source})\n")
+    print(repredict.HEADER + "\n" + report.separator(repredict.HEADER))
+    for file in files:
+        try:
+            print("\n".join(repredict.rows(json.loads(Path(file).read_text()), other, fields)))
+        except ValueError as exc:
+            parser.error(str(exc))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="h100", help="packaged profile name or profile JSON (default h100)")
@@ -242,9 +256,20 @@ def main() -> int:
                         help="disk tier directory (default $FLEXOFF_OFFLOAD_DIR or the temp dir)")
     parser.add_argument("--json", default=None, metavar="FILE", help="write every prediction and measurement")
     parser.add_argument("--report", nargs="+", metavar="FILE", help="print the tables of earlier --json files")
+    parser.add_argument("--repredict", metavar="PROFILE",
+                        help="with --report: predict the recorded runs again with this profile's figures (packaged "
+                             "name or JSON) in place of the recorded profile's: those of --repredict-field, or its "
+                             "GPU kernel rates")
+    parser.add_argument("--repredict-field", action="append", metavar="SECTION.KEY",
+                        help="a figure to take from --repredict's profile, e.g. compute.matmul_flop_per_s (repeatable)")
     args = parser.parse_args()
+    if args.repredict and not args.report:
+        parser.error("--repredict needs --report FILE...")
     if args.report:
-        return print_report(args.report)
+        code = print_report(args.report)
+        if args.repredict:
+            code = print_repredicted(args.report, args.repredict, args.repredict_field or list(GPU_RATES), parser)
+        return code
 
     card = None
     if not args.predict_only:
