@@ -26,9 +26,15 @@ Data the schedule depends on comes back through ``active`` (which batches still 
 between steps; the generator stays a function of its inputs. Later steps decided by data use the
 same two parts: mixture-of-experts routing is a ROUTE step (the router runs) followed by
 LOAD_WEIGHTS steps that name the stage and a slot of the routing result, not the expert itself,
-so the interpreter resolves the target when it runs the load; pipeline stages are SEND and RECV
-steps of a batch's activations, emitted at the edges of the stages a device owns, with the peer in
-the step. Each new kind is one more handler in the interpreter's table.
+so the interpreter resolves the target when it runs the load. Each new kind is one more handler in
+the interpreter's table.
+
+A pipeline stage runs a contiguous range of the stages (``BlockShape.first_stage`` up to
+``stop_stage``) in the same order: RECV_ACTIVATION before the first stage here of each batch,
+SEND_ACTIVATION after the last (once its attention has finished), and, where the head and the
+embedding are on different devices, SEND_TOKENS after each HEAD but the last token's and
+RECV_TOKENS before the embedding of the next token. A receive comes only after every send this
+device owes, so no two devices wait on each other. The engine does not run a range yet.
 """
 
 from __future__ import annotations
@@ -47,6 +53,13 @@ STORE_ACTIVATION = "store_activation"
 RELEASE_WEIGHTS = "release_weights"
 HEAD = "head"
 SYNC = "sync"
+# Pipeline stages (a contiguous range of the model's stages per device): a batch's hidden state
+# crosses to the next device after the last stage it owns here, and the sampled tokens go from the
+# device owning the head back to the one owning the embedding.
+SEND_ACTIVATION = "send_activation"
+RECV_ACTIVATION = "recv_activation"
+SEND_TOKENS = "send_tokens"
+RECV_TOKENS = "recv_tokens"
 
 
 class Step(NamedTuple):  # a tuple: made for every step of every block, it must be cheap
@@ -67,6 +80,12 @@ class BlockShape:
     cpu_attention: frozenset[int] = frozenset()  # batches whose decode attention runs on the host worker
     travelling_cache: frozenset[int] = frozenset()  # batches whose cache is loaded to the GPU for decode
     offloaded_activations: frozenset[int] = frozenset()  # batches whose activations leave the GPU between stages
+    first_stage: int = 0  # the stages this device runs: first_stage up to stop_stage
+    stop_stage: int | None = None  # None: to the last stage
+
+    @property
+    def owned(self) -> range:
+        return range(self.first_stage, self.num_stages if self.stop_stage is None else self.stop_stage)
 
 
 def zig_zag(shape: BlockShape) -> Iterator[Step]:
@@ -74,13 +93,14 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
     ahead, each batch's cache and activation loads one batch ahead of its compute, and its
     activation store one batch behind. Stage 0 (fed token ids) loads no activations and the last
     stage (which samples) stores none; caches load only to decode."""
-    num_tokens, num_stages, num_batches = shape.num_tokens, shape.num_stages, shape.num_batches
-    last_stage = num_stages - 1
-    order = [(i, j, k) for i in range(num_tokens) for j in range(num_stages) for k in range(num_batches)]
+    num_tokens, num_batches, owned = shape.num_tokens, shape.num_batches, shape.owned
+    first, last_stage = owned.start, owned.stop - 1
+    order = [(i, j, k) for i in range(num_tokens) for j in owned for k in range(num_batches)]
     loaded_activations: set[tuple[int, int, int]] = set()
 
     def activation_load(i: int, j: int, k: int) -> Iterator[Step]:
-        if j > 0 and k in shape.offloaded_activations and (i, j, k) not in loaded_activations:
+        # The first stage here is fed token ids (stage 0) or the previous device's hidden state.
+        if j > first and k in shape.offloaded_activations and (i, j, k) not in loaded_activations:
             loaded_activations.add((i, j, k))
             yield Step(LOAD_ACTIVATION, i, j, k)
 
@@ -93,12 +113,12 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
             yield Step(STORE_ACTIVATION, i, j, k)
 
     if order:
-        yield Step(LOAD_WEIGHTS, 0, 0)
+        yield Step(LOAD_WEIGHTS, 0, first)
         yield from cache_load(*order[0])
         yield from activation_load(*order[0])
     for position, (i, j, k) in enumerate(order):
         if k == 0:
-            next_stage = (i, j + 1) if j < last_stage else (i + 1, 0)
+            next_stage = (i, j + 1) if j < last_stage else (i + 1, first)
             if next_stage[0] < num_tokens:
                 yield Step(LOAD_WEIGHTS, *next_stage)
         if position > 0:
@@ -111,7 +131,13 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
             if (ni, nj - 1, nk) != (i, j, k):
                 yield from activation_load(ni, nj, nk)
         yield from activation_load(i, j, k)
+        if j == first and first > 0:
+            yield Step(RECV_ACTIVATION, i, j, k)
+        elif j == 0 and i > 0 and last_stage < shape.num_stages - 1:
+            yield Step(RECV_TOKENS, i, j, k)  # the tokens sampled at i - 1, from the head's device
         yield Step(COMPUTE, i, j, k)
+        if j == last_stage < shape.num_stages - 1:
+            yield Step(SEND_ACTIVATION, i, j, k)
     if order:
         yield from store(*order[-1])
 
@@ -123,27 +149,36 @@ def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> I
     it is read before each of the batch's steps. None: every batch runs to the end.
     """
     last = shape.num_stages - 1
+    # The head's device tells the embedding's device each batch's tokens, unless it is the same one.
+    sends_tokens = shape.owned.start > 0
     batches = range(shape.num_batches)
     active = [True] * shape.num_batches if active is None else active
     pending: dict[int, tuple[int, int]] = {}  # batch -> (token, stage) of its half-run layer
-    store_on_finish: set[int] = set()  # batches whose activation store waits for their finish
+    leave_on_finish: dict[int, str] = {}  # batch -> the store or send of its output, waiting for its finish
     deferred: list[Step] = []  # weight loads waiting for the buffers they overwrite
 
     def finish(k: int) -> Iterator[Step]:
         if k in pending:
             token, stage = pending.pop(k)
             yield Step(FINISH_ATTENTION, token, stage, k)
-            if k in store_on_finish:
-                store_on_finish.discard(k)
-                yield Step(STORE_ACTIVATION, token, stage, k)
+            if k in leave_on_finish:
+                yield Step(leave_on_finish.pop(k), token, stage, k)
             yield Step(RELEASE_WEIGHTS, token, stage, k)
+
+    owned = shape.owned
+
+    def before(stage: int) -> int:
+        """The stage loaded just before ``stage``: the last one here comes before the first."""
+        return stage - 1 if stage > owned.start else owned.stop - 1
 
     def issue_loads() -> Iterator[Step]:
         # A load may reuse any stage's buffers but those of the stage just before it.
-        while deferred and all(stage == deferred[0].stage - 1 for _, stage in pending.values()):
+        while deferred and all(stage == before(deferred[0].stage) for _, stage in pending.values()):
             yield deferred.pop(0)
 
     for step in zig_zag(shape):
+        if not any(active):  # on a device without the head, batches finish as its peers say
+            break
         if step.kind == LOAD_WEIGHTS:
             deferred.append(step)
             yield from issue_loads()
@@ -153,12 +188,16 @@ def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> I
             continue
         if step.kind == LOAD_CACHE:
             yield step
-        elif step.kind == LOAD_ACTIVATION:
+        elif step.kind in (LOAD_ACTIVATION, RECV_ACTIVATION, RECV_TOKENS):
+            if step.kind != LOAD_ACTIVATION:
+                # A receive may wait on a peer that waits for what this device has yet to send.
+                for other in [b for b, kind in leave_on_finish.items() if kind == SEND_ACTIVATION]:
+                    yield from finish(other)
             yield from finish(k)
             yield step
-        elif step.kind == STORE_ACTIVATION:
+        elif step.kind in (STORE_ACTIVATION, SEND_ACTIVATION):
             if k in pending:
-                store_on_finish.add(k)
+                leave_on_finish[k] = step.kind
             else:
                 yield step
         elif step.kind == COMPUTE:
@@ -180,6 +219,10 @@ def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> I
                 yield from issue_loads()
             if j == last:
                 yield Step(HEAD, i, j, k)
+                if sends_tokens and i < shape.num_tokens - 1:
+                    yield Step(SEND_TOKENS, i, j, k)  # sent whether or not the batch finished here
                 if not any(active):
                     break
+    for k in list(pending):  # a device without the head ends on a decoder layer
+        yield from finish(k)
     yield Step(SYNC)
