@@ -1,8 +1,8 @@
 """Weights placed across tiers, and streamed to the compute device a stage ahead of use.
 
 Tensors wholly on the GPU are used in place. The others are assembled, before their stage runs, in
-a GPU buffer: decoder layers share a ring of two buffer sets (one computing, one loading), the
-embedding and head stages have one set each. Host pieces are copied on the load stream; disk pieces
+a GPU buffer: decoder layers share a ring of two buffer sets (one computing, one loading; a load
+takes the set loaded longest ago), the embedding and head stages have one set each. Host pieces are copied on the load stream; disk pieces
 are read by the disk tier's threads into pinned staging, then copied.
 
 With weight compression, matrices are quantized as they are loaded (one tensor at a time) and
@@ -102,6 +102,7 @@ class _BufferSet:
     ready: object = None  # event: the loads are done
     free: object = None  # event: the last compute that read these buffers is done
     pending: object = None  # future of a load running on the disk threads
+    loaded: int = -1  # when a load last began here, counted in loads of the stage kind
 
 
 class StageWeights(Mapping):
@@ -166,6 +167,7 @@ class TieredWeights:
         self._disk = disk
         self.placements = stage_placements(cfg, policy)
         self._route_first = False  # for the block being run: see begin_block
+        self._loads = 0  # loads begun into the buffer sets (_set_for takes the one loaded longest ago)
         self._fractions = (policy.weights, policy.expert_fractions)
         self.bytes = {tier: 0 for tier in TIERS}
         self._stages: dict[Stage, _StagePieces] = {}
@@ -274,10 +276,17 @@ class TieredWeights:
         return torch.empty(numel, device=self.device, dtype=self.dtype) if numel else None
 
     def _set_for(self, stage: Stage) -> _BufferSet | None:
+        """The buffer set holding ``stage``, else the one a load of it takes: the set loaded longest
+        ago. The schedule lets a load overwrite any stage's buffers but those of the stage loaded
+        just before it, and a pipeline stage's range of layers wraps from its last to its first,
+        which the parity of their indices could put in one set."""
         sets = self._buffers.get(stage.kind)
         if not sets:
             return None
-        return sets[stage.index % len(sets)]
+        for buffer in sets:
+            if buffer.holder == stage:
+                return buffer
+        return min(sets, key=lambda buffer: buffer.loaded)
 
     # Streaming
     def begin_block(self, rows: int, batches: int) -> None:
@@ -308,6 +317,7 @@ class TieredWeights:
         if buffer.pending is not None:
             buffer.pending.result()
         buffer.holder = stage
+        buffer.loaded, self._loads = self._loads, self._loads + 1
         if self._stages[stage].disk_bytes:
             buffer.pending = self._disk.submit(self._load, stage, buffer)
         else:
