@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
+
+import torch
 
 from flexoff.models import resolve_model_config
 from flexoff.planner.cost_model import Workload
@@ -37,3 +40,12 @@ def policy_from_args(args) -> tuple:
         workload = Workload(args.prompt_len, args.plan_gen_len, args.num_prompts)
         policy = search_policy(config, workload, hardware, compress=args.compress).policy
     return config, hardware, policy
+
+
+def cuda_job(args, why: str) -> tuple:
+    """(model config, profile, policy, prompts: one block unless given) for a script that needs CUDA,
+    which exits with ``why`` without it."""
+    if not torch.cuda.is_available():
+        sys.exit(why)
+    config, hardware, policy = policy_from_args(args)
+    return config, hardware, policy, args.num_prompts or policy.block_size

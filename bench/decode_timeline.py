@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_policy import add_policy_args, policy_from_args  # noqa: E402
+from bench.bench_policy import add_policy_args, cuda_job  # noqa: E402
 from flexoff import LLM, SamplingParams  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
@@ -279,10 +279,8 @@ def main() -> None:
                         help="comma-separated values of the host worker's job limit to time in turn (default: as built)")
     parser.add_argument("--json", help="write every step and the summaries here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("decode_timeline needs CUDA (the timeline is of the GPU's streams)")
-    config, hardware, policy = policy_from_args(args)
-    num_prompts = args.num_prompts or policy.block_size
+    config, hardware, policy, num_prompts = cuda_job(args, "decode_timeline needs CUDA (the timeline is of the GPU's "
+                                                           "streams)")
     workload = Workload(args.prompt_len, args.gen_len, num_prompts)
     predicted = CostModel(config, workload, hardware).predict(policy)
     print(f"policy: {policy_summary(policy)}")

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_policy import add_policy_args, policy_from_args  # noqa: E402
+from bench.bench_policy import add_policy_args, cuda_job  # noqa: E402
 from flexoff import LLM, SamplingParams  # noqa: E402
 from flexoff.layout import block_gpu_parts, weight_bytes  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
@@ -92,10 +92,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8, help="highest steps to list")
     parser.add_argument("--json", help="write every step and the summary here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_memory_timeline needs CUDA (the peaks are CUDA's allocator's)")
-    config, hardware, policy = policy_from_args(args)
-    num_prompts = args.num_prompts or policy.block_size
+    config, hardware, policy, num_prompts = cuda_job(args, "gpu_memory_timeline needs CUDA (the peaks are CUDA's "
+                                                           "allocator's)")
     print(f"policy: {policy_summary(policy)}; {torch.cuda.get_device_name()}")
     predicted = CostModel(config, Workload(args.prompt_len, args.gen_len, num_prompts), hardware).predict(policy)
     print(f"the planner's GPU peak: {predicted.gpu / GiB:.2f} GiB")
