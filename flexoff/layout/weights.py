@@ -22,16 +22,24 @@ def compressible(spec: WeightSpec) -> bool:
     return len(spec.shape) >= 2 and spec.quantizable
 
 
-def buffer_copies(cfg: ModelConfig, kind: str) -> int:
+def owned_stages(cfg: ModelConfig, owned: range | None = None) -> list[Stage]:
+    """The model's stages a device runs: all of them, or a pipeline stage's range of their indices
+    (0 the embedding, then the decoder layers, then the head)."""
+    every = stages(cfg)
+    return every if owned is None else every[owned.start:owned.stop]
+
+
+def buffer_copies(cfg: ModelConfig, kind: str, owned: range | None = None) -> int:
     """Assembly buffer sets of a stage kind: decoder layers share a ring of two (one computing, one
-    loading), the embedding and the head have one each."""
-    return 2 if kind == "layer" and cfg.num_layers > 1 else 1
+    loading) where a device runs more than one, the embedding and the head have one each."""
+    layers = sum(stage.kind == "layer" for stage in owned_stages(cfg, owned))
+    return 2 if kind == "layer" and layers > 1 else 1
 
 
-def largest_matrix_numel(cfg: ModelConfig) -> int:
-    """Elements of the model's biggest 2-D weight."""
-    return max((spec.numel for stage in stages(cfg) for spec in stage_specs(cfg, stage) if compressible(spec)),
-               default=0)
+def largest_matrix_numel(cfg: ModelConfig, owned: range | None = None) -> int:
+    """Elements of the biggest 2-D weight of the stages run here."""
+    return max((spec.numel for stage in owned_stages(cfg, owned) for spec in stage_specs(cfg, stage)
+                if compressible(spec)), default=0)
 
 
 def dequantizes_once(policy) -> bool:
@@ -45,17 +53,19 @@ def dequantizes_once(policy) -> bool:
     return policy.compress_weight is not None and policy.num_gpu_batches > 1
 
 
-def largest_stage_matrix_numel(cfg: ModelConfig) -> int:
-    """Elements of the compressible matrices of the stage that has the most."""
-    return max(sum(spec.numel for spec in stage_specs(cfg, stage) if compressible(spec)) for stage in stages(cfg))
+def largest_stage_matrix_numel(cfg: ModelConfig, owned: range | None = None) -> int:
+    """Elements of the compressible matrices of the stage run here that has the most."""
+    return max(sum(spec.numel for spec in stage_specs(cfg, stage) if compressible(spec))
+               for stage in owned_stages(cfg, owned))
 
 
-def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None, per_stage: bool = False) -> int:
+def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None, per_stage: bool = False,
+                             owned: range | None = None) -> int:
     """Elements of the buffer compressed matrices are dequantized into: the largest matrix, or with
     ``per_stage`` the largest stage's matrices together."""
     if compression is None:
         return 0
-    return largest_stage_matrix_numel(cfg) if per_stage else largest_matrix_numel(cfg)
+    return largest_stage_matrix_numel(cfg, owned) if per_stage else largest_matrix_numel(cfg, owned)
 
 
 def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int) -> list[int]:
@@ -70,9 +80,10 @@ def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, 
     return [rows * packed_row_bytes(shape[-1], compression.bits), meta, meta]
 
 
-def stage_placements(cfg: ModelConfig, policy: Policy) -> dict[Stage, list[TensorPlacement]]:
-    """Which rows of each stage's tensors live on which tier."""
-    return {stage: place_layer(stage_specs(cfg, stage), policy.weights, policy.expert_fractions) for stage in stages(cfg)}
+def stage_placements(cfg: ModelConfig, policy: Policy, owned: range | None = None) -> dict[Stage, list[TensorPlacement]]:
+    """Which rows of each stage's tensors (of the stages run here) live on which tier."""
+    return {stage: place_layer(stage_specs(cfg, stage), policy.weights, policy.expert_fractions)
+            for stage in owned_stages(cfg, owned)}
 
 
 @dataclass(frozen=True)
@@ -110,7 +121,8 @@ class WeightLayout:
                 if sizes["disk"]}
 
 
-def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> WeightLayout:
+def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, owned: range | None = None) -> WeightLayout:
+    """The weight allocations of the stages run here (all, or a pipeline stage's ``owned`` range)."""
     stage_tiers: dict[Stage, dict[str, int]] = {}
     buffers: dict[str, int] = {}
     staging: dict[str, int] = {}
@@ -119,7 +131,7 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> Weigh
     # Per stage kind, the stored bytes of each tensor some stage of the kind streams: its buffers
     # have a place for each (a MoE model's dense and sparse layers stream different tensors).
     streamed: dict[str, dict[str, int]] = {}
-    for stage, placed in stage_placements(cfg, policy).items():
+    for stage, placed in stage_placements(cfg, policy, owned).items():
         sizes = dict.fromkeys(TIERS, 0)
         for placement in placed:
             spec = placement.spec
@@ -133,20 +145,21 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> Weigh
                 streamed.setdefault(stage.kind, {})[spec.name] = sum(
                     stored_parts(spec.shape, compressed, dtype.itemsize))
         stage_tiers[stage] = sizes
-        buffers[stage.kind] = buffer_copies(cfg, stage.kind) * sum(streamed.get(stage.kind, {}).values())
+        buffers[stage.kind] = buffer_copies(cfg, stage.kind, owned) * sum(streamed.get(stage.kind, {}).values())
         staging[stage.kind] = max(staging.get(stage.kind, 0), sizes["disk"])
     # Each buffer set has its host staging for disk pieces, made after every stage's pieces.
     for kind, disk in staging.items():
         if disk and buffers[kind]:
-            requests += [disk] * buffer_copies(cfg, kind)
-    scratch = dequantize_scratch_numel(cfg, compression, dequantizes_once(policy)) * dtype.itemsize
+            requests += [disk] * buffer_copies(cfg, kind, owned)
+    scratch = dequantize_scratch_numel(cfg, compression, dequantizes_once(policy), owned) * dtype.itemsize
     return WeightLayout(stage_tiers, buffers, staging, scratch, requests)
 
 
-def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, pinned: bool = False) -> dict[str, int]:
+def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, pinned: bool = False,
+                 owned: range | None = None) -> dict[str, int]:
     """Bytes of weights per tier (compressed where the policy says), plus the GPU buffers that
     streamed stages are assembled and compressed matrices dequantized in (see WeightLayout)."""
-    return weight_layout(cfg, policy, dtype).tier_bytes(pinned)
+    return weight_layout(cfg, policy, dtype, owned).tier_bytes(pinned)
 
 
 def weight_host_requests(cfg: ModelConfig, policy: Policy, dtype: torch.dtype) -> list[int]:

@@ -157,15 +157,18 @@ def _runs(ids: list[int]) -> list[tuple[int, int]]:
 
 class TieredWeights:
     def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
-                 streams: Streams, disk: DiskTier | None):
+                 streams: Streams, disk: DiskTier | None, owned: range | None = None):
+        """``owned``: the range of stage indices a pipeline stage runs (None: every stage); only
+        their weights are placed."""
         self.cfg = cfg
+        self.owned = owned
         self.device = device
         self.dtype = dtype
         self.streams = streams
         self.compression: CompressionConfig | None = policy.compress_weight
         self.host = HostMemory(policy.pin_cpu_memory, exact=True)
         self._disk = disk
-        self.placements = stage_placements(cfg, policy)
+        self.placements = stage_placements(cfg, policy, owned)
         self._route_first = False  # for the block being run: see begin_block
         self._loads = 0  # loads begun into the buffer sets (_set_for takes the one loaded longest ago)
         self._fractions = (policy.weights, policy.expert_fractions)
@@ -266,13 +269,13 @@ class TieredWeights:
             buffers[kind] = [
                 _BufferSet({name: assembly(spec) for name, spec in specs.items()},
                            self.host.empty((disk_bytes,), torch.uint8) if disk_bytes else None)
-                for _ in range(buffer_copies(self.cfg, kind))
+                for _ in range(buffer_copies(self.cfg, kind, self.owned))
             ]
         return buffers
 
     def _make_scratch(self) -> torch.Tensor | None:
         """One dequantization buffer, the size of the largest compressed matrix."""
-        numel = dequantize_scratch_numel(self.cfg, self.compression, self._per_stage)
+        numel = dequantize_scratch_numel(self.cfg, self.compression, self._per_stage, self.owned)
         return torch.empty(numel, device=self.device, dtype=self.dtype) if numel else None
 
     def _set_for(self, stage: Stage) -> _BufferSet | None:
