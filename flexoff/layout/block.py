@@ -11,7 +11,7 @@ from ..policy import TIERS, CompressionConfig, Policy
 from .head import head_step_bytes, sampler_state_bytes
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
 from .placement import split_rows
-from .weights import stored_parts
+from .weights import owned_stages, stored_parts
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 INDEX_BYTES = 8  # int64: a token's chosen experts, and the order that sorts them
@@ -137,14 +137,21 @@ def workspace_layout(cfg: ModelConfig, policy: Policy, rows: int, slots: int, it
                            slots * dequantized * cfg.num_kv_heads * cfg.head_dim)
 
 
-def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) -> dict[str, int]:
+def cache_layers(cfg: ModelConfig, owned: range | None = None) -> list[int]:
+    """The decoder layers whose caches a device holds: all, or those of a pipeline stage's range."""
+    return [stage.index for stage in owned_stages(cfg, owned) if stage.kind == "layer"]
+
+
+def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
+                   owned: range | None = None) -> dict[str, int]:
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
-    compresses the cache), disk rows' host staging (reads and writes), and the GPU workspace the
-    batches share."""
+    compresses the cache) for the layers held here, disk rows' host staging (reads and writes), and
+    the GPU workspace the batches share."""
     sizes = dict.fromkeys(TIERS, 0)
+    layers = len(cache_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
-        sizes[piece.tier] += cfg.num_layers * layer_bytes * policy.num_gpu_batches
+        sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
         if piece.tier == "disk":
             # Each batch stages one layer's rows read in, and one layer's new slots written out.
             sizes["cpu"] += 2 * layer_bytes * policy.num_gpu_batches
@@ -154,37 +161,43 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int) 
     return sizes
 
 
-def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
+def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
+                        owned: range | None = None) -> list[int]:
     """Host allocations of one block in the order the engine makes them: batch by batch, its cache
     (each tier's rows for every layer, keys then values; for disk rows, a staging pair for reads and
     one for writes), then its offloaded activations."""
     cache: list[int] = []
+    layers = len(cache_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "gpu":
             continue
         pair = kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
-        cache += pair * (cfg.num_layers if piece.tier == "cpu" else 2)
+        cache += pair * (layers if piece.tier == "cpu" else 2)
     activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
                    for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
     return (cache + activations) * policy.num_gpu_batches
 
 
-def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int) -> list[int]:
+def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
+                     owned: range | None = None) -> list[int]:
     """Sizes of one block's offload files: per batch, two (keys, values) for each layer of its disk
     rows, and one for its disk rows' hidden states."""
     files: list[int] = []
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "disk":
             size = sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
-            files += [disk_file_bytes(size)] * (2 * cfg.num_layers)
+            files += [disk_file_bytes(size)] * (2 * len(cache_layers(cfg, owned)))
     for piece in split_rows(policy.gpu_batch_size, policy.activations):
         if piece.tier == "disk":
             files.append(disk_file_bytes((piece.stop - piece.start) * prompt_len * cfg.hidden_size * itemsize))
     return files * policy.num_gpu_batches
 
 
-def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int) -> dict[str, int]:
-    """One block's GPU memory by what holds it; ``block_bytes`` counts their sum on the GPU."""
+def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
+                    owned: range | None = None) -> dict[str, int]:
+    """One block's GPU memory by what holds it; ``block_bytes`` counts their sum on the GPU. A
+    pipeline stage (``owned``) holds the caches of its layers; the rest is counted as for the whole
+    model."""
     rows = policy.gpu_batch_size
     activation_rows = sum(p.stop - p.start for p in split_rows(rows, policy.activations) if p.tier == "gpu")
     # The host worker's queued prefill jobs (and the store stream's copies) each keep one batch's
@@ -192,7 +205,7 @@ def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: 
     off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
     per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
     return {
-        "kv cache and workspace": kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize)["gpu"],
+        "kv cache and workspace": kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize, owned)["gpu"],
         "activations": activation_rows * prompt_len * cfg.hidden_size * itemsize * policy.num_gpu_batches,
         # the largest step, one batch at a time
         "working memory": working_bytes(cfg, rows * prompt_len, rows, itemsize),
@@ -204,10 +217,11 @@ def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: 
 
 
 def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
-                pinned: bool = False) -> dict[str, int]:
+                pinned: bool = False, owned: range | None = None) -> dict[str, int]:
     """KV cache, activations and working memory of one full block, per tier. ``pinned``: host
-    memory is pinned, so its figure is the slabs the block's allocations take."""
-    sizes = kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize)
+    memory is pinned, so its figure is the slabs the block's allocations take. ``owned``: a
+    pipeline stage's range of stages (see block_gpu_parts)."""
+    sizes = kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize, owned)
     hidden_per_row = prompt_len * cfg.hidden_size * itemsize
     for piece in split_rows(policy.gpu_batch_size, policy.activations):
         if piece.tier == "gpu":
@@ -217,8 +231,8 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
         if piece.tier == "disk":
             sizes["disk"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
     if pinned:
-        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize))
-    parts = block_gpu_parts(cfg, policy, prompt_len, gen_len, itemsize)
+        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize, owned))
+    parts = block_gpu_parts(cfg, policy, prompt_len, gen_len, itemsize, owned)
     sizes["gpu"] = sum(parts.values())
     if parts["stores in flight"]:
         sizes["cpu"] += 2 * HOST_CHUNK  # the host worker's pinned chunks

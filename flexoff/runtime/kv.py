@@ -98,17 +98,16 @@ class KVWorkspace:
 class _Group:
     """Rows of the batch that share a tier, with their storage for every layer."""
 
-    def __init__(self, piece: Piece, cfg: ModelConfig, slots: int, fmt: PlainFormat | QuantizedFormat,
+    def __init__(self, piece: Piece, cfg: ModelConfig, layers, slots: int, fmt: PlainFormat | QuantizedFormat,
                  device: torch.device, host: HostMemory, disk: DiskTier | None, cpu_attention: bool, name: str):
         self.tier = piece.tier
         self.rows = slice(piece.start, piece.stop)
         self.fmt = fmt
         self.layout = ROW_MAJOR if self.tier == "cpu" and cpu_attention else SLOT_MAJOR
         shape = self.layout.shape(slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
-        layers = range(cfg.num_layers)
         if self.tier != "disk":
             allocate = device_allocator(device) if self.tier == "gpu" else host.empty
-            self.store = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in layers]
+            self.store = {j: (fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for j in layers}
             return
         # One host staging pair serves every layer: a layer's slots are read in just before use.
         # New slots are written out through a pair of their own, since reads of other layers may
@@ -120,8 +119,8 @@ class _Group:
         self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.staging[0])]
         self.sections = [slots * sum(self.slot_nbytes[:i]) for i in range(len(self.slot_nbytes))]
         size = slots * sum(self.slot_nbytes)
-        self.files = [(disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
-                      for j in layers]
+        self.files = {j: (disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
+                      for j in layers}
 
     def pair(self, layer: int):
         """This layer's (keys, values) buffers: its storage, or the staging pair of disk rows."""
@@ -156,9 +155,9 @@ class _Group:
 
     def nbytes_by_tier(self) -> dict[str, int]:
         if self.tier == "disk":
-            return {"disk": sum(r.num_bytes for pair in self.files for r in pair),
+            return {"disk": sum(r.num_bytes for pair in self.files.values() for r in pair),
                         "cpu": sum(self.fmt.size_of(buffer) for buffer in (*self.staging, *self.outbox))}
-        return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store for buffer in pair)}
+        return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store.values() for buffer in pair)}
 
 
 def _own_rows(x: torch.Tensor, group: _Group) -> torch.Tensor:
@@ -188,6 +187,7 @@ class BlockKV:
     worker: HostWorker
     workspace: KVWorkspace | None
     stores: StoreQueue = field(default_factory=StoreQueue)
+    layers: tuple[int, ...] | None = None  # the decoder layers whose caches are held here (None: all)
 
 
 class BatchKV:
@@ -210,7 +210,8 @@ class BatchKV:
         self.workspace = block.workspace
         self.stores = block.stores
         self.fmt = kv_format(policy.compress_cache, block.dtype)
-        self.groups = [_Group(p, block.cfg, slots, self.fmt, block.device, block.host, block.disk,
+        layers = range(block.cfg.num_layers) if block.layers is None else block.layers
+        self.groups = [_Group(p, block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk,
                               policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
         # layer -> (workspace set, event marking its CPU rows' load done, the worker's disk rows' load)

@@ -147,7 +147,7 @@ def test_compressed_cache_takes_4_5_bits_per_value_on_every_tier(tmp_path, place
             [cache] = batch_caches(policy, disk)
             sizes[name] = cache.nbytes_by_tier()
             # The files are just large enough for the compressed bytes (rounded up to whole pages).
-            for region in (r for g in cache.groups if g.tier == "disk" for pair in g.files for r in pair):
+            for region in (r for g in cache.groups if g.tier == "disk" for pair in g.files.values() for r in pair):
                 assert region.num_bytes <= os.fstat(region.fd).st_size < region.num_bytes + 4096
     finally:
         disk.close()

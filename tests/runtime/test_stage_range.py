@@ -1,6 +1,7 @@
-"""The weights of a pipeline stage's range of stages: the layout counts, and the weight store
-places, exactly those stages' pieces, with buffers for the kinds the range runs (a ring of two only
-where it runs more than one decoder layer), and each stage reads as in the whole model."""
+"""What a pipeline stage's range of stages holds: the layout counts, and the weight store places,
+exactly those stages' weights, with buffers for the kinds the range runs (a ring of two only where
+it runs more than one decoder layer), each stage reading as in the whole model; and the caches of
+its decoder layers only."""
 
 import itertools
 
@@ -8,11 +9,13 @@ import pytest
 import torch
 
 from flexoff import LLM, Policy, TierFractions
-from flexoff.layout import buffer_copies, owned_stages, weight_bytes, weight_layout
+from flexoff.layout import (block_disk_files, block_host_requests, buffer_copies, cache_layers, kv_cache_bytes,
+                            owned_stages, weight_bytes, weight_layout)
 from flexoff.models import REGISTRY, stages
 from flexoff.models.config import ModelConfig
 from flexoff.policy import CompressionConfig
-from flexoff.runtime.tiers import Streams
+from flexoff.runtime.kv import BatchKV, BlockKV
+from flexoff.runtime.tiers import HostMemory, Streams
 from flexoff.runtime.weight_store import TieredWeights
 from flexoff.weights.checkpoint import CheckpointWeights
 from tests.runtime.test_weight_ring import three_layers  # noqa: F401  (a fixture)
@@ -77,3 +80,45 @@ def test_the_store_places_only_its_ranges_stages_and_reads_them_as_the_whole_mod
                     llm.engine.weights.release(stage)
             finally:
                 part.close()
+
+
+@pytest.mark.parametrize("cache", [TierFractions(0, 1, 0), TierFractions(0.25, 0.5, 0.25)], ids=["cpu", "split"])
+def test_a_ranges_caches_are_its_layers_share(cache):
+    cfg, slots = small("opt-1.3b"), 40
+    policy = Policy(8, 2, cache=cache)
+    whole_files = block_disk_files(cfg, policy, 32, slots, 2)
+    for split in ranges(len(stages(cfg)), 3):
+        layers = [cache_layers(cfg, owned) for owned in split]
+        assert sum(layers, []) == list(range(cfg.num_layers))
+        files = [block_disk_files(cfg, policy, 32, slots, 2, owned) for owned in split]
+        assert sorted(sum(files, [])) == sorted(whole_files)
+        host = [block_host_requests(cfg, policy, 32, slots, 2, owned) for owned in split]
+        whole_host = block_host_requests(cfg, policy, 32, slots, 2)
+        # The rows on the host, per layer: the ranges together hold the whole model's.
+        per_layer = sum(whole_host) - sum(sum(h) for h in host)
+        staging_pairs = len(split) - 1  # each device stages its disk rows through a pair of its own
+        assert per_layer == -staging_pairs * sum(_staging(cfg, policy, slots))
+
+
+def _staging(cfg, policy, slots):
+    from flexoff.layout import kv_buffer_parts, split_rows
+
+    return [2 * 2 * sum(kv_buffer_parts(cfg, slots, p.stop - p.start, None, 2)) * policy.num_gpu_batches
+            for p in split_rows(policy.gpu_batch_size, policy.cache) if p.tier == "disk"]
+
+
+def test_the_caches_of_a_range_hold_its_layers_only(three_layers, tmp_path):  # noqa: F811
+    directory, _ = three_layers
+    policy = Policy(2, 1, cache=TierFractions(0, 0.5, 0.5))
+    with LLM(str(directory), policy=policy, device="cpu", dtype="float32", offload_dir=str(tmp_path)) as llm:
+        engine, cfg = llm.engine, llm.config
+        owned = range(2, 5)  # layers 1 and 2, and the head
+        host = HostMemory(False)
+        block = BlockKV(cfg, policy, engine.device, torch.float32, engine.streams, host, engine.disk, engine.worker,
+                        None, layers=tuple(cache_layers(cfg, owned)))
+        kv = BatchKV(block, 2, 12, "b0")
+        assert [sorted(g.store) if g.tier == "cpu" else sorted(g.files) for g in kv.groups] == [[1, 2], [1, 2]]
+        held = {tier: sum(g.nbytes_by_tier().get(tier, 0) for g in kv.groups) for tier in ("cpu", "disk")}
+        expected = kv_cache_bytes(cfg, policy, 12, 4, owned)
+        assert held["cpu"] == expected["cpu"]
+        assert held["disk"] == expected["disk"]
