@@ -16,9 +16,10 @@ from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
 from .interpreter import BlockInterpreter, HeadHook, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
-from ..layout import Capacity, check_fits, job_bytes, logprob_positions, pins_host_memory, weight_bytes
+from ..layout import Capacity, cache_layers, check_fits, job_bytes, logprob_positions, pins_host_memory, weight_bytes
 from .memory import grow_segments_in_place
 from .metrics import MemoryMeter, Metrics
+from .pipeline import PipelineLink
 from ..policy import Policy
 from .sampler import BatchSampler, prompt_ranked
 from .sampling import SamplingParams
@@ -42,7 +43,10 @@ def logprob_chunks(rows: int, positions: int, per_chunk: int):
 
 class Engine:
     def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
-                 seed: int = 0, offload_dir: str | None = None, capacity: Capacity | None = None):
+                 seed: int = 0, offload_dir: str | None = None, capacity: Capacity | None = None,
+                 link: PipelineLink | None = None):
+        """``link``: this device is one stage of a pipeline, running its range of the model's
+        stages (``link.place``); it holds only their weights and caches."""
         self.cfg = cfg
         self.policy = policy
         self.device = device
@@ -50,6 +54,8 @@ class Engine:
         self.seed = seed
         self.capacity = capacity or Capacity(None, None, None)
         self.stages = stages(cfg)
+        self.link = link
+        self.owned = link.place.owned if link is not None else None
         grow_segments_in_place(device)
         self.memory = MemoryMeter(device)
         self.streams = Streams(device, policy.overlap)
@@ -62,7 +68,7 @@ class Engine:
         # Prompt logprobs and scores are made a few positions at a time, within the memory a head step is counted for.
         self.logprob_positions = logprob_positions(policy.gpu_batch_size, cfg.vocab_size, dtype.itemsize)
         self.observer: Observer | None = None  # sees every step of the block schedule as it runs
-        self._weight_bytes = weight_bytes(cfg, policy, dtype, self.pins_host)
+        self._weight_bytes = weight_bytes(cfg, policy, dtype, self.pins_host, self.owned)
         check_fits(self._weight_bytes, self.capacity, "placing the weights")
         if policy.uses_disk:
             if offload_dir is None:
@@ -70,7 +76,7 @@ class Engine:
                                   "(--offload-dir DIR, or FLEXOFF_OFFLOAD_DIR)")
             self.disk = DiskTier(offload_dir)
         try:
-            self.weights = TieredWeights(cfg, source, policy, device, dtype, self.streams, self.disk)
+            self.weights = TieredWeights(cfg, source, policy, device, dtype, self.streams, self.disk, self.owned)
         except BaseException:
             self.close()
             raise
@@ -104,13 +110,15 @@ class Engine:
         policy = self.policy
         size = policy.gpu_batch_size
         prompt_len = max(len(s.prompt_ids) for s in seqs)
-        check_fits(job_bytes(self.cfg, policy, self.dtype, prompt_len, extra_slots, self.pins_host), self.capacity,
+        check_fits(job_bytes(self.cfg, policy, self.dtype, prompt_len, extra_slots, self.pins_host, self.owned),
+                   self.capacity,
                    f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens")
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
                                           self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
+        layers = None if self.owned is None else tuple(cache_layers(self.cfg, self.owned))
         shared = BlockKV(self.cfg, policy, self.device, self.dtype, self.streams, host, self.disk, self.worker,
-                         workspace)
+                         workspace, layers=layers)
         batches = []
         for number, start in enumerate(range(0, len(seqs), size)):
             name = f"b{number}"
@@ -128,7 +136,8 @@ class Engine:
 
     def _execute(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
         """Run the block schedule; it ends early once every batch has finished."""
-        BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer).run(num_tokens)
+        BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer,
+                         self.link).run(num_tokens)
 
     def generate_block(self, seqs: list[Sequence], decode: Decode | None = None,
                        on_step: Callable[[int], None] | None = None,
@@ -192,6 +201,13 @@ class Engine:
         self._execute(batches, max_new, sample)
         self._sync()
         end = time.perf_counter()
+        if self.link is not None and not (self.link.place.first and self.link.place.last):
+            # The head's device has the results; the embedding's device returns them.
+            if self.link.place.last:
+                self.link.send_results(seqs)
+            elif self.link.place.first:
+                self.link.recv_results(seqs)
+            clock["prefill_end"] = clock["prefill_end"] or end  # no head step ran here
         # GPU bytes of new keys and values kept for the store stream's copies to host rows, at most.
         self.memory.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
         metrics.prefill_time = clock["prefill_end"] - clock["start"]

@@ -6,8 +6,10 @@ from collections.abc import Callable
 
 from ..models import Stage
 from .batch import GpuBatch
-from .schedule import (COMPUTE, FINISH_ATTENTION, HEAD, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, RELEASE_WEIGHTS,
-                       START_ATTENTION, STORE_ACTIVATION, SYNC, BlockShape, Step, block_schedule)
+from .pipeline import PipelineLink
+from .schedule import (COMPUTE, FINISH_ATTENTION, HEAD, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, RECV_ACTIVATION,
+                       RECV_TOKENS, RELEASE_WEIGHTS, SEND_ACTIVATION, SEND_TOKENS, START_ATTENTION, STORE_ACTIVATION,
+                       SYNC, BlockShape, Step, block_schedule)
 from .tiers import HostWorker
 from .weight_store import TieredWeights
 
@@ -15,8 +17,9 @@ HeadHook = Callable[[GpuBatch, dict], None]  # samples or scores a batch from th
 Observer = Callable[[Step], None]
 
 
-def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int) -> BlockShape:
-    """What the schedule needs to know of the block's batches."""
+def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned: range | None = None) -> BlockShape:
+    """What the schedule needs to know of the block's batches (and of the stages run here)."""
+    owned = owned or range(num_stages)
 
     def having(fact: Callable[[GpuBatch], bool]) -> frozenset[int]:
         return frozenset(k for k, batch in enumerate(batches) if fact(batch))
@@ -24,31 +27,34 @@ def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int) -> Bl
     return BlockShape(num_tokens, num_stages, len(batches), frozenset(range(1, num_stages - 1)),
                       cpu_attention=having(lambda b: b.kv.decodes_on_host),
                       travelling_cache=having(lambda b: b.kv.travels),
-                      offloaded_activations=having(lambda b: b.activations.offloaded))
+                      offloaded_activations=having(lambda b: b.activations.offloaded),
+                      first_stage=owned.start, stop_stage=owned.stop)
 
 
 class BlockInterpreter:
     """Takes the schedule's steps one by one; ``observer`` (if any) sees each step before it runs."""
 
     def __init__(self, batches: list[GpuBatch], stages: list[Stage], weights: TieredWeights, worker: HostWorker,
-                 on_head: HeadHook, observer: Observer | None = None):
+                 on_head: HeadHook, observer: Observer | None = None, link: PipelineLink | None = None):
         self.batches = batches
         self.stages = stages
         self.weights = weights
         self.worker = worker
         self.on_head = on_head
         self.observer = observer
+        self.link = link  # a pipeline stage's peers (None: this device runs every stage)
         self.active = [True] * len(batches)  # read by the schedule between steps
         self._head_weights: dict[int, dict] = {}
         self._handlers: dict[str, Callable[[Step], None]] = {
             LOAD_WEIGHTS: self.load_weights, LOAD_CACHE: self.load_cache, LOAD_ACTIVATION: self.load_activation,
             COMPUTE: self.compute, START_ATTENTION: self.start_attention, FINISH_ATTENTION: self.finish_attention,
             STORE_ACTIVATION: self.store_activation, RELEASE_WEIGHTS: self.release_weights, HEAD: self.head,
-            SYNC: self.sync,
+            SYNC: self.sync, SEND_ACTIVATION: self.send_activation, RECV_ACTIVATION: self.recv_activation,
+            SEND_TOKENS: self.send_tokens, RECV_TOKENS: self.recv_tokens,
         }
 
     def run(self, num_tokens: int) -> None:
-        shape = block_shape(self.batches, num_tokens, len(self.stages))
+        shape = block_shape(self.batches, num_tokens, len(self.stages), self.link and self.link.place.owned)
         handlers, observer = self._handlers, self.observer
         try:
             for step in block_schedule(shape, self.active):
@@ -98,6 +104,34 @@ class BlockInterpreter:
         batch = self.batches[step.batch]
         self.on_head(batch, self._head_weights.pop(step.batch))
         self.active[step.batch] = batch.active
+
+    # A pipeline stage's messages
+    def send_activation(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        self.link.send_hidden(step.batch, batch.hidden)
+        batch.hidden = None
+
+    def recv_activation(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        batch.begin_token(step.token)
+        batch.hidden = self.link.recv_hidden(step.batch, (*batch.input_ids.shape, batch.cfg.hidden_size))
+        if batch.hidden is None:  # finished: the schedule takes no further step of it
+            self._finished(step.batch)
+
+    def send_tokens(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        self.link.send_tokens(step.batch, batch.seqs, batch.pad)
+
+    def recv_tokens(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        self.link.recv_tokens(step.batch, batch.seqs)
+        if all(s.finished for s in batch.seqs):
+            self._finished(step.batch)
+
+    def _finished(self, k: int) -> None:
+        self.batches[k].active = self.active[k] = False
+        if self.link.forwards_marks():
+            self.link.send_hidden(k, None)
 
     def sync(self, step: Step) -> None:
         self.worker.drain()
