@@ -43,13 +43,13 @@ def tier_name(tier: str, device: torch.device | str) -> str:
 
 
 def job_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int, gen_len: int,
-              pinned: bool = False, owned: range | None = None) -> dict[str, int]:
+              pinned: bool = False, owned: range | None = None, blocks: int = 1) -> dict[str, int]:
     """What a run holds per tier at its peak: the weights and one full block (KV cache, activations,
     workspaces and working memory) of prompts up to ``prompt_len`` tokens generating ``gen_len``;
-    of a pipeline stage's range of stages with ``owned``."""
+    of a pipeline stage's range of stages with ``owned``; with ``blocks`` blocks in rotation."""
     weights = weight_bytes(cfg, policy, dtype, pinned, owned)
     block = block_bytes(cfg, policy, prompt_len, gen_len, dtype.itemsize, pinned, owned)
-    return {tier: weights[tier] + block[tier] for tier in TIERS}
+    return {tier: weights[tier] + blocks * block[tier] for tier in TIERS}
 
 
 def tier_limits(needed: dict[str, int], capacity: Capacity) -> dict[str, int | None]:

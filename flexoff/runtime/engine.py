@@ -14,6 +14,7 @@ from ..models import ModelConfig, architecture, stages
 from ..weights import WeightSource
 from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
+from .block_run import BlockRun
 from .interpreter import BlockInterpreter, HeadHook, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, cache_layers, check_fits, job_bytes, logprob_positions, pins_host_memory, weight_bytes
@@ -21,9 +22,9 @@ from .memory import grow_segments_in_place
 from .metrics import MemoryMeter, Metrics
 from .pipeline import PipelineLink
 from ..policy import Policy
-from .sampler import BatchSampler, prompt_ranked
+from .sampler import prompt_ranked
 from .sampling import SamplingParams
-from .stopping import Decode, StopCondition
+from .stopping import Decode
 from .tiers import DiskTier, HostMemory, HostWorker, Streams
 from .weight_store import TieredWeights
 
@@ -106,13 +107,15 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _make_batches(self, seqs: list[Sequence], extra_slots: int) -> list[GpuBatch]:
+    def _make_batches(self, seqs: list[Sequence], extra_slots: int, blocks: int = 1, block: int = 0) -> list[GpuBatch]:
+        """The block's GPU batches, once the memory of ``blocks`` such blocks (those in rotation) fits;
+        ``block``: its place in the rotation, which names its batches' offload files apart."""
         policy = self.policy
         size = policy.gpu_batch_size
         prompt_len = max(len(s.prompt_ids) for s in seqs)
-        check_fits(job_bytes(self.cfg, policy, self.dtype, prompt_len, extra_slots, self.pins_host, self.owned),
-                   self.capacity,
-                   f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens")
+        what = f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens"
+        check_fits(job_bytes(self.cfg, policy, self.dtype, prompt_len, extra_slots, self.pins_host, self.owned, blocks),
+                   self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
                                           self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
@@ -121,7 +124,7 @@ class Engine:
                          workspace, layers=layers)
         batches = []
         for number, start in enumerate(range(0, len(seqs), size)):
-            name = f"b{number}"
+            name = f"b{number}" if block == 0 else f"r{block}.b{number}"
 
             def make_kv(count, slots, name=name):
                 return BatchKV(shared, count, slots, name)
@@ -134,10 +137,12 @@ class Engine:
                                     make_kv, make_activations))
         return batches
 
+    def interpreter(self, batches: list[GpuBatch], on_head: HeadHook) -> BlockInterpreter:
+        return BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer, self.link)
+
     def _execute(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
         """Run the block schedule; it ends early once every batch has finished."""
-        BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer,
-                         self.link).run(num_tokens)
+        self.interpreter(batches, on_head).run(num_tokens)
 
     def generate_block(self, seqs: list[Sequence], decode: Decode | None = None,
                        on_step: Callable[[int], None] | None = None,
@@ -149,77 +154,31 @@ class Engine:
         ``on_step`` receives the number of tokens each batch's step produced, and ``on_prefill`` is
         called once the block's prefill is done (after that step's ``on_step``), for progress bars.
         """
-        arch = architecture(self.cfg)
-        max_new = max(s.params.max_new_tokens for s in seqs)
+        return self.generate_blocks([seqs], decode, on_step, on_prefill)[0]
+
+    def generate_blocks(self, blocks: list[list[Sequence]], decode: Decode | None = None,
+                        on_step: Callable[[int], None] | None = None,
+                        on_prefill: Callable[[], None] | None = None) -> list[Metrics]:
+        """Generate several blocks in rotation: each token of each block in turn, so that in a
+        pipeline of as many devices as blocks, every device works on one of them at a time (each
+        device runs one block's token over its stages while its neighbours run the others').
+        One block runs its tokens one after another."""
         self.memory.reset()
-        batches = self._make_batches(seqs, max_new)
-        self.weights.begin_block(max(len(batch.seqs) for batch in batches), len(batches))
-        metrics = Metrics(num_sequences=len(seqs))
-        stops = {id(seq): StopCondition(seq.params, self.cfg.eos_token_ids, decode) for seq in seqs}
-        samplers = {id(batch): BatchSampler(batch.seqs, self.cfg.eos_token_ids, self.cfg.vocab_size, self.device)
-                    for batch in batches}
-        clock = {"start": time.perf_counter(), "prefill_end": None, "heads": 0}
-        failed: list[Sequence] = []
-
-        def sample(batch: GpuBatch, weights: dict) -> None:
-            if batch.start == 0:
-                self._prompt_logprobs(arch, batch, weights)
-            logits = arch.head(self.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0]
-            # Its last hidden state is spent: held until the next token's embedding, every batch's
-            # prefill states would fill the GPU by the block's last head step.
-            batch.hidden = None
-            choice = samplers[id(batch)].choose(logits, [not s.finished for s in batch.seqs])
-            top = choice.top or [None] * len(batch.seqs)
-            produced = 0
-            for seq, token, logprob, ok, alternatives in zip(batch.seqs, choice.tokens, choice.logprobs,
-                                                             choice.finite, top):
-                if seq.finished:
-                    continue
-                if not ok:  # its rows are its own: the batch's other sequences go on unaffected
-                    produced -= len(seq.token_ids)  # its tokens are dropped: take them back from the count
-                    seq.fail(f"the logits turned non-finite at generated token {len(seq.token_ids) + 1}")
-                    failed.append(seq)
-                    continue
-                seq.token_ids.append(token)
-                seq.logprobs.append(logprob)
-                if alternatives is not None:
-                    seq.top_logprobs.append(alternatives)
-                produced += 1
-                seq.finish_reason = stops[id(seq)].add(token)
-                seq.stop_reason = stops[id(seq)].reason
-            metrics.padded_generated_tokens += len(batch.seqs)
-            batch.active = not all(s.finished for s in batch.seqs)
-            clock["heads"] += 1
-            if clock["heads"] == len(batches):  # the last batch's prefill just finished
-                clock["prefill_end"] = time.perf_counter()
-                self.memory.sample()
-            if on_step:
-                on_step(produced)
-            if on_prefill and clock["heads"] == len(batches):
-                on_prefill()
-
-        self._execute(batches, max_new, sample)
+        runs = [BlockRun(self, seqs, decode, on_step, on_prefill, len(blocks), n) for n, seqs in enumerate(blocks)]
+        self.weights.begin_block(max(len(b.seqs) for run in runs for b in run.batches),
+                                 max(len(run.batches) for run in runs))
+        if len(runs) == 1:
+            runs[0].run(range(runs[0].max_new))
+        else:
+            for token in range(max(run.max_new for run in runs)):
+                for run in runs:
+                    if token < run.max_new and run.going:
+                        run.run(range(token, token + 1))
         self._sync()
         end = time.perf_counter()
-        if self.link is not None and not (self.link.place.first and self.link.place.last):
-            # The head's device has the results; the embedding's device returns them.
-            if self.link.place.last:
-                self.link.send_results(seqs)
-            elif self.link.place.first:
-                self.link.recv_results(seqs)
-            clock["prefill_end"] = clock["prefill_end"] or end  # no head step ran here
-        # GPU bytes of new keys and values kept for the store stream's copies to host rows, at most.
-        self.memory.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
-        metrics.prefill_time = clock["prefill_end"] - clock["start"]
-        metrics.decode_time = end - clock["prefill_end"]
-        # Prompt tokens the prefill computed: rows sharing a prompt in a GPU batch count it once.
-        metrics.prompt_tokens = sum(b.prefill_tokens for b in batches)
-        metrics.padded_prompt_tokens = sum(b.prompt_len * b.prefill_rows for b in batches)
-        metrics.generated_tokens = sum(len(s.token_ids) for s in seqs)
-        metrics.peak_memory = self.peak_memory()
-        for seq in failed:  # outside the timed span: the scan reads every weight
-            seq.error = f"{seq.error}: {self.non_finite_cause()}"
-        return metrics
+        if self.link is not None:
+            self.link.flush()
+        return [run.finish(end) for run in runs]
 
     def _prompt_logprobs(self, arch, batch: GpuBatch, weights: dict) -> None:
         """vLLM's prompt logprobs of the rows asking, from the prefill's hidden states: one row, and

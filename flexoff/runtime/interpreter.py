@@ -17,8 +17,9 @@ HeadHook = Callable[[GpuBatch, dict], None]  # samples or scores a batch from th
 Observer = Callable[[Step], None]
 
 
-def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned: range | None = None) -> BlockShape:
-    """What the schedule needs to know of the block's batches (and of the stages run here)."""
+def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned: range | None = None,
+                tokens: range | None = None) -> BlockShape:
+    """What the schedule needs to know of the block's batches (and of the stages and tokens run now)."""
     owned = owned or range(num_stages)
 
     def having(fact: Callable[[GpuBatch], bool]) -> frozenset[int]:
@@ -28,7 +29,7 @@ def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned
                       cpu_attention=having(lambda b: b.kv.decodes_on_host),
                       travelling_cache=having(lambda b: b.kv.travels),
                       offloaded_activations=having(lambda b: b.activations.offloaded),
-                      first_stage=owned.start, stop_stage=owned.stop)
+                      first_stage=owned.start, stop_stage=owned.stop, tokens=tokens)
 
 
 class BlockInterpreter:
@@ -53,8 +54,9 @@ class BlockInterpreter:
             SEND_TOKENS: self.send_tokens, RECV_TOKENS: self.recv_tokens,
         }
 
-    def run(self, num_tokens: int) -> None:
-        shape = block_shape(self.batches, num_tokens, len(self.stages), self.link and self.link.place.owned)
+    def run(self, num_tokens: int, tokens: range | None = None) -> None:
+        """The block's schedule for ``tokens`` of its ``num_tokens`` (default: all of them)."""
+        shape = block_shape(self.batches, num_tokens, len(self.stages), self.link and self.link.place.owned, tokens)
         handlers, observer = self._handlers, self.observer
         try:
             for step in block_schedule(shape, self.active):

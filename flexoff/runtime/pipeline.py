@@ -58,12 +58,23 @@ class PipelineLink:
         self.dtype = dtype
         self.group = group
         self._host = dist.get_backend(group) == "gloo"
+        # Sends in flight, each with its tensor: a device never waits for its peer to receive (in
+        # rotation the last device's tokens go to the first, so waiting could close a circle).
+        self._sending: list[tuple[object, torch.Tensor]] = []
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.cpu() if self._host else tensor
 
     def _send(self, tensor: torch.Tensor, index: int, tag: int) -> None:
-        dist.send(self._wire(tensor.contiguous()), self.place.rank(index), group=self.group, tag=tag)
+        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
+        tensor = self._wire(tensor.contiguous())
+        self._sending.append((dist.isend(tensor, self.place.rank(index), group=self.group, tag=tag), tensor))
+
+    def flush(self) -> None:
+        """Wait until every message sent has been received."""
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
 
     def _recv(self, shape, dtype, index: int, tag: int) -> torch.Tensor:
         out = torch.empty(shape, dtype=dtype, device="cpu" if self._host else self.device)

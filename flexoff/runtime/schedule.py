@@ -82,6 +82,7 @@ class BlockShape:
     offloaded_activations: frozenset[int] = frozenset()  # batches whose activations leave the GPU between stages
     first_stage: int = 0  # the stages this device runs: first_stage up to stop_stage
     stop_stage: int | None = None  # None: to the last stage
+    tokens: range | None = None  # the tokens run now (None: all): one at a time, blocks take turns
 
     @property
     def owned(self) -> range:
@@ -93,9 +94,10 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
     ahead, each batch's cache and activation loads one batch ahead of its compute, and its
     activation store one batch behind. Stage 0 (fed token ids) loads no activations and the last
     stage (which samples) stores none; caches load only to decode."""
-    num_tokens, num_batches, owned = shape.num_tokens, shape.num_batches, shape.owned
+    num_batches, owned = shape.num_batches, shape.owned
+    tokens = range(shape.num_tokens) if shape.tokens is None else shape.tokens
     first, last_stage = owned.start, owned.stop - 1
-    order = [(i, j, k) for i in range(num_tokens) for j in owned for k in range(num_batches)]
+    order = [(i, j, k) for i in tokens for j in owned for k in range(num_batches)]
     loaded_activations: set[tuple[int, int, int]] = set()
 
     def activation_load(i: int, j: int, k: int) -> Iterator[Step]:
@@ -113,13 +115,13 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
             yield Step(STORE_ACTIVATION, i, j, k)
 
     if order:
-        yield Step(LOAD_WEIGHTS, 0, first)
+        yield Step(LOAD_WEIGHTS, tokens.start, first)
         yield from cache_load(*order[0])
         yield from activation_load(*order[0])
     for position, (i, j, k) in enumerate(order):
         if k == 0:
             next_stage = (i, j + 1) if j < last_stage else (i + 1, first)
-            if next_stage[0] < num_tokens:
+            if next_stage[0] < tokens.stop:
                 yield Step(LOAD_WEIGHTS, *next_stage)
         if position > 0:
             yield from store(*order[position - 1])

@@ -160,3 +160,19 @@ def test_the_next_tokens_first_stage_loads_while_the_last_stages_attention_runs(
         at = where(steps)
         for i in range(1, block.num_tokens - 1):
             assert at[(LOAD_WEIGHTS, i + 1, a, -1)] < at[(FINISH_ATTENTION, i, b - 1, block.num_batches - 1)]
+
+
+@pytest.mark.parametrize("block, ranges", [(b, r) for b, r in CASES if len(r) == 2] + [(b, [(0, b.num_stages)])
+                                                                                       for b in SHAPES], ids=str)
+def test_a_block_run_a_token_at_a_time_takes_the_same_steps(block, ranges):
+    """In rotation a block runs one token per turn: the turns together compute, load and send what
+    one run of all the tokens does (each turn loading its own first stage), each ending in SYNC."""
+    for a, b in ranges:
+        mine = replace(block, first_stage=a, stop_stage=b)
+        whole = list(block_schedule(mine))
+        turns = [list(block_schedule(replace(mine, tokens=range(i, i + 1)))) for i in range(block.num_tokens)]
+        for turn, i in zip(turns, range(block.num_tokens)):
+            assert turn[-1].kind == SYNC and all(s.token == i for s in turn[:-1])
+        joined = [s for turn in turns for s in turn if s.kind != SYNC]
+        for kinds in (RUNS, (LOAD_WEIGHTS,), (SEND_ACTIVATION, RECV_ACTIVATION, SEND_TOKENS, RECV_TOKENS, HEAD)):
+            assert [s for s in joined if s.kind in kinds] == [s for s in whole if s.kind in kinds]

@@ -1,0 +1,106 @@
+"""One block's generation in flight: its GPU batches, their samplers and stop conditions, what a
+head step does with the logits, and the block's metrics once it ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ..models import architecture
+from .batch import GpuBatch, Sequence
+from .metrics import Metrics
+from .sampler import BatchSampler
+from .stopping import Decode, StopCondition
+
+
+class BlockRun:
+    """Made by the engine for each block it generates; ``run`` takes the block through a range of
+    its tokens (all of them, or one at a time in rotation with other blocks)."""
+
+    def __init__(self, engine, seqs: list[Sequence], decode: Decode | None,
+                 on_step: Callable[[int], None] | None, on_prefill: Callable[[], None] | None, blocks: int = 1,
+                 place: int = 0):
+        self.engine = engine
+        self.seqs = seqs
+        self.arch = architecture(engine.cfg)
+        self.max_new = max(s.params.max_new_tokens for s in seqs)
+        self.batches = engine._make_batches(seqs, self.max_new, blocks, place)
+        self.metrics = Metrics(num_sequences=len(seqs))
+        self.stops = {id(seq): StopCondition(seq.params, engine.cfg.eos_token_ids, decode) for seq in seqs}
+        self.samplers = {id(batch): BatchSampler(batch.seqs, engine.cfg.eos_token_ids, engine.cfg.vocab_size,
+                                                 engine.device) for batch in self.batches}
+        self.on_step, self.on_prefill = on_step, on_prefill
+        self.failed: list[Sequence] = []
+        self.heads = 0
+        self.interpreter = engine.interpreter(self.batches, self.sample)
+        self.start, self.prefill_end = time.perf_counter(), None
+
+    @property
+    def going(self) -> bool:
+        return any(self.interpreter.active)
+
+    def run(self, tokens: range) -> None:
+        self.interpreter.run(self.max_new, tokens)
+
+    def sample(self, batch: GpuBatch, weights: dict) -> None:
+        """A head step: the batch's next tokens, their log-probabilities, and whether each sequence stops."""
+        engine, arch = self.engine, self.arch
+        if batch.start == 0:
+            engine._prompt_logprobs(arch, batch, weights)
+        logits = arch.head(engine.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0]
+        # Its last hidden state is spent: held until the next token's embedding, every batch's
+        # prefill states would fill the GPU by the block's last head step.
+        batch.hidden = None
+        choice = self.samplers[id(batch)].choose(logits, [not s.finished for s in batch.seqs])
+        top = choice.top or [None] * len(batch.seqs)
+        produced = 0
+        for seq, token, logprob, ok, alternatives in zip(batch.seqs, choice.tokens, choice.logprobs,
+                                                         choice.finite, top):
+            if seq.finished:
+                continue
+            if not ok:  # its rows are its own: the batch's other sequences go on unaffected
+                produced -= len(seq.token_ids)  # its tokens are dropped: take them back from the count
+                seq.fail(f"the logits turned non-finite at generated token {len(seq.token_ids) + 1}")
+                self.failed.append(seq)
+                continue
+            seq.token_ids.append(token)
+            seq.logprobs.append(logprob)
+            if alternatives is not None:
+                seq.top_logprobs.append(alternatives)
+            produced += 1
+            seq.finish_reason = self.stops[id(seq)].add(token)
+            seq.stop_reason = self.stops[id(seq)].reason
+        self.metrics.padded_generated_tokens += len(batch.seqs)
+        batch.active = not all(s.finished for s in batch.seqs)
+        self.heads += 1
+        if self.heads == len(self.batches):  # the last batch's prefill just finished
+            self.prefill_end = time.perf_counter()
+            engine.memory.sample()
+        if self.on_step:
+            self.on_step(produced)
+        if self.on_prefill and self.heads == len(self.batches):
+            self.on_prefill()
+
+    def finish(self, end: float) -> Metrics:
+        """The block's results in its sequences (on a pipeline's first device, from its last) and
+        its metrics."""
+        engine, metrics, seqs, batches = self.engine, self.metrics, self.seqs, self.batches
+        link = engine.link
+        if link is not None and not (link.place.first and link.place.last):
+            if link.place.last:
+                link.send_results(seqs)
+            elif link.place.first:
+                link.recv_results(seqs)
+            self.prefill_end = self.prefill_end or end  # no head step ran here
+        # GPU bytes of new keys and values kept for the store stream's copies to host rows, at most.
+        engine.memory.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
+        metrics.prefill_time = self.prefill_end - self.start
+        metrics.decode_time = end - self.prefill_end
+        # Prompt tokens the prefill computed: rows sharing a prompt in a GPU batch count it once.
+        metrics.prompt_tokens = sum(b.prefill_tokens for b in batches)
+        metrics.padded_prompt_tokens = sum(b.prompt_len * b.prefill_rows for b in batches)
+        metrics.generated_tokens = sum(len(s.token_ids) for s in seqs)
+        metrics.peak_memory = engine.peak_memory()
+        for seq in self.failed:  # outside the timed span: the scan reads every weight
+            seq.error = f"{seq.error}: {engine.non_finite_cause()}"
+        return metrics
