@@ -46,14 +46,14 @@ def _outputs(engine: Engine) -> list:
     return results
 
 
-def _device(rank, ranges, directory, tmp, world):
+def _device(rank, ranges, directory, tmp, world, rotate=False):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
         link = PipelineLink(PipelinePlace(rank, ranges), torch.device("cpu"), torch.float32)
         engine = _engine(directory, tmp / f"offload{rank}", link)
         try:
-            outputs = _outputs(engine)
+            outputs = _rotation_outputs(engine, world) if rotate else _outputs(engine)
         finally:
             engine.close()
         if rank == 0:
@@ -62,20 +62,26 @@ def _device(rank, ranges, directory, tmp, world):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
-@pytest.mark.parametrize("ranges", [(range(0, 2), range(2, 4)), (range(0, 1), range(1, 3), range(3, 4)),
-                                    (range(0, 2), range(2, 3), range(3, 4))], ids=["2", "3", "3-late"])
-def test_a_pipeline_generates_what_one_process_does(tiny_model_dir, tmp_path, kind, ranges):
-    directory, _ = tiny_model_dir(kind)
+def _single_then_devices(directory, tmp_path, ranges, rotate: bool, *runs) -> list:
+    """Each of ``runs`` on one process's engine, then the pipeline's devices (rank 0 writes outputs.json)."""
     (tmp_path / "single").mkdir()
     for rank in range(len(ranges)):
         (tmp_path / f"offload{rank}").mkdir()
     single = _engine(directory, tmp_path / "single")
     try:
-        expected = _outputs(single)
+        results = [run(single) for run in runs]
     finally:
         single.close()
-    mp.spawn(_device, args=(ranges, directory, tmp_path, len(ranges)), nprocs=len(ranges), join=True)
+    mp.spawn(_device, args=(ranges, directory, tmp_path, len(ranges), rotate), nprocs=len(ranges), join=True)
+    return results
+
+
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+@pytest.mark.parametrize("ranges", [(range(0, 2), range(2, 4)), (range(0, 1), range(1, 3), range(3, 4)),
+                                    (range(0, 2), range(2, 3), range(3, 4))], ids=["2", "3", "3-late"])
+def test_a_pipeline_generates_what_one_process_does(tiny_model_dir, tmp_path, kind, ranges):
+    directory, _ = tiny_model_dir(kind)
+    [expected] = _single_then_devices(directory, tmp_path, ranges, False, _outputs)
     assert json.loads((tmp_path / "outputs.json").read_text()) == json.loads(json.dumps(expected))
     assert [len(t) for t, _, _ in expected[0]] == LENGTHS
 
@@ -90,39 +96,16 @@ def _rotation_outputs(engine: Engine, count: int) -> list:
     return [[[s.token_ids, s.finish_reason, [round(p, 4) for p in s.logprobs]] for s in seqs] for seqs in blocks]
 
 
-def _rotating_device(rank, ranges, directory, tmp, world):
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    try:
-        link = PipelineLink(PipelinePlace(rank, ranges), torch.device("cpu"), torch.float32)
-        engine = _engine(directory, tmp / f"offload{rank}", link)
-        try:
-            outputs = _rotation_outputs(engine, world)
-        finally:
-            engine.close()
-        if rank == 0:
-            (tmp / "outputs.json").write_text(json.dumps(outputs))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
 @pytest.mark.parametrize("ranges", [(range(0, 2), range(2, 4)), (range(0, 1), range(1, 3), range(3, 4))],
                          ids=["2", "3"])
 def test_as_many_blocks_as_devices_rotate_through_the_pipeline(tiny_model_dir, tmp_path, kind, ranges):
     """Each device runs one block's token over its stages while the others run the other blocks'."""
     directory, _ = tiny_model_dir(kind)
-    (tmp_path / "single").mkdir()
-    for rank in range(len(ranges)):
-        (tmp_path / f"offload{rank}").mkdir()
-    single = _engine(directory, tmp_path / "single")
-    try:
-        alone = [_rotation_outputs_one(single, b) for b in range(len(ranges))]
-        together = _rotation_outputs(single, len(ranges))
-    finally:
-        single.close()
+    alone, together = _single_then_devices(directory, tmp_path, ranges, True,
+                                           lambda engine: [_rotation_outputs_one(engine, b) for b in range(len(ranges))],
+                                           lambda engine: _rotation_outputs(engine, len(ranges)))
     assert together == alone  # rotation in one process changes nothing
-    mp.spawn(_rotating_device, args=(ranges, directory, tmp_path, len(ranges)), nprocs=len(ranges), join=True)
     assert json.loads((tmp_path / "outputs.json").read_text()) == json.loads(json.dumps(alone))
 
 
