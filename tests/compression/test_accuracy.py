@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from flexoff import LLM, CompressionConfig, Policy
-from flexoff.runtime import engine as engine_module
+from flexoff.runtime import block_run
 from flexoff.runtime.batch import Sequence
 from flexoff.runtime.sampler import Choice
 from flexoff.runtime.sampling import SamplingParams
@@ -119,7 +119,7 @@ def measure(directory, held_out: list[list[int]], weight_bits: int | None, cache
                 for index, (prompt, target) in enumerate(zip(prompts, targets))]
         by_index = dict(enumerate(targets))
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(engine_module, "BatchSampler", lambda seqs, *_: TeacherForcing(by_index, seqs))
+            patch.setattr(block_run, "BatchSampler", lambda seqs, *_: TeacherForcing(by_index, seqs))
             llm.engine.generate_block(seqs)
     for seq, target in zip(seqs, targets):
         assert seq.token_ids == target  # every held-out token was fed back, none sampled
