@@ -162,3 +162,18 @@ def untimed_records(path) -> list[dict]:
 
     return [{k: v for k, v in json.loads(line).items() if k not in ("block_seconds", "finished_at")}
             for line in open(path, encoding="utf-8").read().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def three_layers(tmp_path_factory):
+    """A tiny OPT of three decoder layers (an odd count, which the weight ring's wrap needs): (path, HF model)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, ffn_dim=48,
+                                     num_attention_heads=4, max_position_embeddings=64, pad_token_id=1,
+                                     bos_token_id=2, eos_token_id=2))
+    directory = tmp_path_factory.mktemp("opt-3")
+    model.save_pretrained(directory)
+    build_tokenizer(directory, "</s>", "</s>", "<pad>")
+    return directory, model

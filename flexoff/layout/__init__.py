@@ -14,7 +14,7 @@ and the planner read the same figures, so memory is counted once.
 - :mod:`.experts`: the experts a block touches, and whether a block loads only those (route first).
 """
 
-from .block import (CPU_ATTENTION_ROWS, WorkspaceLayout, block_bytes, cache_layers, block_disk_files, block_gpu_parts, block_host_requests,
+from .block import (CPU_ATTENTION_ROWS, WorkspaceLayout, block_bytes, block_disk_files, block_gpu_parts, block_host_requests,
                     has_dense_mlp, kv_buffer_parts, kv_cache_bytes, sparse_mlp_bytes, step_state_bytes, working_bytes,
                     workspace_layout)
 from .head import SORTED_ROWS, head_step_bytes, logprob_positions, sampler_state_bytes, sampler_step_bytes
@@ -25,14 +25,14 @@ from .host import (HOST_CHUNK, HOST_JOBS_IN_FLIGHT, PAGE, SlabPlan, disk_file_by
 from .placement import (Piece, TensorPlacement, place_layer, place_stage, realised_fractions, requested_fractions,
                         split_rows)
 from .weights import (WeightLayout, buffer_copies, compressible, dequantize_scratch_numel, dequantizes_once,
-                      largest_matrix_numel, largest_stage_matrix_numel, owned_stages, stage_placements, stored_parts, weight_buffer_bytes, weight_bytes,
+                      largest_matrix_numel, largest_stage_matrix_numel, owned_layers, owned_stages, stage_placements, stored_parts, weight_buffer_bytes, weight_bytes,
                       weight_host_requests, weight_layout)
 
 __all__ = [
     "CPU_ATTENTION_ROWS", "HOST_CHUNK", "HOST_JOBS_IN_FLIGHT", "PAGE", "block_bytes", "block_disk_files",
-    "block_gpu_parts", "block_host_requests", "buffer_copies", "cache_layers", "Capacity", "check_fits", "compressible",
+    "block_gpu_parts", "block_host_requests", "buffer_copies", "Capacity", "check_fits", "compressible",
     "dequantize_scratch_numel", "dequantizes_once", "disk_file_bytes", "expected_experts_touched", "has_dense_mlp", "head_step_bytes", "job_bytes",
-    "kv_buffer_parts", "kv_cache_bytes", "largest_matrix_numel", "largest_stage_matrix_numel", "logprob_positions", "overflow", "owned_stages", "pages",
+    "kv_buffer_parts", "kv_cache_bytes", "largest_matrix_numel", "largest_stage_matrix_numel", "logprob_positions", "overflow", "owned_layers", "owned_stages", "pages",
     "Piece", "sampler_state_bytes", "sampler_step_bytes", "SORTED_ROWS", "sparse_mlp_bytes", "step_state_bytes", "pins_host_memory",
     "place_layer", "place_stage", "ROUTE_FIRST_MIN_SAVING", "routes_first", "realised_fractions", "requested_fractions", "registered_bytes", "slab_bytes",
     "SlabPlan", "split_rows", "stage_placements",

@@ -11,7 +11,7 @@ from ..policy import TIERS, CompressionConfig, Policy
 from .head import head_step_bytes, sampler_state_bytes
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
 from .placement import split_rows
-from .weights import owned_stages, stored_parts
+from .weights import owned_layers, stored_parts
 
 CPU_ATTENTION_ROWS = 32  # sequences per CPU attention call: bounds its temporary memory
 INDEX_BYTES = 8  # int64: a token's chosen experts, and the order that sorts them
@@ -137,18 +137,13 @@ def workspace_layout(cfg: ModelConfig, policy: Policy, rows: int, slots: int, it
                            slots * dequantized * cfg.num_kv_heads * cfg.head_dim)
 
 
-def cache_layers(cfg: ModelConfig, owned: range | None = None) -> list[int]:
-    """The decoder layers whose caches a device holds: all, or those of a pipeline stage's range."""
-    return [stage.index for stage in owned_stages(cfg, owned) if stage.kind == "layer"]
-
-
 def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
                    owned: range | None = None) -> dict[str, int]:
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
     compresses the cache) for the layers held here, disk rows' host staging (reads and writes), and
     the GPU workspace the batches share."""
     sizes = dict.fromkeys(TIERS, 0)
-    layers = len(cache_layers(cfg, owned))
+    layers = len(owned_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
         sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
@@ -167,7 +162,7 @@ def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots
     (each tier's rows for every layer, keys then values; for disk rows, a staging pair for reads and
     one for writes), then its offloaded activations."""
     cache: list[int] = []
-    layers = len(cache_layers(cfg, owned))
+    layers = len(owned_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "gpu":
             continue
@@ -183,10 +178,11 @@ def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: i
     """Sizes of one block's offload files: per batch, two (keys, values) for each layer of its disk
     rows, and one for its disk rows' hidden states."""
     files: list[int] = []
+    layers = len(owned_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "disk":
             size = sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
-            files += [disk_file_bytes(size)] * (2 * len(cache_layers(cfg, owned)))
+            files += [disk_file_bytes(size)] * (2 * layers)
     for piece in split_rows(policy.gpu_batch_size, policy.activations):
         if piece.tier == "disk":
             files.append(disk_file_bytes((piece.stop - piece.start) * prompt_len * cfg.hidden_size * itemsize))

@@ -29,11 +29,15 @@ def owned_stages(cfg: ModelConfig, owned: range | None = None) -> list[Stage]:
     return every if owned is None else every[owned.start:owned.stop]
 
 
+def owned_layers(cfg: ModelConfig, owned: range | None = None) -> list[int]:
+    """The decoder layers a device runs (and holds the caches of): all, or a pipeline stage's."""
+    return [stage.index for stage in owned_stages(cfg, owned) if stage.kind == "layer"]
+
+
 def buffer_copies(cfg: ModelConfig, kind: str, owned: range | None = None) -> int:
     """Assembly buffer sets of a stage kind: decoder layers share a ring of two (one computing, one
     loading) where a device runs more than one, the embedding and the head have one each."""
-    layers = sum(stage.kind == "layer" for stage in owned_stages(cfg, owned))
-    return 2 if kind == "layer" and layers > 1 else 1
+    return 2 if kind == "layer" and len(owned_layers(cfg, owned)) > 1 else 1
 
 
 def largest_matrix_numel(cfg: ModelConfig, owned: range | None = None) -> int:

@@ -17,7 +17,7 @@ from .batch import GpuBatch, Sequence
 from .block_run import BlockRun
 from .interpreter import BlockInterpreter, HeadHook, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
-from ..layout import Capacity, cache_layers, check_fits, job_bytes, logprob_positions, pins_host_memory, weight_bytes
+from ..layout import Capacity, check_fits, job_bytes, logprob_positions, owned_layers, pins_host_memory, weight_bytes
 from .memory import grow_segments_in_place
 from .metrics import MemoryMeter, Metrics
 from .pipeline import PipelineLink
@@ -119,7 +119,7 @@ class Engine:
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
                                           self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
-        layers = None if self.owned is None else tuple(cache_layers(self.cfg, self.owned))
+        layers = None if self.owned is None else tuple(owned_layers(self.cfg, self.owned))
         shared = BlockKV(self.cfg, policy, self.device, self.dtype, self.streams, host, self.disk, self.worker,
                          workspace, layers=layers)
         batches = []

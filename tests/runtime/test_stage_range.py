@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from flexoff import LLM, Policy, TierFractions
-from flexoff.layout import (block_disk_files, block_host_requests, buffer_copies, cache_layers, kv_cache_bytes,
+from flexoff.layout import (block_disk_files, block_host_requests, buffer_copies, kv_cache_bytes, owned_layers,
                             owned_stages, weight_bytes, weight_layout)
 from flexoff.models import REGISTRY, stages
 from flexoff.models.config import ModelConfig
@@ -18,7 +18,6 @@ from flexoff.runtime.kv import BatchKV, BlockKV
 from flexoff.runtime.tiers import HostMemory, Streams
 from flexoff.runtime.weight_store import TieredWeights
 from flexoff.weights.checkpoint import CheckpointWeights
-from tests.runtime.test_weight_ring import three_layers  # noqa: F401  (a fixture)
 
 FOUR_BIT = CompressionConfig(4, 64)
 POLICIES = {
@@ -57,7 +56,7 @@ def test_a_ranges_layout_is_its_stages_share_of_the_whole(name, policy):
         assert stored == {tier: sum(s[tier] for s in whole.stage_tiers.values()) for tier in stored}
 
 
-def test_the_store_places_only_its_ranges_stages_and_reads_them_as_the_whole_model(three_layers):  # noqa: F811
+def test_the_store_places_only_its_ranges_stages_and_reads_them_as_the_whole_model(three_layers):
     directory, model = three_layers
     policy = Policy(2, 1, weights=TierFractions(0.3, 0.7, 0))
     with LLM(str(directory), policy=policy, device="cpu", dtype="float32") as llm:
@@ -88,7 +87,7 @@ def test_a_ranges_caches_are_its_layers_share(cache):
     policy = Policy(8, 2, cache=cache)
     whole_files = block_disk_files(cfg, policy, 32, slots, 2)
     for split in ranges(len(stages(cfg)), 3):
-        layers = [cache_layers(cfg, owned) for owned in split]
+        layers = [owned_layers(cfg, owned) for owned in split]
         assert sum(layers, []) == list(range(cfg.num_layers))
         files = [block_disk_files(cfg, policy, 32, slots, 2, owned) for owned in split]
         assert sorted(sum(files, [])) == sorted(whole_files)
@@ -107,7 +106,7 @@ def _staging(cfg, policy, slots):
             for p in split_rows(policy.gpu_batch_size, policy.cache) if p.tier == "disk"]
 
 
-def test_the_caches_of_a_range_hold_its_layers_only(three_layers, tmp_path):  # noqa: F811
+def test_the_caches_of_a_range_hold_its_layers_only(three_layers, tmp_path):
     directory, _ = three_layers
     policy = Policy(2, 1, cache=TierFractions(0, 0.5, 0.5))
     with LLM(str(directory), policy=policy, device="cpu", dtype="float32", offload_dir=str(tmp_path)) as llm:
@@ -115,7 +114,7 @@ def test_the_caches_of_a_range_hold_its_layers_only(three_layers, tmp_path):  # 
         owned = range(2, 5)  # layers 1 and 2, and the head
         host = HostMemory(False)
         block = BlockKV(cfg, policy, engine.device, torch.float32, engine.streams, host, engine.disk, engine.worker,
-                        None, layers=tuple(cache_layers(cfg, owned)))
+                        None, layers=tuple(owned_layers(cfg, owned)))
         kv = BatchKV(block, 2, 12, "b0")
         assert [sorted(g.store) if g.tier == "cpu" else sorted(g.files) for g in kv.groups] == [[1, 2], [1, 2]]
         held = {tier: sum(g.nbytes_by_tier().get(tier, 0) for g in kv.groups) for tier in ("cpu", "disk")}

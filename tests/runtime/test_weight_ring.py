@@ -7,23 +7,8 @@ import pytest
 import torch
 
 from flexoff import LLM, Policy, TierFractions
-from tests.conftest import build_tokenizer
 
 pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def three_layers(tmp_path_factory):
-    from transformers import OPTConfig, OPTForCausalLM
-
-    torch.manual_seed(0)
-    model = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_hidden_layers=3, ffn_dim=48,
-                                     num_attention_heads=4, max_position_embeddings=64, pad_token_id=1,
-                                     bos_token_id=2, eos_token_id=2))
-    directory = tmp_path_factory.mktemp("opt-3")
-    model.save_pretrained(directory)
-    build_tokenizer(directory, "</s>", "</s>", "<pad>")
-    return directory, model
 
 
 def test_loads_alternate_in_order_and_read_the_checkpoints_layers(three_layers):
