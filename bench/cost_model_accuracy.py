@@ -45,7 +45,6 @@ sys.path.insert(0, str(ROOT))
 from bench.calibration import report  # noqa: E402
 from bench.calibration import repredict  # noqa: E402
 from bench.calibration.cases import CASES, resolve, select  # noqa: E402
-from bench.calibration.repredict import GPU_RATES  # noqa: E402
 from bench.calibration.grid import neighbours  # noqa: E402
 from bench.calibration.runner import device_info, measure, measure_profile  # noqa: E402
 from flexoff.errors import FlexoffError  # noqa: E402
@@ -268,7 +267,7 @@ def main() -> int:
     if args.report:
         code = print_report(args.report)
         if args.repredict:
-            code = print_repredicted(args.report, args.repredict, args.repredict_field or list(GPU_RATES), parser)
+            code = print_repredicted(args.report, args.repredict, args.repredict_field or list(repredict.GPU_RATES), parser)
         return code
 
     card = None

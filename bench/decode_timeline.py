@@ -64,13 +64,13 @@ class Timeline:
         self._open = None
         self._ref = None
         self._ref_host = 0.0
-        make = engine._make_batches
+        make = engine.make_batches
 
         def capture(*args, **kwargs):  # the bench needs the batches to count cache bytes
             self.batches = make(*args, **kwargs)
             return self.batches
 
-        engine._make_batches = capture
+        engine.make_batches = capture
 
     def _event(self, stream):
         event = torch.cuda.Event(enable_timing=True)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import torch
+
 from ..models import architecture
 from .batch import GpuBatch, Sequence
 from .metrics import Metrics
-from .sampler import BatchSampler
+from .sampler import BatchSampler, prompt_ranked
 from .stopping import Decode, StopCondition
 
 
@@ -24,7 +26,7 @@ class BlockRun:
         self.seqs = seqs
         self.arch = architecture(engine.cfg)
         self.max_new = max(s.params.max_new_tokens for s in seqs)
-        self.batches = engine._make_batches(seqs, self.max_new, blocks, place)
+        self.batches = engine.make_batches(seqs, self.max_new, blocks, place)
         self.metrics = Metrics(num_sequences=len(seqs))
         self.stops = {id(seq): StopCondition(seq.params, engine.cfg.eos_token_ids, decode) for seq in seqs}
         self.samplers = {id(batch): BatchSampler(batch.seqs, engine.cfg.eos_token_ids, engine.cfg.vocab_size,
@@ -46,7 +48,7 @@ class BlockRun:
         """A head step: the batch's next tokens, their log-probabilities, and whether each sequence stops."""
         engine, arch = self.engine, self.arch
         if batch.start == 0:
-            engine._prompt_logprobs(arch, batch, weights)
+            self.prompt_logprobs(batch, weights)
         logits = arch.head(engine.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0]
         # Its last hidden state is spent: held until the next token's embedding, every batch's
         # prefill states would fill the GPU by the block's last head step.
@@ -80,6 +82,24 @@ class BlockRun:
             self.on_step(produced)
         if self.on_prefill and self.heads == len(self.batches):
             self.on_prefill()
+
+    def prompt_logprobs(self, batch: GpuBatch, weights: dict) -> None:
+        """vLLM's prompt logprobs of the rows asking, from the prefill's hidden states: one row, and
+        a bounded span of positions, at a time, so that (positions, vocab) logits stay small."""
+        span, arch = self.engine.logprob_positions, self.arch
+        for row, seq in enumerate(batch.seqs):
+            k = seq.params.prompt_logprobs
+            if k is None:
+                continue
+            length = len(seq.prompt_ids)
+            # Positions predicting prompt tokens 1.., in the prefill's row of this row's prompt.
+            hidden = batch.hidden[batch.prefill_row(row)][None, batch.prompt_len - length:-1]
+            entries = [None]
+            for start in range(0, length - 1, span):
+                logits = arch.head(self.engine.cfg, weights, hidden[:, start:start + span])[0].float()
+                span_ids = seq.prompt_ids[start:start + span + 1]
+                entries += prompt_ranked(torch.log_softmax(logits, dim=-1), span_ids, k)[1:]
+            seq.prompt_logprobs = entries
 
     def finish(self, end: float) -> Metrics:
         """The block's results in its sequences (on a pipeline's first device, from its last) and

@@ -22,7 +22,6 @@ from .memory import grow_segments_in_place
 from .metrics import MemoryMeter, Metrics
 from .pipeline import PipelineLink
 from ..policy import Policy
-from .sampler import prompt_ranked
 from .sampling import SamplingParams
 from .stopping import Decode
 from .tiers import DiskTier, HostMemory, HostWorker, Streams
@@ -107,7 +106,7 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _make_batches(self, seqs: list[Sequence], extra_slots: int, blocks: int = 1, block: int = 0) -> list[GpuBatch]:
+    def make_batches(self, seqs: list[Sequence], extra_slots: int, blocks: int = 1, block: int = 0) -> list[GpuBatch]:
         """The block's GPU batches, once the memory of ``blocks`` such blocks (those in rotation) fits;
         ``block``: its place in the rotation, which names its batches' offload files apart."""
         policy = self.policy
@@ -180,24 +179,6 @@ class Engine:
             self.link.flush()
         return [run.finish(end) for run in runs]
 
-    def _prompt_logprobs(self, arch, batch: GpuBatch, weights: dict) -> None:
-        """vLLM's prompt logprobs of the rows asking, from the prefill's hidden states: one row, and
-        a bounded span of positions, at a time, so that (positions, vocab) logits stay small."""
-        span = self.logprob_positions
-        for row, seq in enumerate(batch.seqs):
-            k = seq.params.prompt_logprobs
-            if k is None:
-                continue
-            length = len(seq.prompt_ids)
-            # Positions predicting prompt tokens 1.., in the prefill's row of this row's prompt.
-            hidden = batch.hidden[batch.prefill_row(row)][None, batch.prompt_len - length:-1]
-            entries = [None]
-            for start in range(0, length - 1, span):
-                logits = arch.head(self.cfg, weights, hidden[:, start:start + span])[0].float()
-                span_ids = seq.prompt_ids[start:start + span + 1]
-                entries += prompt_ranked(torch.log_softmax(logits, dim=-1), span_ids, k)[1:]
-            seq.prompt_logprobs = entries
-
     def non_finite_cause(self) -> str:
         """Why logits turned non-finite, as far as one scan of the placed weights can tell (made
         once, when first asked: the normal path never pays for it)."""
@@ -223,7 +204,7 @@ class Engine:
     def _prefill_only(self, token_lists: list[list[int]], on_head: HeadHook) -> None:
         greedy = SamplingParams(max_new_tokens=1)
         seqs = [Sequence(i, ids, greedy, self.seed) for i, ids in enumerate(token_lists)]
-        self._execute(self._make_batches(seqs, 0), 1, on_head)
+        self._execute(self.make_batches(seqs, 0), 1, on_head)
 
     def last_logits(self, token_lists: list[list[int]]) -> torch.Tensor:
         """Logits after the last token of each list: (len(token_lists), vocab), fp32 on the CPU."""

@@ -28,7 +28,6 @@ def machine_capacity(device: torch.device, gpu_mem: int | None, cpu_mem: int | N
     return Capacity(gpu_mem, cpu_mem, disk, device.type)
 
 
-
 def grow_segments_in_place(device: torch.device) -> bool:
     """Have CUDA's caching allocator map memory into expandable segments, unless the user configured it.
 

@@ -34,7 +34,8 @@ A pipeline stage runs a contiguous range of the stages (``BlockShape.first_stage
 SEND_ACTIVATION after the last (once its attention has finished), and, where the head and the
 embedding are on different devices, SEND_TOKENS after each HEAD but the last token's and
 RECV_TOKENS before the embedding of the next token. A receive comes only after every send this
-device owes, so no two devices wait on each other. The engine does not run a range yet.
+device owes, so no two devices wait on each other. ``BlockShape.tokens`` runs part of the tokens,
+so that blocks in rotation take turns.
 """
 
 from __future__ import annotations
@@ -150,9 +151,9 @@ def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> I
     ``active[k]`` says whether batch k still runs; the interpreter clears it at a HEAD step, and
     it is read before each of the batch's steps. None: every batch runs to the end.
     """
-    last = shape.num_stages - 1
+    last, owned = shape.num_stages - 1, shape.owned
     # The head's device tells the embedding's device each batch's tokens, unless it is the same one.
-    sends_tokens = shape.owned.start > 0
+    sends_tokens = owned.start > 0
     batches = range(shape.num_batches)
     active = [True] * shape.num_batches if active is None else active
     pending: dict[int, tuple[int, int]] = {}  # batch -> (token, stage) of its half-run layer
@@ -166,8 +167,6 @@ def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> I
             if k in leave_on_finish:
                 yield Step(leave_on_finish.pop(k), token, stage, k)
             yield Step(RELEASE_WEIGHTS, token, stage, k)
-
-    owned = shape.owned
 
     def before(stage: int) -> int:
         """The stage loaded just before ``stage``: the last one here comes before the first."""

@@ -2,8 +2,9 @@
 
 Tensors wholly on the GPU are used in place. The others are assembled, before their stage runs, in
 a GPU buffer: decoder layers share a ring of two buffer sets (one computing, one loading; a load
-takes the set loaded longest ago), the embedding and head stages have one set each. Host pieces are copied on the load stream; disk pieces
-are read by the disk tier's threads into pinned staging, then copied.
+takes the set loaded longest ago), the embedding and head stages have one set each. Host pieces
+are copied on the load stream; disk pieces are read by the disk tier's threads into pinned
+staging, then copied.
 
 With weight compression, matrices are quantized as they are loaded (one tensor at a time) and
 stored compressed on every tier, so their bytes cross PCIe and disk compressed; they are assembled
@@ -102,7 +103,7 @@ class _BufferSet:
     ready: object = None  # event: the loads are done
     free: object = None  # event: the last compute that read these buffers is done
     pending: object = None  # future of a load running on the disk threads
-    loaded: int = -1  # when a load last began here, counted in loads of the stage kind
+    loaded: int = -1  # when a load last began here: the store's count of loads begun, then
 
 
 class StageWeights(Mapping):
