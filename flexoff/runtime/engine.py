@@ -166,7 +166,7 @@ class Engine:
         runs = [BlockRun(self, seqs, decode, on_step, on_prefill, len(blocks), n) for n, seqs in enumerate(blocks)]
         self.weights.begin_block(max(len(b.seqs) for run in runs for b in run.batches),
                                  max(len(run.batches) for run in runs))
-        if len(runs) == 1:
+        if len(runs) == 1:  # one schedule for all its tokens: a token's first stage loads during the last
             runs[0].run(range(runs[0].max_new))
         else:
             for token in range(max(run.max_new for run in runs)):
