@@ -45,6 +45,7 @@ class MemoryTrace:
     def __call__(self, step) -> None:
         if self._open is not None:
             self._open["peak"] = torch.cuda.max_memory_allocated()
+            self._open["reserved"] = torch.cuda.max_memory_reserved()
             self._open["after"] = torch.cuda.memory_allocated()
             self.steps.append(self._open)
             self._open = None
@@ -67,6 +68,11 @@ def report(steps: list[dict], parts: dict[str, int], weights_gpu: int, before_ru
     print(f"run peak: {peak['peak'] / GiB:.2f} GiB at {_where(peak)}: {peak['before'] / GiB:.2f} GiB allocated "
           f"as it began, +{(peak['peak'] - peak['before']) / GiB:.2f} GiB within it")
     print(f"layout: {predicted / GiB:.2f} GiB ({(peak['peak'] - predicted) / predicted:+.1%} measured against it)")
+    reserved = max(s.get("reserved", 0) for s in steps)
+    if reserved:
+        # Freed blocks a side stream still reads stay reserved: the card's real need.
+        print(f"reserved by the allocator at most: {reserved / GiB:.2f} GiB "
+              f"({(reserved - predicted) / predicted:+.1%} against the layout)")
     print("\n| part (layout) | GiB |\n| --- | --- |")
     print(f"| weights and their buffers | {weights_gpu / GiB:.2f} |")
     for name, nbytes in parts.items():
@@ -81,7 +87,7 @@ def report(steps: list[dict], parts: dict[str, int], weights_gpu: int, before_ru
         if chosen:
             phases[name] = max(chosen, key=lambda s: s["peak"])
             print(f"{name}: highest step {_where(phases[name])}, {phases[name]['peak'] / GiB:.2f} GiB")
-    return {"peak": peak, "predicted": predicted, "weights_gpu": weights_gpu, "parts": parts,
+    return {"peak": peak, "reserved": reserved, "predicted": predicted, "weights_gpu": weights_gpu, "parts": parts,
             "before_run": before_run, "phases": phases}
 
 
@@ -96,7 +102,7 @@ def main() -> None:
                                                            "allocator's)")
     print(f"policy: {policy_summary(policy)}; {torch.cuda.get_device_name()}")
     predicted = CostModel(config, Workload(args.prompt_len, args.gen_len, num_prompts), hardware).predict(policy)
-    print(f"the planner's GPU peak: {predicted.gpu / GiB:.2f} GiB")
+    print(f"the planner's GPU peak: {predicted.peak_memory['gpu'] / GiB:.2f} GiB")
     llm = LLM(args.model, dummy=True, policy=policy, offload_dir=args.offload_dir, gpu_mem=args.gpu_mem,
               cpu_mem=args.cpu_mem)
     try:

@@ -66,6 +66,8 @@ def measure(model: str, policy, *, prompt_len: int, gen_len: int, num_prompts: i
         "prefill_throughput": metrics["prefill_throughput"],
         "decode_throughput": metrics["decode_throughput"],
         "gpu": peak.get("gpu"),
+        # what the card held: the allocated peak plus blocks a side stream still read, and rounding
+        "gpu_reserved": peak.get("gpu_reserved"),
         # Of the GPU peak, new keys and values the host stores may hold (the estimate reserves three prefills')
         "gpu_store_stream": peak.get("gpu_store_stream_peak"),
         "cpu": max(peak_rss, peak.get("cpu_rss", 0)) - metrics["baseline_rss"],

@@ -105,5 +105,8 @@ class MemoryMeter:
         peaks = {"cpu_rss": self._cpu_peak}
         if self.device.type == "cuda":
             peaks["gpu"] = torch.cuda.max_memory_allocated(self.device)
+            # What the card had to hold: blocks freed while a side stream still reads them stay
+            # reserved (record_stream), and the allocator's rounding and segments count too.
+            peaks["gpu_reserved"] = torch.cuda.max_memory_reserved(self.device)
         peaks.update(self.extra)
         return peaks

@@ -1,0 +1,44 @@
+"""The calibration report judges a GPU prediction by what the allocator reserved where a run
+measured it, and by the allocated peak for runs recorded before."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.calibration import report  # noqa: E402
+
+GiB = 1 << 30
+PREDICTED = {"total_throughput": 10.0, "prefill_throughput": 100.0, "decode_throughput": 12.0,
+             "gpu": 20 * GiB, "cpu": 50 * GiB, "disk": 0, "block_latency": 3.0}
+MEASURED = {"total_throughput": 10.0, "prefill_throughput": 100.0, "decode_throughput": 12.0,
+            "gpu": 15 * GiB, "cpu": 50 * GiB, "disk": 0, "seconds": 30}
+
+
+def _record(measured):
+    return {"name": "a case", "predicted": PREDICTED, "measured": measured, "summary": "16x1"}
+
+
+def _cells(row: str) -> list[str]:
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def test_the_reserved_peak_is_the_one_judged():
+    cells = _cells(report.case_row(_record({**MEASURED, "gpu_reserved": 21 * GiB})))
+    header = _cells(report.CASE_HEADER)
+    assert len(cells) == len(header)
+    at = header.index("GPU GiB pred")
+    assert cells[at:at + 4] == ["20.0", "21.0", "+5%", "15.0"]
+    assert "GPU memory within ±10%: 1/1" in report.summary([_record({**MEASURED, "gpu_reserved": 21 * GiB})])
+
+
+def test_without_a_reserved_peak_the_allocated_one_is_judged():
+    cells = _cells(report.case_row(_record(MEASURED)))
+    at = _cells(report.CASE_HEADER).index("GPU GiB pred")
+    assert cells[at:at + 4] == ["20.0", "15.0", "-25%", "15.0"]
+    assert "GPU memory within ±10%: 0/1" in report.summary([_record(MEASURED)])
+
+
+def test_a_failed_run_fills_every_column():
+    row = report.case_row(_record({"error": "out of memory"}))
+    assert len(_cells(row)) == len(_cells(report.CASE_HEADER))
