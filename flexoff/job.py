@@ -14,7 +14,7 @@ from .errors import ConfigError, PolicyError
 from .policy import CompressionConfig, TierFractions, check_choice, experts_from_percent, placement_from_percent
 
 DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
-# The names the API resolves (flexoff.api.resolve_dtype); checked here so that a job is refused
+# The names the API resolves (flexoff.llm_args.resolve_dtype); checked here so that a job is refused
 # before torch is imported.
 DTYPES = ("auto", "float16", "fp16", "half", "bfloat16", "bf16", "float32", "fp32")
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "cpu_attention", "overlap", "pin_cpu_memory")

@@ -44,7 +44,7 @@ def _compressed_parts(policy) -> str:
 
 def searched_policy(job: Job, workload: Callable[[], Workload] | None):
     """The planner's best policy for this job on its hardware profile, within its memory caps."""
-    from ..api import resolve_device, resolve_dtype
+    from ..llm_args import resolve_device, resolve_dtype
     from ..models import resolve_model_config
     from ..planner.report import policy_summary
     from ..planner.search import search_policy
@@ -81,7 +81,8 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
     """The LLM the job describes. ``workload`` (a callable giving the planner's Workload) serves
     --policy auto, lets a job that cannot fit be refused before anything is allocated, and, with no
     policy given, plans a policy when the job does not fit the device (the plan is printed)."""
-    from ..api import LLM, resolve_device
+    from ..api import LLM
+    from ..llm_args import resolve_device
 
     workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
 

@@ -193,7 +193,7 @@ class BatchJob:
 
 def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens: int) -> BatchJob:
     """Read and check the input, and open (or resume) the output; the model is not loaded yet."""
-    from ..api import resolve_device, resolve_dtype
+    from ..llm_args import resolve_device, resolve_dtype
     from ..models import resolve_model_config
 
     lines, digest, requests = read_batch_requests(source)

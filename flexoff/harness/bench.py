@@ -177,7 +177,7 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
                max_instances: int | None = None, num_in_context: int | None = None,
                subject: str | None = None) -> BenchRun:
     """Check the output directory, load the instances and open (or resume) the results."""
-    from ..api import resolve_device, resolve_dtype
+    from ..llm_args import resolve_device, resolve_dtype
     from ..models import resolve_model_config
 
     started = time.perf_counter()

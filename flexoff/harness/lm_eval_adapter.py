@@ -135,7 +135,7 @@ class FlexoffLM(LM):
                                "compress")
         import torch
 
-        from ..api import check_llm_args
+        from ..llm_args import check_llm_args
         from ..models import resolve_model
         from ..tokenizer import Tokenizer
 
