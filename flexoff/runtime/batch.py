@@ -37,6 +37,17 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    # What a sequence produced, as plain data: sent from the device that sampled it to the one
+    # that reports it (a pipeline's last device to its first, a replica to the others).
+    OUTCOME = ("token_ids", "logprobs", "top_logprobs", "prompt_logprobs", "finish_reason", "stop_reason", "error")
+
+    def outcome(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.OUTCOME)
+
+    def take_outcome(self, outcome: tuple) -> None:
+        for name, value in zip(self.OUTCOME, outcome, strict=True):
+            setattr(self, name, value)
+
     def fail(self, error: str) -> None:
         self.finish_reason, self.error = "error", error
         self.token_ids.clear()

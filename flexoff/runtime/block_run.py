@@ -106,16 +106,18 @@ class BlockRun:
         its metrics."""
         engine, metrics, seqs, batches = self.engine, self.metrics, self.seqs, self.batches
         link = engine.link
-        if link is not None and not (link.place.first and link.place.last):
-            if link.place.last:
-                link.send_results(seqs)
-            elif link.place.first:
-                link.recv_results(seqs)
-            self.prefill_end = self.prefill_end or end  # no head step ran here
-        # GPU bytes of new keys and values kept for the store stream's copies to host rows, at most.
-        engine.memory.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
+        self.prefill_end = self.prefill_end or end  # no head step ran here (a pipeline's devices before the last)
         metrics.prefill_time = self.prefill_end - self.start
         metrics.decode_time = end - self.prefill_end
+        if link is not None and not (link.place.first and link.place.last):
+            timing = ("prefill_time", "decode_time", "padded_generated_tokens")
+            if link.place.last:
+                link.send_results(seqs, {name: getattr(metrics, name) for name in timing})
+            elif link.place.first:  # the block's phases as the head saw them
+                for name, value in link.recv_results(seqs).items():
+                    setattr(metrics, name, value)
+        # GPU bytes of new keys and values kept for the store stream's copies to host rows, at most.
+        engine.memory.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
         # Prompt tokens the prefill computed: rows sharing a prompt in a GPU batch count it once.
         metrics.prompt_tokens = sum(b.prefill_tokens for b in batches)
         metrics.padded_prompt_tokens = sum(b.prompt_len * b.prefill_rows for b in batches)

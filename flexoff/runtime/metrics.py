@@ -68,6 +68,17 @@ class Metrics:
         for tier, value in other.peak_memory.items():
             self.peak_memory[tier] = max(self.peak_memory.get(tier, 0), value)
 
+    @classmethod
+    def concurrent(cls, blocks: list["Metrics"]) -> "Metrics":
+        """Blocks that ran at the same time (in rotation, or on replicas) as one span: their counts
+        added, and their phases from the start to the last prefill's end, then to the last end."""
+        span = cls()
+        for metrics in blocks:
+            span.add(metrics)
+        span.prefill_time = max((m.prefill_time for m in blocks), default=0.0)
+        span.decode_time = max((m.total_time for m in blocks), default=0.0) - span.prefill_time
+        return span
+
     def to_dict(self) -> dict:
         return {
             "prefill_time": self.prefill_time, "decode_time": self.decode_time, "total_time": self.total_time,

@@ -116,14 +116,15 @@ class PipelineLink:
             if done:
                 seq.finish_reason = "length"  # a placeholder until the results arrive
 
-    def send_results(self, seqs: list[Sequence]) -> None:
-        results = [(s.token_ids, s.logprobs, s.top_logprobs, s.prompt_logprobs, s.finish_reason, s.stop_reason,
-                    s.error) for s in seqs]
-        dist.send_object_list([results], self.place.rank(0), group=self.group)
+    def send_results(self, seqs: list[Sequence], timing: dict) -> None:
+        """The sequences' results, with ``timing``: what only the head's device measured (its
+        prefill and decode times), for the block's metrics."""
+        dist.send_object_list([[s.outcome() for s in seqs], timing], self.place.rank(0), group=self.group)
 
-    def recv_results(self, seqs: list[Sequence]) -> None:
-        received = [None]
+    def recv_results(self, seqs: list[Sequence]) -> dict:
+        """Fills the sequences with their results; returns the head's timing."""
+        received = [None, None]
         dist.recv_object_list(received, self.place.rank(len(self.place.ranges) - 1), group=self.group)
-        for seq, result in zip(seqs, received[0]):
-            (seq.token_ids, seq.logprobs, seq.top_logprobs, seq.prompt_logprobs, seq.finish_reason, seq.stop_reason,
-             seq.error) = result
+        for seq, outcome in zip(seqs, received[0], strict=True):
+            seq.take_outcome(outcome)
+        return received[1]
