@@ -13,11 +13,12 @@ import torch
 
 from .chat import chat_prompt, conversation_list
 from .checks import check_bool
-from .errors import (ArgumentTypeError, ClosedError, FlexoffError, NonFiniteError, PromptError, SamplingError,
-                     TokenizerError)
+from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
+                     SamplingError, TokenizerError)
 from .generation_config import read_generation_config
 from .llm_args import check_llm_args, one_of, resolve_device, resolve_dtype, unwrap_prompt
 from .models import ModelConfig, resolve_model, stage_specs, stages
+from .parallel import Parallel, parallel_ranks, rounds, stage_config
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .progress import TokenBar
 from .prompts import check_room, prompt_ids
@@ -58,12 +59,14 @@ class LLM:
     """A model ready to generate: weights from a checkpoint directory, or seeded dummy weights."""
 
     _closed = False  # set by close()
+    ranks = None  # this process's place in a parallel job (flexoff.parallel)
 
     def __init__(self, model: str, *, dummy: bool = False, policy: Policy | str | None = None,
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
                  tokenizer: str | None = None, offload_dir: str | None = None,
                  gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
-                 workload=None, hardware=None, compress: str = "off"):
+                 workload=None, hardware=None, compress: str = "off", pipeline_parallel_size: int | None = None,
+                 data_parallel_size: int | None = None):
         """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
         With it, a job that cannot fit the machine is refused before anything is allocated, and with
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
@@ -72,13 +75,20 @@ class LLM:
         saved the first time); ``self.plan`` tells. ``policy="auto"`` always runs the planned
         policy, as ``flexoff run --policy auto`` does.
         ``compress`` is what that planning may do with lossy 4-bit compression: "off" (lossless),
-        "auto" (try both) or "on"."""
+        "auto" (try both) or "on".
+        ``pipeline_parallel_size`` and ``data_parallel_size``: this process is one of a parallel
+        job's, started by torchrun (see ``flexoff.parallel``); None takes them from the launch
+        (all its processes one pipeline). Every process calls the same methods with the same
+        prompts, and every one returns the same outputs."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                        offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress)
         # A local directory, a registry name (dummy only) or a Hugging Face Hub id (fetched as needed).
         self.config: ModelConfig
         self.config, checkpoint = resolve_model(model, dummy)
         self.device = resolve_device(device)
+        self.ranks = parallel_ranks(Parallel(pipeline_parallel_size, data_parallel_size), self.config, device)
+        if self.ranks is not None:
+            self.device = self.ranks.device
         self.dtype = resolve_dtype(dtype, self.device, self.config)
         self.seed = seed
         searched = policy == "auto"
@@ -97,7 +107,7 @@ class LLM:
         source.check({stage.name: stage_specs(self.config, stage) for stage in stages(self.config)})
         offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
         caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]
-        capacity = machine_capacity(self.device, *caps, offload_dir if self.policy.uses_disk else None)
+        capacity = self._capacity(caps, offload_dir if self.policy.uses_disk else None)
         self.plan = None
         job = workload() if callable(workload) else workload
         if job is not None:
@@ -113,23 +123,42 @@ class LLM:
                 from .planner.hardware import resolve_hardware
 
                 hardware = resolve_hardware(str(hardware))
-            self.plan = fit_job(self.config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir,
-                                compress, search=searched)
+            def plan():
+                config = self.config if self.ranks is None else stage_config(self.config, self.ranks.place.ranges)
+                return fit_job(config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir,
+                               compress, search=searched)
+
+            # A pipeline's stages must agree on batch sizes: rank 0 plans for all of them.
+            self.plan = plan() if self.ranks is None else self.ranks.on_rank0(plan)
             self.policy = self.plan.policy
             if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
                 offload_dir = offload_dir or self.plan.offload_dir
-                capacity = machine_capacity(self.device, *caps, offload_dir)
+                capacity = self._capacity(caps, offload_dir)
         if gpu_mem and self.device.type == "cuda":
             # Emulate a smaller card: the allocator refuses anything past the cap.
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, capacity.gpu / total), self.device)
+        link = None
+        if self.ranks is not None and self.ranks.parallel.pipeline > 1:
+            from .runtime.pipeline import PipelineLink
+
+            link = PipelineLink(self.ranks.place, self.device, self.dtype)
         self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, seed,
-                             offload_dir=offload_dir, capacity=capacity)
+                             offload_dir=offload_dir, capacity=capacity, link=link)
+
+    def _capacity(self, caps, offload_dir):
+        """This process's memory: a parallel job's processes on one host share its RAM (--cpu-mem
+        is the host's)."""
+        capacity = machine_capacity(self.device, *caps, offload_dir)
+        if self.ranks is not None and capacity.cpu is not None:
+            capacity = replace(capacity, cpu=capacity.cpu // self.ranks.launch.local_world)
+        return capacity
 
     def close(self) -> None:
         """Free the model's memory and offload files; later calls raise ClosedError. Closing twice is fine."""
         self._closed = True
-        self.engine.close()
+        if getattr(self, "engine", None) is not None:
+            self.engine.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -249,6 +278,7 @@ class LLM:
         progress = one_of(progress, use_tqdm, "progress", "use_tqdm")
         progress = False if progress is None else progress
         check_bool(progress, "progress" if use_tqdm is None else "use_tqdm")
+        progress = progress and (self.ranks is None or self.ranks.rank == 0)  # one bar for a parallel job
         if on_block is not None and not callable(on_block):
             raise ArgumentTypeError(f"on_block must be callable or None, got {type(on_block).__name__}")
         prompts = self._prompt_list(prompts)
@@ -271,16 +301,8 @@ class LLM:
         tracker = TokenBar(enabled=progress) if tracker is None else tracker
         tracker.start(sum(len(prompt) for prompt in ids), sum(p.max_new_tokens * p.n for p in params))
         try:
-            for block in blocks:
-                seqs = [Sequence(r, ids[rows[r][0]], row_params[r], seeds[r]) for r in block]
-                budget = sum(s.params.max_new_tokens for s in seqs)
-                # A prompt shared by rows is prefilled once.
-                tracker.block_started(sum(len(p) for p in {tuple(s.prompt_ids) for s in seqs}))
-                metrics = self.engine.generate_block(
-                    seqs, self.tokenizer.decode if self.tokenizer is not None else None, on_step=tracker.generated,
-                    on_prefill=tracker.prefilled)
-                # Sequences that stopped early leave part of their budget unused; count it as done.
-                tracker.block_done(budget - metrics.generated_tokens)
+            for seqs, metrics, counted in self._generated(blocks, lambda block: [
+                    Sequence(r, ids[rows[r][0]], row_params[r], seeds[r]) for r in block], tracker):
                 block_outputs = []
                 for seq in seqs:
                     i = rows[seq.index][0]
@@ -289,12 +311,55 @@ class LLM:
                         samples = sorted(done.pop(i), key=lambda s: s.index)
                         outputs[i] = self._finish(samples, i, prompts[i])
                         block_outputs.append(outputs[i])
-                total.add(metrics)
+                total.add(counted)
                 if on_block is not None:  # a block may finish no prompt when its samples span blocks
                     on_block(block_outputs, metrics)
         finally:
             tracker.close()
         return GenerationResult(outputs, total)
+
+    def _generated(self, blocks: list[list[int]], make_seqs, tracker):
+        """Each block's sequences, generated, with its metrics and those the job's total counts, in
+        block order. Alone, one block at a time; in a parallel job, by rounds (``parallel.rounds``:
+        each replica runs its blocks in rotation through its pipeline), after which every process
+        takes every block's results. A round's blocks run at once: the total counts the round as
+        one span, with its last block."""
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        ranks = self.ranks
+        if ranks is None:
+            groups = [[[b]] for b in range(len(blocks))]
+        else:
+            groups = rounds(len(blocks), ranks.parallel.pipeline, ranks.parallel.data)
+        for group in groups:
+            order = [b for blocks_of_replica in group for b in blocks_of_replica]
+            seqs = {b: make_seqs(blocks[b]) for b in order}
+            mine = group[0] if ranks is None else ranks.my_blocks(group)
+            budget = sum(s.params.max_new_tokens for b in order for s in seqs[b])
+            # A prompt shared by rows is prefilled once.
+            tracker.block_started(sum(len(p) for b in order for p in {tuple(s.prompt_ids) for s in seqs[b]}))
+            # Heads run on a pipeline's last process: alone, the tracker follows them token by token;
+            # in a parallel job it moves by rounds.
+            alone = ranks is None
+            ran = self.engine.generate_blocks([seqs[b] for b in mine], decode,
+                                              on_step=tracker.generated if alone else None,
+                                              on_prefill=tracker.prefilled if alone else None) if mine else []
+            metrics = dict(zip(mine, ran))
+            if ranks is not None:
+                mine = {b: ([s.outcome() for s in seqs[b]], metrics[b]) for b in mine} if ranks.reports else {}
+                for shared in ranks.gather(mine):
+                    for b, (outcomes, block_metrics) in shared.items():
+                        for seq, outcome in zip(seqs[b], outcomes, strict=True):
+                            seq.take_outcome(outcome)
+                        metrics[b] = block_metrics
+            # Sequences that stopped early leave part of their budget unused; count it as done.
+            generated = sum(metrics[b].generated_tokens for b in order) if alone else 0
+            tracker.block_done(budget - generated)
+            if alone:
+                yield seqs[order[0]], metrics[order[0]], metrics[order[0]]
+                continue
+            span = Metrics.concurrent([metrics[b] for b in order])
+            for b in order:
+                yield seqs[b], metrics[b], span if b == order[-1] else Metrics()
 
     def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
              use_tqdm: bool | None = None, *, add_generation_prompt: bool = True, chat_template: str | None = None,
@@ -320,6 +385,7 @@ class LLM:
     def next_token_logits(self, prompts: SequenceOf) -> torch.Tensor:
         """Logits for the token after each prompt: (len(prompts), vocab), fp32 on the CPU."""
         self._check_open()
+        self._check_whole("next_token_logits")
         ids = self._encode(prompts)
         self._check_lengths(ids, [SamplingParams(max_new_tokens=1)] * len(ids))
         out = torch.empty(len(ids), self.config.vocab_size)
@@ -327,6 +393,13 @@ class LLM:
             out[block] = self.engine.last_logits([ids[i] for i in block])
         self._check_finite(torch.isfinite(out).all(dim=-1).tolist(), "logits")
         return out
+
+    def _check_whole(self, method: str) -> None:
+        """Logits and scores come from the head, on a pipeline's last process: not across stages yet
+        (replicas alone each compute them all)."""
+        if self.ranks is not None and self.ranks.parallel.pipeline > 1:
+            raise ConfigError(f"{method}() does not run over pipeline stages; make the LLM with "
+                              "pipeline_parallel_size=1")
 
     def _check_finite(self, finite: list[bool], what: str) -> None:
         """Refuse NaN or infinite results, naming the first prompt and the weight at fault."""
@@ -337,6 +410,7 @@ class LLM:
     def score(self, prompts: SequenceOf, continuations: SequenceOf) -> list[ScoreOutput]:
         """Per-token log-probabilities of each continuation given its prompt, in one prefill pass."""
         self._check_open()
+        self._check_whole("score")
         prompt_ids = self._encode(prompts)
         cont_ids = self._encode(continuations, "continuation")
         if len(cont_ids) != len(prompt_ids):

@@ -54,11 +54,11 @@ def build_tokenizer(directory, bos: str, eos: str, pad: str):
     return tok, vocab
 
 
-def _opt(pre_norm: bool, proj_dim: int | None):
+def _opt(pre_norm: bool, proj_dim: int | None, layers: int = 2):
     from transformers import OPTConfig, OPTForCausalLM
 
     kwargs = dict(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, ffn_dim=48, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, num_hidden_layers=layers, ffn_dim=48, num_attention_heads=4,
         max_position_embeddings=64, do_layer_norm_before=pre_norm, pad_token_id=1, bos_token_id=2,
         eos_token_id=2, dropout=0.0, attention_dropout=0.0,
     )
@@ -67,11 +67,11 @@ def _opt(pre_norm: bool, proj_dim: int | None):
     return OPTForCausalLM(OPTConfig(**kwargs)), ("</s>", "</s>", "<pad>")
 
 
-def _llama(model_type: str):
+def _llama(model_type: str, layers: int = 2):
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     common = dict(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, intermediate_size=40, num_attention_heads=4,
+        vocab_size=64, hidden_size=32, num_hidden_layers=layers, intermediate_size=40, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         tie_word_embeddings=False, rms_norm_eps=1e-6,
     )
@@ -112,9 +112,9 @@ def _moe(model_type: str):
 
 
 BUILDERS = {
-    "opt-pre": lambda: _opt(True, None),
+    "opt-pre": lambda layers=2: _opt(True, None, layers),
     "opt-post-proj": lambda: _opt(False, 16),
-    "llama-gqa": lambda: _llama("llama"),
+    "llama-gqa": lambda layers=2: _llama("llama", layers),
     "llama3-rope": lambda: _llama("llama3"),
     "qwen2-bias": lambda: _llama("qwen2"),
     "qwen3-qk-norm": lambda: _llama("qwen3"),
@@ -124,10 +124,11 @@ BUILDERS = {
 }
 
 
-def build_model(directory, kind: str, safetensors: bool = True, seed: int = 0):
-    """Save a tiny random model of ``kind`` (with a tokenizer) to ``directory``; return the HF model."""
+def build_model(directory, kind: str, safetensors: bool = True, seed: int = 0, layers: int | None = None):
+    """Save a tiny random model of ``kind`` (with a tokenizer) to ``directory``; return the HF model.
+    ``layers``: other than the kind's two decoder layers (opt-pre and llama-gqa only)."""
     torch.manual_seed(seed)
-    model, (bos, eos, pad) = BUILDERS[kind]()
+    model, (bos, eos, pad) = BUILDERS[kind]() if layers is None else BUILDERS[kind](layers)
     with torch.no_grad():  # larger-than-default weights make greedy choices decisive, not near-ties
         for param in model.parameters():
             param.normal_(0.0, 0.2)

@@ -153,6 +153,20 @@ def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> N
     group.add_argument("--cpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's host memory, e.g. 200GiB")
 
 
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "parallel", "One job over several processes, one per GPU (gloo between CPUs). Alone, flexoff starts "
+                    "them on this host through torch.distributed.run; under torchrun (several hosts: "
+                    "--nnodes, --rdzv-endpoint) each process is one of the launch's.")
+    group.add_argument("--pipeline-parallel", type=COUNT, metavar="N",
+                       help="split the model's layers between N pipeline stages, each on its own GPU "
+                            "(default: as many as the launch has processes, over the replicas)")
+    group.add_argument("--data-parallel", type=COUNT, metavar="M",
+                       help="M replicas of the pipeline, each generating its share of the blocks (default 1)")
+    group.add_argument("--parallel-timeout", type=number(above=0), default=600.0, metavar="SECONDS",
+                       help="how long a process waits for its peers before the job ends (default 600)")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--temperature", type=number(0), default=0.0, help="0 (default) is greedy")
@@ -179,4 +193,6 @@ def job_from_args(args) -> Job:
     return Job(model=model, dummy=dummy, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
                seed=args.seed, policy=policy, temperature=flag("temperature", 0.0), top_k=flag("top_k", 0),
                top_p=flag("top_p", 1.0), stop=tuple(flag("stop", ())), ignore_eos=flag("ignore_eos", False),
-               offload_dir=flag("offload_dir"), gpu_mem=flag("gpu_mem"), cpu_mem=flag("cpu_mem"))
+               offload_dir=flag("offload_dir"), gpu_mem=flag("gpu_mem"), cpu_mem=flag("cpu_mem"),
+               pipeline_parallel=flag("pipeline_parallel"), data_parallel=flag("data_parallel"),
+               parallel_timeout=flag("parallel_timeout", 600.0))

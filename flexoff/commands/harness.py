@@ -12,8 +12,8 @@ import time
 
 from ..errors import FlexoffError, OutputError
 from ..progress import TOKEN_BAR_FORMAT
-from .args import COUNT, SEED, add_model_args, add_policy_args, add_sampling_args, integer, job_from_args
-from .llm import make_llm
+from .args import COUNT, SEED, add_model_args, add_parallel_args, add_policy_args, add_sampling_args, integer, job_from_args
+from .llm import job_ranks, make_llm
 from .report import format_summary, format_table
 
 
@@ -81,22 +81,31 @@ def run_batch(args) -> int:
 
     if not args.model:
         raise FlexoffError("batch needs --model (a registry name with --dummy, or a checkpoint directory)")
-    batch = open_batch(job_from_args(args), args.input, args.output, args.max_new_tokens)
+    job = job_from_args(args)
+    ranks = job_ranks(job)
+    # In a parallel job rank 0 holds the output and speaks; every process runs the same prompts.
+    speaks = ranks is None or ranks.rank == 0
+    batch = open_batch(job, args.input, args.output, args.max_new_tokens, ranks)
     try:
         _dropped(batch.store)
         total = len(batch.lines)
         if batch.already == total:
+            if not speaks:
+                return 0
             print(f"all {total} prompts are already in {args.output}; nothing to do")
             return _failures(batch.failures(), batch.store.path)
         started = time.perf_counter()
         llm = make_llm(batch.job, batch.workload)
         try:
             try:
-                metrics = batch.run(llm, TqdmProgress(not args.no_progress))
+                metrics = batch.run(llm, TqdmProgress(not args.no_progress and speaks))
             except KeyboardInterrupt:
-                print(f"interrupted: {batch.done} of {total} prompts are in {args.output}; "
-                      "rerun the same command to finish the rest", file=sys.stderr)
+                if speaks:
+                    print(f"interrupted: {batch.done} of {total} prompts are in {args.output}; "
+                          "rerun the same command to finish the rest", file=sys.stderr)
                 return 130
+            if not speaks:
+                return 0
             print(format_summary(llm, metrics))
         finally:
             llm.close()
@@ -161,6 +170,7 @@ def register(subparsers) -> None:
                        help="results; created, or resumed if it holds results of this same job")
     add_model_args(batch)
     add_policy_args(batch)
+    add_parallel_args(batch)
     add_sampling_args(batch)
     batch.add_argument("--max-new-tokens", type=COUNT, default=32, metavar="N",
                        help="tokens to generate per prompt, unless its line says otherwise (default 32)")

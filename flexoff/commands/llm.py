@@ -19,14 +19,15 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def policy_of(job: Job, workload: Callable[[], Workload] | None):
-    """The job's policy: its file (or a search, for auto), then its overrides on top; None for the default."""
+def policy_of(job: Job, workload: Callable[[], Workload] | None, ranks=None):
+    """The job's policy: its file (or a search, for auto), then its overrides on top; None for the
+    default. ``ranks``: the job is parallel, and the search plans a stage's share of it."""
     from ..api import DEFAULT_POLICY
     from ..policy import Policy
 
     source = job.policy
     if source.searched:
-        policy = searched_policy(job, workload)
+        policy = searched_policy(job, workload, ranks)
     else:
         policy = Policy.load(source.file) if source.file else None
     if policy is not None and source.compress == "off" and (policy.compress_weight or policy.compress_cache):
@@ -42,8 +43,10 @@ def _compressed_parts(policy) -> str:
                                                   ("cache", policy.compress_cache)) if config is not None)
 
 
-def searched_policy(job: Job, workload: Callable[[], Workload] | None):
-    """The planner's best policy for this job on its hardware profile, within its memory caps."""
+def searched_policy(job: Job, workload: Callable[[], Workload] | None, ranks=None):
+    """The planner's best policy for this job on its hardware profile, within its memory caps; in a
+    parallel job (``ranks``), for the largest pipeline stage, with the host's memory shared by the
+    processes on it (every stage then runs the same batch sizes, as a pipeline must)."""
     from ..llm_args import resolve_device, resolve_dtype
     from ..models import resolve_model_config
     from ..planner.report import policy_summary
@@ -59,6 +62,11 @@ def searched_policy(job: Job, workload: Callable[[], Workload] | None):
     config = resolve_model_config(job.model)
     caps = [parse_size(value) if value else None for value in (job.gpu_mem, job.cpu_mem)]
     hardware = hardware_profile(job, device).with_memory(*caps)
+    if ranks is not None:
+        from ..parallel import stage_config
+
+        config = stage_config(config, ranks.place.ranges)
+        hardware = hardware.with_memory(cpu=hardware.cpu_memory // ranks.launch.local_world)
     wanted = workload()
     result = search_policy(config, wanted, hardware, compress=job.policy.planning_compress)
     _log(f"searched   {policy_summary(result.policy)} for prompt {wanted.prompt_len}, generate {wanted.gen_len} on "
@@ -77,6 +85,17 @@ def hardware_profile(job: Job, device):
     return saved_or_measured_profile(device, job.offload_root, lambda message: _log(f"profile    {message}"))
 
 
+def job_ranks(job: Job):
+    """This process's place in the job's parallel launch, joined; None when it runs alone."""
+    from ..models import resolve_model_config
+    from ..parallel import Launch, Parallel, parallel_ranks
+
+    parallel = Parallel(job.pipeline_parallel, job.data_parallel, job.parallel_timeout)
+    if parallel.asked == 1 and Launch.from_env() is None:
+        return None
+    return parallel_ranks(parallel, resolve_model_config(job.model), job.device)
+
+
 def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
     """The LLM the job describes. ``workload`` (a callable giving the planner's Workload) serves
     --policy auto, lets a job that cannot fit be refused before anything is allocated, and, with no
@@ -85,6 +104,9 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
     from ..llm_args import resolve_device
 
     workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
+    ranks = job_ranks(job)
+    # A parallel job's processes must run one policy: rank 0 chooses it (and alone reports it).
+    policy = policy_of(job, workload) if ranks is None else ranks.on_rank0(lambda: policy_of(job, workload, ranks))
 
     def measured_workload():
         try:
@@ -92,11 +114,12 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
         except TokenizerError:  # text without a tokenizer: the prompts' own check names the line at fault
             return None
 
-    llm = LLM(job.model, dummy=job.dummy, policy=policy_of(job, workload), dtype=job.dtype, device=job.device,
+    llm = LLM(job.model, dummy=job.dummy, policy=policy, dtype=job.dtype, device=job.device,
               seed=job.seed, tokenizer=job.tokenizer, offload_dir=job.offload_root,
               gpu_mem=job.gpu_mem, cpu_mem=job.cpu_mem, compress=job.policy.planning_compress,
               workload=measured_workload if workload is not None else None,
-              hardware=lambda: hardware_profile(job, resolve_device(job.device)))
-    if llm.plan is not None and llm.plan.message:
+              hardware=lambda: hardware_profile(job, resolve_device(job.device)),
+              pipeline_parallel_size=job.pipeline_parallel, data_parallel_size=job.data_parallel)
+    if llm.plan is not None and llm.plan.message and (ranks is None or ranks.rank == 0):
         _log(llm.plan.message)
     return llm

@@ -15,7 +15,8 @@ from ..errors import FlexoffError, OutputError, error_line
 from ..fileio import check_destination, json_text, write_or_keep
 from ..job import DEFAULT_MODEL
 from . import harness, search
-from .args import COUNT, Parser, add_model_args, add_policy_args, add_sampling_args, job_from_args
+from .args import COUNT, Parser, add_model_args, add_parallel_args, add_policy_args, add_sampling_args, job_from_args
+from .launch import check_before_launch, launch, needs_launch
 from .llm import make_llm
 from .report import format_summary
 
@@ -69,6 +70,8 @@ def cmd_run(args) -> int:
         result = llm.generate(prompts, params, progress=not args.quiet, on_block=on_block)
     finally:
         llm.close()
+    if llm.ranks is not None and llm.ranks.rank != 0:  # every process has the results; rank 0 reports them
+        return 0
     return _write_run_outputs(args, llm, result, ids, blocks, texts)
 
 
@@ -124,6 +127,7 @@ def register_run(subparsers) -> None:
     source.add_argument("--gen-len", "--max-new-tokens", dest="gen_len", type=COUNT, default=32,
                         help="tokens to generate per prompt (default 32)")
     add_policy_args(parser)
+    add_parallel_args(parser)
     add_sampling_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--output", metavar="FILE.jsonl", help="write one JSON result per prompt (atomically)")
@@ -162,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
     try:
+        size = needs_launch(args)
+        if size:
+            job = job_from_args(args)
+            check_before_launch(job, size)
+            return launch(argv, size, job.offload_root)
         return args.handler(args)
     except FlexoffError as exc:
         print(error_line(exc), file=sys.stderr)

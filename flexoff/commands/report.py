@@ -210,6 +210,18 @@ def _lossy(policy: Policy) -> str:
                    if config is not None)
 
 
+def _parallel_line(llm) -> list[str]:
+    """A parallel job's shape; the lines after it speak of rank 0's process, whose stage holds the
+    embedding."""
+    ranks = llm.ranks
+    if ranks is None:
+        return []
+    layers = [i - 1 for i in ranks.place.owned if 1 <= i <= llm.config.num_layers]
+    stages, replicas = ranks.parallel.pipeline, ranks.parallel.data
+    return [f"parallel   {stages} pipeline stage{'s' * (stages > 1)} × {replicas} replica{'s' * (replicas > 1)} · "
+            f"weights and peak memory below are rank 0's (the embedding and layers {layers[0]}–{layers[-1]})"]
+
+
 def format_summary(llm, metrics) -> str:
     """A run's summary: the model and policy, where the weights are, throughput, tokens and peak memory."""
     from ..layout import tier_name
@@ -231,6 +243,7 @@ def format_summary(llm, metrics) -> str:
         f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
         f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}"
         + _lossy(policy),
+        *_parallel_line(llm),
         "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
         f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",

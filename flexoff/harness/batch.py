@@ -49,7 +49,7 @@ from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .openai_batch import OpenAIRequest, is_openai_line, read_request, response_failures, response_record
 from .runner import GenerationItem, Progress, request_seed, run_generation
-from .store import ResultStore, id_key, make_header
+from .store import PeerStore, ResultStore, id_key, make_header
 
 
 def read_batch_input(path: str | Path) -> tuple[list[PromptLine], str]:
@@ -191,8 +191,10 @@ class BatchJob:
         self.store.close()
 
 
-def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens: int) -> BatchJob:
-    """Read and check the input, and open (or resume) the output; the model is not loaded yet."""
+def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens: int, ranks=None) -> BatchJob:
+    """Read and check the input, and open (or resume) the output; the model is not loaded yet.
+    ``ranks``: this process is one of a parallel job's (``flexoff.parallel.Ranks``): rank 0 owns the
+    output and its lock, and the others learn which ids it holds."""
     from ..llm_args import resolve_device, resolve_dtype
     from ..models import resolve_model_config
 
@@ -204,7 +206,20 @@ def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens:
         "input_sha256": digest, "sampling": sampling_identity(defaults, job.seed),
     }
     # Check the output before loading the model: a mismatch should fail in a second, not a minute.
-    store = ResultStore.open(output, make_header("batch", identity), fresh_hint="choose another --output",
-                             flag="--output")
+    def open_store():
+        return ResultStore.open(output, make_header("batch", identity), fresh_hint="choose another --output",
+                                flag="--output")
+
+    if ranks is None:
+        store = open_store()
+    else:
+        opened: list[ResultStore] = []
+
+        def open_here() -> set[str]:
+            opened.append(open_store())
+            return set(opened[0].done)
+
+        done_ids = ranks.on_rank0(open_here)
+        store = opened[0] if opened else PeerStore(output, done_ids)
     already = sum(id_key(line.id) in store.done for line in lines)
     return BatchJob(job, str(source), lines, defaults, store, already, requests)

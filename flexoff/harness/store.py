@@ -212,6 +212,26 @@ class ResultStore:
         self.close()
 
 
+class PeerStore:
+    """A parallel job's view of the results file rank 0 holds (ResultStore's interface): the ids
+    it held when opened, and those this run added since; it writes nothing and holds no lock."""
+
+    def __init__(self, path: str | Path, done_ids: set[str]):
+        self.path = Path(path)
+        self.done: dict[str, dict | None] = dict.fromkeys(done_ids)
+        self.dropped_bytes = 0
+
+    def record_policy(self, policy: dict) -> None:
+        pass
+
+    def append(self, records: list[dict]) -> None:
+        for record in records:
+            self.done[id_key(record["id"])] = record
+
+    def close(self) -> None:
+        pass
+
+
 def _write_all(fd: int, payload: bytes) -> None:
     view = memoryview(payload)
     while view:

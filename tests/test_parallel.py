@@ -1,0 +1,234 @@
+"""A job over several processes on the CPU (gloo): `flexoff run --pipeline-parallel N
+--data-parallel M` starts its processes itself, and they give the tokens one process gives, for
+OPT and Llama, greedy and sampled, with weights and cache offloaded on every stage; bad shapes are
+refused in one line before any weight loads; a rank that dies ends the job, naming it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from flexoff.commands.main import main
+from flexoff.errors import ConfigError, FlexoffError
+from flexoff.parallel import Launch, Parallel, check_parallel, rounds, stage_ranges
+from tests.conftest import build_model
+
+LAYERS = 4
+# Several blocks (4 prompts each), prompts of several lengths and budgets: rotation and replicas
+# both have work, and batches finish at different tokens.
+PROMPTS = [{"prompt": [5 + i % 7, 9, 11 + i, 3] * (1 + i % 3), "max_new_tokens": 3 + i % 4} for i in range(14)]
+OFFLOADED = ["--gpu-batch-size", "2", "--num-gpu-batches", "2", "--percent", "30", "50", "50", "0", "100", "0"]
+
+
+@pytest.fixture(scope="module")
+def deep_model(tmp_path_factory):
+    """Tiny OPT and Llama models of four decoder layers (enough for three stages)."""
+    made = {}
+
+    def make(kind):
+        if kind not in made:
+            directory = tmp_path_factory.mktemp(f"{kind}-{LAYERS}")
+            build_model(directory, kind, layers=LAYERS)
+            made[kind] = directory
+        return made[kind]
+
+    return make
+
+
+def _records(path) -> list:
+    return sorted(([r["index"], r["token_ids"], r["finish_reason"], [round(p, 4) for p in r["logprobs"]]]
+                   for r in map(json.loads, open(path, encoding="utf-8"))), key=lambda r: r[0])
+
+
+def _flexoff(*argv, timeout=240):
+    proc = subprocess.run([sys.executable, "-m", "flexoff", *argv], capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, sampling, stages, replicas", [
+    ("opt-pre", [], 2, 1),
+    ("opt-pre", ["--temperature", "0.8", "--seed", "7"], 3, 1),
+    ("opt-pre", ["--temperature", "0.8", "--seed", "7"], 2, 2),
+    ("llama-gqa", ["--temperature", "0.8", "--seed", "7"], 2, 1),
+    ("llama-gqa", [], 3, 1),
+    ("llama-gqa", [], 2, 2),
+], ids=["opt-2-greedy", "opt-3-sampled", "opt-2x2-sampled", "llama-2-sampled", "llama-3-greedy", "llama-2x2-greedy"])
+def test_a_parallel_run_generates_what_one_process_does(deep_model, tmp_path, capsys, kind, sampling, stages, replicas):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    common = ["run", "--model", str(deep_model(kind)), "--prompts", str(prompts), "--device", "cpu", "--quiet",
+              "--offload-dir", str(tmp_path), *OFFLOADED, *sampling]
+    assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
+    code, out, err = _flexoff(*common, "--output", str(tmp_path / "many.jsonl"), "--pipeline-parallel", str(stages),
+                              "--data-parallel", str(replicas))
+    assert code == 0, err
+    assert _records(tmp_path / "many.jsonl") == _records(tmp_path / "one.jsonl")
+    # One summary, from rank 0, which says what it speaks of.
+    assert out.count("wrote 14 results") == 1
+    assert f"parallel   {stages} pipeline stages × {replicas} replica" in out
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # every process removed its offload folder
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--pipeline-parallel", "13"], "--pipeline-parallel 13 is more than the 12 layers of opt-125m"),
+    (["--pipeline-parallel", "2", "--device", "cuda"], "CUDA is not available"),
+    (["--pipeline-parallel", "0"], "--pipeline-parallel: must be an integer >= 1"),
+])
+def test_a_job_that_cannot_be_split_is_refused_before_anything_starts(capsys, argv, message):
+    assert main(["run", "--quiet", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_a_launch_of_another_size_than_stages_times_replicas_is_refused(monkeypatch, capsys):
+    """Under torchrun: three processes cannot be two stages, in one line, before joining them."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert main(["run", "--quiet", "--device", "cpu", "--pipeline-parallel", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "flexoff: error: the job has 3 processes, but 2 pipeline stages x 1 replicas make 2"
+
+
+def _workers(proc) -> list:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True) if "flexoff" in " ".join(p.cmdline())]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_ends_the_job_naming_it(tmp_path):
+    """Kill one process mid-run: the others stop, the launcher names the rank in one line and exits
+    non-zero, and no offload folder is left behind, the killed rank's included."""
+    proc = subprocess.Popen([sys.executable, "-m", "flexoff", "run", "--device", "cpu", "--quiet",
+                             "--num-prompts", "64", "--gen-len", "400", "--offload-dir", str(tmp_path),
+                             "--percent", "50", "30", "100", "0", "100", "0", "--pipeline-parallel", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            workers = _workers(proc)
+            # Kill rank 1 once both processes hold their offload folders (their weights are placed).
+            if len(workers) == 2 and len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2:
+                victim = next(p for p in workers if p.environ().get("RANK") == "1")
+            time.sleep(0.2)
+        assert victim is not None, "the job's two processes did not start"
+        victim.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    assert "flexoff: rank 1 of 2 was killed by signal 9; the job stopped on every rank" in err
+    assert "Traceback" not in err
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+def test_layers_are_split_evenly_with_the_embedding_first_and_the_head_last():
+    assert stage_ranges(4, 2) == (range(0, 3), range(3, 6))
+    assert stage_ranges(4, 3) == (range(0, 2), range(2, 3), range(3, 6))
+    assert stage_ranges(96, 4) == (range(0, 25), range(25, 49), range(49, 73), range(73, 98))
+    for layers, stages in [(5, 5), (7, 3), (12, 1)]:
+        ranges = stage_ranges(layers, stages)
+        assert ranges[0].start == 0 and ranges[-1].stop == layers + 2
+        sizes = [len([i for i in r if 1 <= i <= layers]) for r in ranges]
+        assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1
+
+
+def test_rounds_give_each_replica_consecutive_blocks_one_per_stage():
+    assert rounds(7, 2, 2) == [[[0, 1], [2, 3]], [[4, 5], [6]]]
+    assert rounds(3, 1, 1) == [[[0]], [[1]], [[2]]]
+    assert rounds(2, 3, 2) == [[[0, 1]]]  # the second replica has nothing to do
+    done = [b for r in rounds(23, 3, 2) for g in r for b in g]
+    assert done == list(range(23))
+
+
+def test_the_launch_and_the_sizes():
+    assert Launch.from_env({}) is None
+    assert Launch.from_env({"RANK": "3", "WORLD_SIZE": "4"}) == Launch(3, 4, 3, 4)
+    with pytest.raises(ConfigError, match="must be integers"):
+        Launch.from_env({"RANK": "x", "WORLD_SIZE": "4"})
+    with pytest.raises(ConfigError, match="not a place in the job"):
+        Launch.from_env({"RANK": "4", "WORLD_SIZE": "4"})
+    four = Launch(0, 4, 0, 4)
+    assert Parallel().resolved(four) == Parallel(4, 1)
+    assert Parallel(data=2).resolved(four) == Parallel(2, 2)
+    assert Parallel(pipeline=2).resolved(four) == Parallel(2, 2)
+    assert Parallel(2, 1).resolved(None) == Parallel(2, 1)
+
+
+def test_more_processes_on_a_host_than_its_gpus_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="4 processes on this host, but only 2 GPUs are visible"):
+        check_parallel(Parallel(4, 1), 12, "opt-125m", Launch(0, 4, 0, 4), torch.device("cuda"))
+    with pytest.raises(ConfigError, match="names one GPU"):
+        check_parallel(Parallel(2, 1), 12, "opt-125m", Launch(0, 2, 0, 2), torch.device("cuda", 1))
+    with pytest.raises(FlexoffError, match="torchrun --nproc-per-node 2"):
+        check_parallel(Parallel(2, 1), 12, "opt-125m", None, torch.device("cpu"))
+    assert os.environ.get("RANK") is None
+
+
+@pytest.mark.slow
+def test_a_batch_job_of_two_replicas_resumes_after_a_rank_is_killed(deep_model, tmp_path):
+    """Rank 0 owns the output; kill rank 1 once some blocks are in it, rerun: the file then holds
+    every prompt once, with the tokens of an uninterrupted single-process job."""
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("".join(json.dumps({"id": f"q{i}", "prompt": [5 + i % 7, 9, 11 + i % 20, 3] * (1 + i % 3),
+                                         "max_new_tokens": 24}) + "\n" for i in range(160)))
+    common = ["batch", "--model", str(deep_model("opt-pre")), "--input", str(lines), "--device", "cpu",
+              "--no-progress", "--gpu-batch-size", "2", "--num-gpu-batches", "1", "--temperature", "0.8"]
+    assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
+    out = tmp_path / "two.jsonl"
+    argv = [sys.executable, "-m", "flexoff", *common, "--output", str(out), "--data-parallel", "2"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 4):
+            time.sleep(0.05)
+        victim = next(p for p in _workers(proc) if p.environ().get("RANK") == "1")
+        victim.send_signal(signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "rank 1 of 2 was killed by signal 9" in err
+    written = out.read_text().count("\n")
+    assert 4 <= written < 160, "the job was not cut in the middle"
+    code, _, err = _flexoff(*common, "--output", str(out), "--data-parallel", "2")
+    assert code == 0, err
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 160
+    tokens = lambda path: {r["id"]: r["token_ids"] for r in map(json.loads, open(path))}  # noqa: E731
+    assert tokens(out) == tokens(tmp_path / "one.jsonl")
+
+
+@pytest.mark.slow
+def test_two_launchers_make_one_job_as_two_hosts_would(deep_model, tmp_path, capsys):
+    """torchrun --nnodes 2 twice on one machine (gloo): one pipeline over the two 'hosts'."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    common = ["run", "--model", str(deep_model("llama-gqa")), "--prompts", str(prompts), "--device", "cpu", "--quiet",
+              *OFFLOADED, "--temperature", "0.8", "--offload-dir", str(tmp_path)]
+    assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-hosts",
+                "-m", "flexoff", *common, "--output", str(tmp_path / "many.jsonl"), "--pipeline-parallel", "2"]
+    hosts = [subprocess.Popen(launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        ended = [host.communicate(timeout=180) for host in hosts]
+    finally:
+        for host in hosts:
+            host.kill()
+    assert [host.returncode for host in hosts] == [0, 0], [err for _, err in ended]
+    assert _records(tmp_path / "many.jsonl") == _records(tmp_path / "one.jsonl")
+    assert sum(out.count("wrote 14 results") for out, _ in ended) == 1
