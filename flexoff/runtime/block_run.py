@@ -125,4 +125,7 @@ class BlockRun:
         metrics.peak_memory = engine.peak_memory()
         for seq in self.failed:  # outside the timed span: the scan reads every weight
             seq.error = f"{seq.error}: {engine.non_finite_cause()}"
+        # The interpreter holds this run's head step: a cycle that would keep the block's cache
+        # (tens of GiB of pinned host memory) alive until a garbage collection, beside the next block's.
+        self.interpreter = None
         return metrics

@@ -46,23 +46,16 @@ class BlockInterpreter:
         self.link = link  # a pipeline stage's peers (None: this device runs every stage)
         self.active = [True] * len(batches)  # read by the schedule between steps
         self._head_weights: dict[int, dict] = {}
-        self._handlers: dict[str, Callable[[Step], None]] = {
-            LOAD_WEIGHTS: self.load_weights, LOAD_CACHE: self.load_cache, LOAD_ACTIVATION: self.load_activation,
-            COMPUTE: self.compute, START_ATTENTION: self.start_attention, FINISH_ATTENTION: self.finish_attention,
-            STORE_ACTIVATION: self.store_activation, RELEASE_WEIGHTS: self.release_weights, HEAD: self.head,
-            SYNC: self.sync, SEND_ACTIVATION: self.send_activation, RECV_ACTIVATION: self.recv_activation,
-            SEND_TOKENS: self.send_tokens, RECV_TOKENS: self.recv_tokens,
-        }
 
     def run(self, num_tokens: int, tokens: range | None = None) -> None:
         """The block's schedule for ``tokens`` of its ``num_tokens`` (default: all of them)."""
         shape = block_shape(self.batches, num_tokens, len(self.stages), self.link and self.link.place.owned, tokens)
-        handlers, observer = self._handlers, self.observer
+        handlers, observer = _HANDLERS, self.observer
         try:
             for step in block_schedule(shape, self.active):
                 if observer is not None:
                     observer(step)
-                handlers[step.kind](step)
+                getattr(self, handlers[step.kind])(step)
         except BaseException:
             self.worker.drain()  # no host job may outlive the block's cache (or hide its error)
             raise
@@ -137,3 +130,13 @@ class BlockInterpreter:
 
     def sync(self, step: Step) -> None:
         self.worker.drain()
+
+
+# Each step kind's handler by name: a table of an interpreter's own bound methods would be a cycle
+# that keeps its block (and the block's cache) alive until a garbage collection.
+_HANDLERS: dict[str, str] = {
+    LOAD_WEIGHTS: "load_weights", LOAD_CACHE: "load_cache", LOAD_ACTIVATION: "load_activation", COMPUTE: "compute",
+    START_ATTENTION: "start_attention", FINISH_ATTENTION: "finish_attention", STORE_ACTIVATION: "store_activation",
+    RELEASE_WEIGHTS: "release_weights", HEAD: "head", SYNC: "sync", SEND_ACTIVATION: "send_activation",
+    RECV_ACTIVATION: "recv_activation", SEND_TOKENS: "send_tokens", RECV_TOKENS: "recv_tokens",
+}
