@@ -18,7 +18,7 @@ from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, 
 from .generation_config import read_generation_config
 from .llm_args import check_llm_args, one_of, resolve_device, resolve_dtype, unwrap_prompt
 from .models import ModelConfig, resolve_model, stage_specs, stages
-from .parallel import Parallel, parallel_ranks, rounds, stage_config
+from .parallel import Parallel, parallel_ranks, rounds
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .progress import TokenBar
 from .prompts import check_room, prompt_ids
@@ -124,7 +124,7 @@ class LLM:
 
                 hardware = resolve_hardware(str(hardware))
             def plan():
-                config = self.config if self.ranks is None else stage_config(self.config, self.ranks.place.ranges)
+                config = self.config if self.ranks is None else self.ranks.largest_stage(self.config)
                 return fit_job(config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir,
                                compress, search=searched)
 

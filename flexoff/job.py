@@ -118,9 +118,11 @@ class Job:
         if not all(isinstance(text, str) and text for text in self.stop):
             raise ConfigError(f"stop strings must be non-empty text, got {list(self.stop)!r}")
         check_bool(self.ignore_eos, "ignore_eos")
-        for name in ("gpu_mem", "cpu_mem"):
-            if getattr(self, name) is not None:
-                check_size(getattr(self, name), name)
+        if self.gpu_mem is not None:  # one size, or one per pipeline stage
+            for size in self.gpu_mem.split(",") if isinstance(self.gpu_mem, str) else [self.gpu_mem]:
+                check_size(size.strip() if isinstance(size, str) else size, "gpu_mem")
+        if self.cpu_mem is not None:
+            check_size(self.cpu_mem, "cpu_mem")
         for name in ("pipeline_parallel", "data_parallel"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, ConfigError, 1)
@@ -128,6 +130,17 @@ class Job:
         for name, value in self.policy.overrides:
             if name in ("weights", "cache", "activations", "experts") and not isinstance(value, TierFractions):
                 raise PolicyError(f"policy {name} must be TierFractions, got {value!r}")
+
+    def stage_gpu_mem(self, stage: int = 0, stages: int = 1) -> str | None:
+        """A pipeline stage's GPU memory cap: ``gpu_mem`` is one size for every GPU, or one per stage
+        ("16GiB,24GiB")."""
+        if not isinstance(self.gpu_mem, str) or "," not in self.gpu_mem:
+            return self.gpu_mem
+        sizes = [size.strip() for size in self.gpu_mem.split(",")]
+        if len(sizes) != stages:
+            raise ConfigError(f"--gpu-mem gives {len(sizes)} sizes, but the job has {stages} pipeline "
+                              f"stage{'s' * (stages > 1)}: give one size for every GPU, or one per stage")
+        return sizes[stage]
 
     @property
     def offload_root(self) -> str | None:

@@ -19,6 +19,7 @@ import torch
 
 from .checks import check_int
 from .errors import ConfigError, FlexoffError
+from .layout.pipeline import range_layers, stage_ranges, stage_view
 
 # How long a process waits for a peer before the job ends (a rank that died, a stuck collective).
 DEFAULT_TIMEOUT_S = 600.0
@@ -76,14 +77,6 @@ class Parallel:
         data = self.data or (world // self.pipeline if self.pipeline and world % self.pipeline == 0 else 1)
         pipeline = self.pipeline or max(1, world // data)
         return Parallel(pipeline, data, self.timeout_s)
-
-
-def stage_ranges(num_layers: int, pipeline: int) -> tuple[range, ...]:
-    """Each stage's range of the model's stages (the embedding, the layers, the head): the layers
-    split evenly, the embedding with the first stage, the head with the last."""
-    cuts = [1 + k * num_layers // pipeline for k in range(pipeline + 1)]
-    cuts[0], cuts[-1] = 0, num_layers + 2
-    return tuple(range(a, b) for a, b in zip(cuts, cuts[1:]))
 
 
 def check_parallel(parallel: Parallel, num_layers: int, model: str, launch: Launch | None,
@@ -174,8 +167,15 @@ class Ranks:
                 box[0] = exc
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], FlexoffError):
+            if self.rank != 0:
+                box[0].said_by_rank0 = True  # rank 0 prints it; the others end without a word
             raise box[0]
         return box[0]
+
+    def largest_stage(self, config):
+        """The model as the pipeline's largest stage holds it (every stage runs the policy planned
+        for it: a pipeline's stages must agree on batch sizes)."""
+        return stage_view(config, max(len(range_layers(r, config.num_layers)) for r in self.place.ranges))
 
     def my_blocks(self, group: list[list[int]]) -> list[int]:
         """Of a round (each replica's blocks), those this process runs."""
@@ -187,13 +187,6 @@ def rounds(num_blocks: int, pipeline: int, data: int) -> list[list[list[int]]]:
     blocks in rotation. Blocks are formed by length, so a round's replicas get blocks alike."""
     groups = [list(range(start, min(start + pipeline, num_blocks))) for start in range(0, num_blocks, pipeline)]
     return [groups[start:start + data] for start in range(0, len(groups), data)]
-
-
-def stage_config(config, ranges: tuple[range, ...]):
-    """The model as the pipeline's largest stage holds it, to plan every stage's policy by: its
-    layers, with the embedding and the head (which the first and last stages hold) counted too."""
-    layers = max(sum(1 for i in r if 1 <= i <= config.num_layers) for r in ranges)
-    return config.replace(num_layers=layers, dense_layers=tuple(i for i in config.dense_layers if i < layers))
 
 
 def parallel_ranks(parallel: Parallel, config, device: str | torch.device) -> Ranks | None:

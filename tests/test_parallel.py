@@ -5,6 +5,7 @@ refused in one line before any weight loads; a rank that dies ends the job, nami
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import torch
 
 from flexoff.commands.main import main
 from flexoff.errors import ConfigError, FlexoffError
-from flexoff.parallel import Launch, Parallel, check_parallel, rounds, stage_ranges
+from flexoff.layout.pipeline import range_layers, stage_ranges
+from flexoff.parallel import Launch, Parallel, check_parallel, rounds
 from tests.conftest import build_model
 
 LAYERS = 4
@@ -137,7 +139,8 @@ def test_layers_are_split_evenly_with_the_embedding_first_and_the_head_last():
     for layers, stages in [(5, 5), (7, 3), (12, 1)]:
         ranges = stage_ranges(layers, stages)
         assert ranges[0].start == 0 and ranges[-1].stop == layers + 2
-        sizes = [len([i for i in r if 1 <= i <= layers]) for r in ranges]
+        sizes = [len(range_layers(r, layers)) for r in ranges]
+        assert [i for r in ranges for i in range_layers(r, layers)] == list(range(layers))
         assert sum(sizes) == layers and max(sizes) - min(sizes) <= 1
 
 
@@ -232,3 +235,44 @@ def test_two_launchers_make_one_job_as_two_hosts_would(deep_model, tmp_path, cap
     assert [host.returncode for host in hosts] == [0, 0], [err for _, err in ended]
     assert _records(tmp_path / "many.jsonl") == _records(tmp_path / "one.jsonl")
     assert sum(out.count("wrote 14 results") for out, _ in ended) == 1
+
+
+@pytest.mark.slow
+def test_each_stage_runs_the_policy_planned_for_its_own_gpu(tmp_path):
+    """--policy auto with one GPU cap per stage: the stages run different placements of one batch
+    shape, and the tokens are one process's. A cap too small for any plan is refused once, by rank 0."""
+    common = ["run", "--model", "opt-125m", "--dummy", "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "24",
+              "--gen-len", "6", "--quiet", "--offload-dir", str(tmp_path)]
+    auto = ["--pipeline-parallel", "2", "--policy", "auto", "--hardware", "t4", "--cpu-mem", "4GiB"]
+    code, out, err = _flexoff(*common, *auto, "--gpu-mem", "60MiB,120MiB")
+    assert code == 2 and err.strip().splitlines() == [
+        "flexoff: error: a pipeline stage of opt-125m fits no policy: opt-125m cannot run on this machine even with "
+        "everything offloaded: the GPU needs at least 181.48 MiB for working buffers (gpu batch size 1, no "
+        "compression), but only 48.00 MiB is usable"]
+    code, out, err = _flexoff(*common, *auto, "--gpu-mem", "300MiB,400MiB", "--output", str(tmp_path / "many.jsonl"))
+    assert code == 0, err
+    searched = re.findall(r"^searched   stage (\d) \(layers (\d+)-(\d+)\): (\S+) w (\S+)", err, re.M)
+    assert [s[:3] for s in searched] == [("0", "0", "5"), ("1", "6", "11")]
+    assert searched[0][3] == searched[1][3]  # one batch shape
+    assert searched[0][4] != searched[1][4]  # each its own placement of the weights
+    assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
+    many, one = _records(tmp_path / "many.jsonl"), _records(tmp_path / "one.jsonl")
+    assert [r[:3] for r in many] == [r[:3] for r in one]
+    # bfloat16 log-probabilities differ in their last bits where attention ran on another device.
+    assert [r[3] for r in many] == [pytest.approx(r[3], rel=5e-3) for r in one]
+
+
+def test_a_process_that_lost_its_peers_says_so_in_one_line(monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from flexoff.commands import main as main_module
+
+    def timed_out(args):
+        raise dist.DistBackendError("[Rank 1] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=7)\nmore")
+
+    monkeypatch.setattr(main_module, "cmd_run", timed_out)
+    monkeypatch.setenv("RANK", "1")
+    assert main(["run", "--quiet"]) == 1
+    assert capsys.readouterr().err == (
+        "flexoff: error: rank 1 lost its peers ([Rank 1] Watchdog caught collective operation timeout: "
+        "WorkNCCL(SeqNum=7)); a process of the job ended or stopped answering\n")

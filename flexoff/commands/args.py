@@ -71,6 +71,13 @@ def _size(text: str) -> str:
     return check_size(text)  # kept as text: consumers parse it, as they parse sizes given in Python
 
 
+def _sizes(text: str) -> str:
+    """One size, or several separated by commas (one per pipeline stage)."""
+    for size in text.split(","):
+        check_size(size.strip())
+    return text
+
+
 def _text(text: str) -> str:
     if not text:
         raise FlexoffError("must not be empty")
@@ -80,6 +87,7 @@ def _text(text: str) -> str:
 COUNT = integer(1)  # a positive count: prompts, tokens, batch sizes, instances
 SEED = integer(0, MAX_SEED)
 SIZE = _checked(_size)
+SIZES = _checked(_sizes)
 NONEMPTY = _checked(_text)
 DEVICE = _checked(check_device_name)
 DTYPE = _checked(check_dtype_name)
@@ -149,7 +157,9 @@ def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> N
     group.add_argument("--cache-group", type=integer(2), default=64, help="group size for cache compression (>= 2)")
     group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR); "
                                              "flexoff makes a private folder inside it and removes it on exit")
-    group.add_argument("--gpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card)")
+    group.add_argument("--gpu-mem", metavar="SIZE", type=SIZES,
+                       help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card); with --pipeline-parallel, "
+                            "one size for every GPU or one per stage, e.g. 16GiB,24GiB")
     group.add_argument("--cpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's host memory, e.g. 200GiB")
 
 
@@ -163,6 +173,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                             "(default: as many as the launch has processes, over the replicas)")
     group.add_argument("--data-parallel", type=COUNT, metavar="M",
                        help="M replicas of the pipeline, each generating its share of the blocks (default 1)")
+    parser.set_defaults(launches=True)  # the command starts a parallel job's processes when alone
     group.add_argument("--parallel-timeout", type=number(above=0), default=600.0, metavar="SECONDS",
                        help="how long a process waits for its peers before the job ends (default 600)")
 

@@ -18,7 +18,9 @@ def needs_launch(args) -> int:
     (alone, or as one of a launch's processes)."""
     from ..parallel import Launch
 
-    size = (getattr(args, "pipeline_parallel", None) or 1) * (getattr(args, "data_parallel", None) or 1)
+    if not getattr(args, "launches", False):
+        return 0
+    size = (args.pipeline_parallel or 1) * (args.data_parallel or 1)
     return size if size > 1 and Launch.from_env() is None else 0
 
 
@@ -45,8 +47,11 @@ def launch(argv: list[str], size: int, offload_root: str | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    # The launcher's own log lines (workers started, peers stopped) are not the user's concern.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    # The launcher's own log lines (workers started, a worker failed, peers stopped) say again what
+    # the line below says; its loggers set their own levels, so each is quieted.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     if "OMP_NUM_THREADS" not in os.environ:  # the processes share the host's cores
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // size))
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=size, run_id=str(uuid.uuid4()),
@@ -61,6 +66,8 @@ def launch(argv: list[str], size: int, offload_root: str | None = None) -> int:
             from ..runtime.offload_dir import remove_dead_folders
 
             remove_dead_folders(Path(offload_root))
+        if code == 2:  # a user error, which the process said in one line
+            return 2
         how = f"was killed by signal {-code}" if code < 0 else f"ended with exit code {code}"
         print(f"flexoff: rank {rank} of {size} {how}; the job stopped on every rank", file=sys.stderr)
         return code if code > 0 else 1

@@ -19,23 +19,24 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def policy_of(job: Job, workload: Callable[[], Workload] | None, ranks=None):
+def policy_of(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> list:
     """The job's policy: its file (or a search, for auto), then its overrides on top; None for the
-    default. ``ranks``: the job is parallel, and the search plans a stage's share of it."""
+    default. A list of one, or in a parallel job (``ranks``) searched for, one per pipeline stage."""
     from ..api import DEFAULT_POLICY
     from ..policy import Policy
 
     source = job.policy
     if source.searched:
-        policy = searched_policy(job, workload, ranks)
+        policies = searched_policies(job, workload, ranks)
     else:
-        policy = Policy.load(source.file) if source.file else None
-    if policy is not None and source.compress == "off" and (policy.compress_weight or policy.compress_cache):
-        raise PolicyError(f"{source.file} compresses the {_compressed_parts(policy)}, which contradicts "
-                          "--compress off; drop --compress off or use a lossless policy")
+        policies = [Policy.load(source.file) if source.file else None]
+        if policies[0] is not None and source.compress == "off" and (policies[0].compress_weight or
+                                                                     policies[0].compress_cache):
+            raise PolicyError(f"{source.file} compresses the {_compressed_parts(policies[0])}, which contradicts "
+                              "--compress off; drop --compress off or use a lossless policy")
     if source.overrides:
-        policy = replace(policy or DEFAULT_POLICY, **dict(source.overrides))
-    return policy
+        policies = [replace(policy or DEFAULT_POLICY, **dict(source.overrides)) for policy in policies]
+    return policies
 
 
 def _compressed_parts(policy) -> str:
@@ -43,14 +44,14 @@ def _compressed_parts(policy) -> str:
                                                   ("cache", policy.compress_cache)) if config is not None)
 
 
-def searched_policy(job: Job, workload: Callable[[], Workload] | None, ranks=None):
-    """The planner's best policy for this job on its hardware profile, within its memory caps; in a
-    parallel job (``ranks``), for the largest pipeline stage, with the host's memory shared by the
-    processes on it (every stage then runs the same batch sizes, as a pipeline must)."""
+def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> list:
+    """The planner's best policy for this job on its hardware profile, within its memory caps. In a
+    parallel job (``ranks``), one per pipeline stage, each for its layers and its GPU's cap, with
+    the host's memory shared by the processes on it, all of one batch shape."""
     from ..llm_args import resolve_device, resolve_dtype
     from ..models import resolve_model_config
+    from ..planner.pipeline import plan_pipeline
     from ..planner.report import policy_summary
-    from ..planner.search import search_policy
     from ..units import parse_size
 
     if workload is None:
@@ -60,18 +61,19 @@ def searched_policy(job: Job, workload: Callable[[], Workload] | None, ranks=Non
     if resolve_dtype(job.dtype, device).itemsize != 2:
         raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16")
     config = resolve_model_config(job.model)
-    caps = [parse_size(value) if value else None for value in (job.gpu_mem, job.cpu_mem)]
-    hardware = hardware_profile(job, device).with_memory(*caps)
-    if ranks is not None:
-        from ..parallel import stage_config
-
-        config = stage_config(config, ranks.place.ranges)
-        hardware = hardware.with_memory(cpu=hardware.cpu_memory // ranks.launch.local_world)
+    stages, replicas = (1, 1) if ranks is None else (ranks.parallel.pipeline, ranks.parallel.data)
+    sharing = 1 if ranks is None else ranks.launch.local_world
+    profile = hardware_profile(job, device)
+    cpu = parse_size(job.cpu_mem) if job.cpu_mem else profile.cpu_memory
+    hardware = [profile.with_memory(parse_size(gpu) if (gpu := job.stage_gpu_mem(stage, stages)) else None,
+                                    cpu // sharing) for stage in range(stages)]
     wanted = workload()
-    result = search_policy(config, wanted, hardware, compress=job.policy.planning_compress)
-    _log(f"searched   {policy_summary(result.policy)} for prompt {wanted.prompt_len}, generate {wanted.gen_len} on "
-         f"{hardware.name}: {result.throughput:.4g} token/s predicted")
-    return result.policy
+    plan = plan_pipeline(config, wanted, hardware, replicas, compress=job.policy.planning_compress)
+    for stage in plan.stages:
+        where = "" if stages == 1 else f"stage {stage.index} (layers {stage.layers.start}-{stage.layers.stop - 1}): "
+        _log(f"searched   {where}{policy_summary(stage.policy)} for prompt {wanted.prompt_len}, generate "
+             f"{wanted.gen_len} on {stage.hardware.name}: {stage.prediction.total_throughput:.4g} token/s predicted")
+    return plan.policies
 
 
 def hardware_profile(job: Job, device):
@@ -105,8 +107,11 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
 
     workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
     ranks = job_ranks(job)
-    # A parallel job's processes must run one policy: rank 0 chooses it (and alone reports it).
-    policy = policy_of(job, workload) if ranks is None else ranks.on_rank0(lambda: policy_of(job, workload, ranks))
+    stage, stages = (0, 1) if ranks is None else (ranks.stage, ranks.parallel.pipeline)
+    gpu_mem = job.stage_gpu_mem(stage, stages)
+    # A parallel job's processes must agree on the batch shape: rank 0 plans (and alone reports it).
+    policies = policy_of(job, workload) if ranks is None else ranks.on_rank0(lambda: policy_of(job, workload, ranks))
+    policy = policies[stage] if len(policies) > 1 else policies[0]
 
     def measured_workload():
         try:
@@ -116,7 +121,7 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
 
     llm = LLM(job.model, dummy=job.dummy, policy=policy, dtype=job.dtype, device=job.device,
               seed=job.seed, tokenizer=job.tokenizer, offload_dir=job.offload_root,
-              gpu_mem=job.gpu_mem, cpu_mem=job.cpu_mem, compress=job.policy.planning_compress,
+              gpu_mem=gpu_mem, cpu_mem=job.cpu_mem, compress=job.policy.planning_compress,
               workload=measured_workload if workload is not None else None,
               hardware=lambda: hardware_profile(job, resolve_device(job.device)),
               pipeline_parallel_size=job.pipeline_parallel, data_parallel_size=job.data_parallel)

@@ -7,6 +7,7 @@ Every user error ends as one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -173,16 +174,37 @@ def main(argv: list[str] | None = None) -> int:
             return launch(argv, size, job.offload_root)
         return args.handler(args)
     except FlexoffError as exc:
-        print(error_line(exc), file=sys.stderr)
+        if not getattr(exc, "said_by_rank0", False):  # a parallel job's error says itself once
+            print(error_line(exc), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("flexoff: interrupted", file=sys.stderr)
         return 130
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if isinstance(exc, RuntimeError) and lost_peers(exc):
+            print(f"flexoff: error: rank {os.environ['RANK']} lost its peers ({_first_line(exc)}); a process of the "
+                  "job ended or stopped answering", file=sys.stderr)
+            return 1
         if not isinstance(exc, MemoryError) and type(exc).__name__ != "OutOfMemoryError":
             raise
         print(out_of_memory_line(exc), file=sys.stderr)
         return 1
+
+
+def lost_peers(exc: RuntimeError) -> bool:
+    """Whether a parallel job's process failed because a peer died or went silent (a collective's
+    timeout, a closed connection), as torch.distributed reports it."""
+    if "RANK" not in os.environ:
+        return False
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection closed by peer", "connection reset by peer"))
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def out_of_memory_line(exc: BaseException) -> str:

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..layout.pipeline import range_layers
 from ..planner.cost_model import Prediction
 from ..planner.hardware import HardwareProfile
 from ..planner.report import policy_summary
@@ -193,6 +194,21 @@ def log_ticks(low: float, high: float, most: int = 6) -> list[float]:
     return inside[::step] or [low, high]
 
 
+def format_pipeline_plan(plan, title: str) -> str:
+    """A pipeline's plan: each device's layers, memory, policy and prediction, then the job's."""
+    lines = [title]
+    for stage in plan.stages:
+        hardware, prediction = stage.hardware, stage.prediction
+        lines.append(f"stage {stage.index}  layers {stage.layers.start}-{stage.layers.stop - 1} · gpu "
+                     f"{format_size(hardware.capacity('gpu'))}, cpu {format_size(hardware.capacity('cpu'))} usable · "
+                     f"{policy_summary(stage.policy)} · {prediction.total_throughput:.4g} token/s "
+                     f"(decode bound by {prediction.decode.bound})")
+    replicas = f" × {plan.replicas} replicas" if plan.replicas > 1 else ""
+    lines.append(f"job      {plan.throughput:.4g} token/s predicted: stage {plan.slowest.index}, the slowest, sets the "
+                 f"pipeline's pace{replicas}")
+    return "\n".join(lines)
+
+
 def describe_hardware(hardware: HardwareProfile) -> str:
     caps = ", ".join(f"{t} {format_size(hardware.capacity(t))}" for t in TIERS)
     return f"{hardware.name} ({caps} usable)"
@@ -216,7 +232,7 @@ def _parallel_line(llm) -> list[str]:
     ranks = llm.ranks
     if ranks is None:
         return []
-    layers = [i - 1 for i in ranks.place.owned if 1 <= i <= llm.config.num_layers]
+    layers = range_layers(ranks.place.owned, llm.config.num_layers)
     stages, replicas = ranks.parallel.pipeline, ranks.parallel.data
     return [f"parallel   {stages} pipeline stage{'s' * (stages > 1)} × {replicas} replica{'s' * (replicas > 1)} · "
             f"weights and peak memory below are rank 0's (the embedding and layers {layers[0]}–{layers[-1]})"]

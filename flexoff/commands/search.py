@@ -11,9 +11,9 @@ from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_
 from ..planner.search import pareto_frontier, search_policy
 from ..policy import CHOICES
 from ..units import parse_size
-from .args import COUNT, SIZE, add_compress_arg, number
-from .report import (describe_hardware, format_frontier, format_prediction, frontier_title, plot_frontier,
-                     write_frontier_csv)
+from .args import COUNT, SIZE, SIZES, add_compress_arg, number
+from .report import (describe_hardware, format_frontier, format_pipeline_plan, format_prediction, frontier_title,
+                     plot_frontier, write_frontier_csv)
 
 
 def register(subparsers) -> None:
@@ -35,9 +35,15 @@ def register(subparsers) -> None:
                         help=f"profile: {' or '.join(sorted(set(PACKAGED_PROFILES)))} (packaged), or a JSON file; "
                              f"default: this machine's profile from `flexoff profile` ({default_profile_path()})")
     for tier in ("gpu", "cpu", "disk"):
-        search.add_argument(f"--{tier}-mem", default=None, metavar="SIZE", type=SIZE,
+        search.add_argument(f"--{tier}-mem", default=None, metavar="SIZE", type=SIZES if tier == "gpu" else SIZE,
                             help=f"override the profile's {tier} memory, e.g. 16GiB or 1.5TB "
-                                 "(the profile's headroom still applies)")
+                                 "(the profile's headroom still applies)"
+                                 + ("; with --pipeline-parallel, one size for every GPU or one per stage, "
+                                    "e.g. 16GiB,24GiB" if tier == "gpu" else ""))
+    search.add_argument("--pipeline-parallel", type=COUNT, default=1, metavar="N",
+                        help="plan N pipeline stages, one per GPU, which share the host's memory (default 1)")
+    search.add_argument("--data-parallel", type=COUNT, default=1, metavar="M",
+                        help="M replicas of the pipeline on the same host (default 1)")
     add_compress_arg(search, "off")  # lossless unless asked, as `run --policy auto` plans
     search.add_argument("--cpu-attention", choices=CHOICES, default="auto",
                         help="decode attention on the CPU for the cache that is not on the GPU: auto, on, off")
@@ -70,7 +76,10 @@ def register(subparsers) -> None:
 
 
 def run_search(args) -> int:
-    # The flags' type (SIZE) has already checked them.
+    # The flags' types (SIZE, SIZES) have already checked them.
+    gpu_sizes = args.gpu_mem.split(",") if args.gpu_mem else [None]
+    if args.pipeline_parallel > 1 or args.data_parallel > 1 or len(gpu_sizes) > 1:
+        return _search_pipeline(args, gpu_sizes)
     sizes = [parse_size(size) if size else None for size in (args.gpu_mem, args.cpu_mem, args.disk_mem)]
     config = resolve_model_config(args.model)
     workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
@@ -103,6 +112,37 @@ def run_search(args) -> int:
         except OSError as exc:
             raise ConfigError(f"cannot write {args.output}: {exc.strerror or exc}") from None
         print(f"wrote {args.output}")
+    return 0
+
+
+def _search_pipeline(args, gpu_sizes: list[str | None]) -> int:
+    """Each stage's plan of a pipeline over GPUs of one host (``planner.pipeline``)."""
+    from ..planner.pipeline import plan_pipeline
+
+    stages, replicas = args.pipeline_parallel, args.data_parallel
+    if len(gpu_sizes) not in (1, stages):
+        raise ConfigError(f"--gpu-mem gives {len(gpu_sizes)} sizes for {stages} pipeline stages: give one size for "
+                          "every GPU, or one per stage")
+    for flag, given in (("--max-latency", args.max_latency), ("--pareto", args.pareto or args.pareto_csv or
+                                                                          args.pareto_plot), ("--output", args.output)):
+        if given:
+            raise ConfigError(f"{flag} plans one device; a pipeline's stages each have a policy of their own: "
+                              "run the job with --policy auto, which plans them as here")
+    config = resolve_model_config(args.model)
+    workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
+    profile = resolve_hardware(args.hardware)
+    processes = stages * replicas
+    cpu = parse_size(args.cpu_mem) if args.cpu_mem else profile.cpu_memory
+    disk = parse_size(args.disk_mem) if args.disk_mem else None
+    hardware = [profile.with_memory(parse_size(gpu_sizes[i % len(gpu_sizes)]) if gpu_sizes[0] else None,
+                                    cpu // processes, disk // processes if disk else None) for i in range(stages)]
+    started = time.perf_counter()
+    plan = plan_pipeline(config, workload, hardware, replicas, compress=args.compress, cpu_attention=args.cpu_attention)
+    print(format_pipeline_plan(plan, (
+        f"{config.name} on {profile.name}: {stages} pipeline stages x {replicas} replica{'s' * (replicas > 1)}, "
+        f"host memory shared by {processes} processes; prompt {workload.prompt_len}, generate {workload.gen_len}"
+        + (f", {workload.num_prompts} prompts" if workload.num_prompts else ""))))
+    print(f"planned in {time.perf_counter() - started:.2f} s")
     return 0
 
 

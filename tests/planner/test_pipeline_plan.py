@@ -1,0 +1,89 @@
+"""Planning a pipeline: each device's placement for its own layers and GPU memory, one batch
+shape for all, the job at the pace of its slowest device; `flexoff search --pipeline-parallel`."""
+
+import re
+
+import pytest
+
+from flexoff.commands.main import main
+from flexoff.errors import PolicyError
+from flexoff.layout.pipeline import stage_view
+from flexoff.models import resolve_model_config
+from flexoff.planner.cost_model import Workload
+from flexoff.planner.hardware import resolve_hardware
+from flexoff.planner.pipeline import plan_pipeline, stage_workload
+from flexoff.planner.search import search_policy
+
+GiB = 1 << 30
+JOB = Workload(512, 32, 480)
+
+
+@pytest.fixture(scope="module")
+def opt30b():
+    return resolve_model_config("opt-30b")
+
+
+def _h100(gpu_gib: float, share: int):
+    profile = resolve_hardware("h100")
+    return profile.with_memory(int(gpu_gib * GiB), profile.cpu_memory // share)
+
+
+def test_each_stage_is_planned_for_its_layers_at_the_shape_they_share(opt30b):
+    hardware = [_h100(16, 2)] * 2
+    plan = plan_pipeline(opt30b, JOB, hardware, compress="off")
+    assert [list(s.layers) for s in plan.stages] == [list(range(0, 24)), list(range(24, 48))]
+    shape = {(p.gpu_batch_size, p.num_gpu_batches) for p in plan.policies}
+    assert len(shape) == 1
+    (size, batches), = shape
+    # Each stage's prediction is the planner's for a model of its layers at that shape, with its share of the prompts.
+    alone = search_policy(stage_view(opt30b, 24), Workload(512, 32, 240), hardware[0], compress="off",
+                          gpu_batch_sizes=[size], num_gpu_batches=[batches])
+    assert plan.stages[0].prediction.total_throughput == pytest.approx(alone.throughput)
+    assert plan.throughput == min(s.prediction.total_throughput for s in plan.stages)
+
+
+def test_a_bigger_gpu_holds_more_of_its_stage_and_the_smaller_one_sets_the_pace(opt30b):
+    plan = plan_pipeline(opt30b, JOB, [_h100(12, 2), _h100(40, 2)], compress="off")
+    small, big = plan.stages
+    assert big.policy.weights.gpu > small.policy.weights.gpu
+    assert plan.slowest is small
+    even = plan_pipeline(opt30b, JOB, [_h100(12, 2)] * 2, compress="off")
+    assert plan.throughput >= even.throughput * 0.999  # a bigger second GPU never slows the pipeline
+
+
+def test_replicas_multiply_the_job_and_share_the_prompts(opt30b):
+    one = plan_pipeline(opt30b, Workload(512, 32, None), [_h100(16, 4)] * 2, compress="off")
+    two = plan_pipeline(opt30b, Workload(512, 32, None), [_h100(16, 4)] * 2, replicas=2, compress="off")
+    assert two.throughput == pytest.approx(2 * one.throughput)
+    assert stage_workload(Workload(512, 32, 480), 2, 2).num_prompts == 120
+    assert stage_workload(Workload(512, 32, 7), 4).num_prompts == 2
+    assert stage_workload(Workload(512, 32, None), 4).num_prompts is None
+
+
+def test_a_pipeline_that_cannot_be_planned_says_why(opt30b):
+    with pytest.raises(PolicyError, match="more than the 48 layers"):
+        plan_pipeline(opt30b, JOB, [_h100(16, 49)] * 49)
+    with pytest.raises(PolicyError, match="a pipeline stage of opt-30b fits no policy"):
+        plan_pipeline(opt30b, JOB, [_h100(0.05, 2)] * 2)
+
+
+def test_search_prints_every_stage_and_the_job(capsys):
+    assert main(["search", "--model", "opt-30b", "--hardware", "h100", "--gpu-mem", "16GiB,24GiB",
+                 "--pipeline-parallel", "2", "--num-prompts", "480"]) == 0
+    out = capsys.readouterr().out
+    assert "2 pipeline stages x 1 replica, host memory shared by 2 processes" in out
+    stages = re.findall(r"^stage (\d)  layers (\d+)-(\d+) · gpu ([0-9.]+) GiB", out, re.M)
+    assert [(s, a, b) for s, a, b, _ in stages] == [("0", "0", "23"), ("1", "24", "47")]
+    assert float(stages[0][3]) < float(stages[1][3])  # each stage's own cap, less the profile's headroom
+    assert re.search(r"^job +[0-9.]+ token/s predicted: stage \d, the slowest", out, re.M)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-mem", "16GiB,24GiB", "--pipeline-parallel", "3"], "--gpu-mem gives 2 sizes for 3 pipeline stages"),
+    (["--pipeline-parallel", "2", "--output", "p.json"], "--output plans one device"),
+    (["--gpu-mem", "16GiB,x"], "--gpu-mem: "),
+])
+def test_bad_pipeline_searches_are_one_line(capsys, argv, message):
+    assert main(["search", "--model", "opt-30b", "--hardware", "h100", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
