@@ -16,13 +16,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import torch
+
 from ..errors import PolicyError
+from ..layout import job_bytes, pins_host_memory
 from ..layout.pipeline import range_layers, stage_ranges, stage_view
 from ..models import ModelConfig
-from ..policy import Policy
+from ..policy import TIERS, Policy
 from .cost_model import Prediction, Workload
 from .hardware import HardwareProfile
-from .search import search_policy
+from .search import GPU_BATCH_SIZES, NUM_GPU_BATCHES, search_policy
 
 
 @dataclass(frozen=True)
@@ -67,41 +70,74 @@ def stage_workload(workload: Workload, pipeline: int, replicas: int = 1) -> Work
 def plan_pipeline(config: ModelConfig, workload: Workload, hardware: list[HardwareProfile], replicas: int = 1,
                   **options) -> PipelinePlan:
     """The best plan over ``len(hardware)`` devices (each profile with its device's GPU memory and
-    host-memory share). Each device's own best batch shape is a candidate for all of them; the
-    plan whose slowest device is fastest wins. ``options`` go to ``search_policy`` (compress,
-    cpu_attention). Raises PolicyError where some device fits no policy."""
+    host-memory share). Every device holds as many blocks as the pipeline has devices (they rotate
+    through it), so the candidate batch shapes are each device's own shape alone and smaller ones,
+    each planned with room for all its blocks; the plan whose slowest device is fastest wins.
+    ``options`` go to ``search_policy`` (compress, cpu_attention). Raises PolicyError where some
+    device fits no policy."""
     count = len(hardware)
     if count > config.num_layers:
         raise PolicyError(f"{count} pipeline stages are more than the {config.num_layers} layers of {config.name}")
     ranges = stage_ranges(config.num_layers, count)
     layers = [range_layers(owned, config.num_layers) for owned in ranges]
     share = stage_workload(workload, count, replicas)
+    views = {len(r): stage_view(config, len(r)) for r in layers}
     searched: dict[tuple, Prediction | None] = {}
 
-    def best(stage: int, shape: tuple[int, int] | None) -> Prediction | None:
-        """The device's best prediction, at a batch shape or any; None where it fits none."""
+    def at(stage: int, shape: tuple[int, int]) -> Prediction | None:
+        """The device's best prediction at a batch shape, with ``count`` blocks held; None where none fits."""
         key = (len(layers[stage]), hardware[stage], shape)
         if key not in searched:
-            sizes = {} if shape is None else {"gpu_batch_sizes": [shape[0]], "num_gpu_batches": [shape[1]]}
             try:
-                searched[key] = search_policy(stage_view(config, len(layers[stage])), share, hardware[stage],
-                                              **options, **sizes).prediction
+                searched[key] = _rotating(views[len(layers[stage])], share, hardware[stage], count,
+                                          {**options, "gpu_batch_sizes": [shape[0]], "num_gpu_batches": [shape[1]]})
             except PolicyError:
-                if shape is None:
-                    raise
                 searched[key] = None
         return searched[key]
 
     try:
-        own = [best(stage, None) for stage in range(count)]
+        alone = {(n, hw): search_policy(views[n], share, hw, **options).policy
+                 for n, hw in dict.fromkeys((len(r), hw) for r, hw in zip(layers, hardware))}
     except PolicyError as exc:
         raise PolicyError(f"a pipeline stage of {config.name} fits no policy: {exc}") from None
+    shapes = dict.fromkeys(shape for policy in alone.values() for shape in _smaller_shapes(policy, count))
     plans = []
-    for shape in dict.fromkeys((p.policy.gpu_batch_size, p.policy.num_gpu_batches) for p in own):
-        predictions = [best(stage, shape) for stage in range(count)]
+    for shape in shapes:
+        predictions = [at(stage, shape) for stage in range(count)]
         if all(p is not None for p in predictions):
             plans.append(PipelinePlan(tuple(StagePlan(i, layers[i], hardware[i], p)
                                             for i, p in enumerate(predictions)), replicas))
     if not plans:
         raise PolicyError(f"the pipeline's stages of {config.name} fit no common batch shape")
     return max(plans, key=lambda plan: plan.throughput)
+
+
+def _rotating(view: ModelConfig, workload: Workload, hardware: HardwareProfile, blocks: int, options: dict,
+              attempts: int = 4) -> Prediction:
+    """The best prediction for a device that holds ``blocks`` blocks at once (in rotation through
+    the pipeline): the search plans one, so the others' caches and activations are taken off the
+    memory it may plan with, until the plan fits with all of them."""
+    limit = hardware
+    for _ in range(attempts):
+        prediction = search_policy(view, workload, limit, **options).prediction
+        policy = prediction.policy
+        pinned = pins_host_memory(policy.pin_cpu_memory)
+        extra = {tier: later - first for tier, (first, later) in zip(TIERS, zip(
+            *(job_bytes(view, policy, torch.float16, workload.prompt_len, workload.gen_len, pinned, blocks=n).values()
+              for n in (1, blocks))))}
+        over = {tier: prediction.peak_memory[tier] + extra[tier] - hardware.capacity(tier) for tier in TIERS}
+        if all(value <= 0 for value in over.values()):
+            return replace(prediction, peak_memory={tier: prediction.peak_memory[tier] + extra[tier] for tier in TIERS},
+                           capacity={tier: hardware.capacity(tier) for tier in TIERS})
+        limit = limit.with_memory(*(getattr(limit, f"{tier}_memory") - max(0, over[tier]) for tier in TIERS))
+    raise PolicyError(f"no policy holds {blocks} blocks in rotation within the memory of {hardware.name}")
+
+
+def _smaller_shapes(policy: Policy, blocks: int) -> list[tuple[int, int]]:
+    """Batch shapes to try where ``blocks`` blocks are held at once: the shape a device would run
+    alone, and those down to 1/(2 * blocks) of its rows (a held block's memory is taken from them)."""
+    size, batches = policy.gpu_batch_size, policy.num_gpu_batches
+    if blocks == 1:
+        return [(size, batches)]
+    least = size * batches / (2 * blocks)
+    return [(s, n) for s in GPU_BATCH_SIZES if s <= size for n in NUM_GPU_BATCHES if n <= batches and s * n >= least]

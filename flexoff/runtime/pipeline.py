@@ -63,7 +63,9 @@ class PipelineLink:
         self._sending: list[tuple[object, torch.Tensor]] = []
 
     def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.cpu() if self._host else tensor
+        """Where a message crosses: host memory for gloo, the device for NCCL (marks and tokens
+        are made on the host)."""
+        return tensor.cpu() if self._host else tensor.to(self.device, non_blocking=True)
 
     def _send(self, tensor: torch.Tensor, index: int, tag: int) -> None:
         self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
