@@ -108,7 +108,8 @@ def plan_pipeline(config: ModelConfig, workload: Workload, hardware: list[Hardwa
             plans.append(PipelinePlan(tuple(StagePlan(i, layers[i], hardware[i], p)
                                             for i, p in enumerate(predictions)), replicas))
     if not plans:
-        raise PolicyError(f"the pipeline's stages of {config.name} fit no common batch shape")
+        raise PolicyError(f"no batch shape the planner tried lets every stage of {config.name} hold its {count} "
+                          f"blocks in rotation: give the GPUs more memory (--gpu-mem), or use fewer stages")
     return max(plans, key=lambda plan: plan.throughput)
 
 
