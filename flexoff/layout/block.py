@@ -137,6 +137,12 @@ def workspace_layout(cfg: ModelConfig, policy: Policy, rows: int, slots: int, it
                            slots * dequantized * cfg.num_kv_heads * cfg.head_dim)
 
 
+# Host pairs (keys, values) of one layer that a batch's disk rows go through: two staging pairs, for
+# even and odd layers (a layer is read in ahead while the layer before is copied out of the other),
+# and one for new slots written out.
+DISK_HOST_PAIRS = 3
+
+
 def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
                    owned: range | None = None) -> dict[str, int]:
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
@@ -148,8 +154,7 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
         layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
         sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
         if piece.tier == "disk":
-            # Each batch stages one layer's rows read in, and one layer's new slots written out.
-            sizes["cpu"] += 2 * layer_bytes * policy.num_gpu_batches
+            sizes["cpu"] += DISK_HOST_PAIRS * layer_bytes * policy.num_gpu_batches
     workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, slots, itemsize)
     if workspace is not None:
         sizes["gpu"] += workspace.nbytes(itemsize)
@@ -159,15 +164,15 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
 def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
                         owned: range | None = None) -> list[int]:
     """Host allocations of one block in the order the engine makes them: batch by batch, its cache
-    (each tier's rows for every layer, keys then values; for disk rows, a staging pair for reads and
-    one for writes), then its offloaded activations."""
+    (each tier's rows for every layer, keys then values; for disk rows, DISK_HOST_PAIRS pairs), then
+    its offloaded activations."""
     cache: list[int] = []
     layers = len(owned_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "gpu":
             continue
         pair = kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
-        cache += pair * (layers if piece.tier == "cpu" else 2)
+        cache += pair * (layers if piece.tier == "cpu" else DISK_HOST_PAIRS)
     activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
                    for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
     return (cache + activations) * policy.num_gpu_batches

@@ -109,14 +109,14 @@ class _Group:
             allocate = device_allocator(device) if self.tier == "gpu" else host.empty
             self.store = {j: (fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for j in layers}
             return
-        # One host staging pair serves every layer: a layer's slots are read in just before use.
-        # New slots are written out through a pair of their own, since reads of other layers may
-        # be refilling the staging pair meanwhile.
-        self.staging = (fmt.empty(shape, host.empty), fmt.empty(shape, host.empty))
+        # Two host staging pairs serve the layers, even and odd: a layer's slots are read in while
+        # the layer before is copied out of the other. New slots are written out through a pair of
+        # their own, since reads of other layers may be refilling the staging pairs meanwhile.
+        self.staging = [(fmt.empty(shape, host.empty), fmt.empty(shape, host.empty)) for _ in range(2)]
         self.outbox = (fmt.empty(shape, host.empty), fmt.empty(shape, host.empty))
         # A file holds the buffer's parts (the values; or codes, scales and minimums) one after
         # another, each slot-major, so the first n slots are one read per part.
-        self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.staging[0])]
+        self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.outbox[0])]
         self.sections = [slots * sum(self.slot_nbytes[:i]) for i in range(len(self.slot_nbytes))]
         size = slots * sum(self.slot_nbytes)
         self.files = {j: (disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
@@ -124,13 +124,13 @@ class _Group:
 
     def pair(self, layer: int):
         """This layer's (keys, values) buffers: its storage, or the staging pair of disk rows."""
-        return self.staging if self.tier == "disk" else self.store[layer]
+        return self.staging[layer % 2] if self.tier == "disk" else self.store[layer]
 
     def load(self, layer: int, end: int) -> None:
         """Read this layer's first ``end`` slots from disk into the staging pair (disk rows only)."""
         if self.tier != "disk" or end == 0:
             return
-        for region, buffer in zip(self.files[layer], self.staging):
+        for region, buffer in zip(self.files[layer], self.pair(layer)):
             for part, offset in zip(self.fmt.parts(buffer), self.sections):
                 region.read_into(part[:end], offset)
 
@@ -144,7 +144,7 @@ class _Group:
             self.layout.write(self.fmt, buffer, start, new, copy_across)
         if self.tier == "disk":
             end = start + keys.shape[2]
-            for region, buffer, staging in zip(self.files[layer], self.outbox, self.staging):
+            for region, buffer, staging in zip(self.files[layer], self.outbox, self.pair(layer)):
                 for part, offset, slot_nbytes in zip(self.fmt.parts(buffer), self.sections, self.slot_nbytes):
                     region.write(part[start:end], offset + start * slot_nbytes)
                 if staged:
@@ -156,7 +156,7 @@ class _Group:
     def nbytes_by_tier(self) -> dict[str, int]:
         if self.tier == "disk":
             return {"disk": sum(r.num_bytes for pair in self.files.values() for r in pair),
-                        "cpu": sum(self.fmt.size_of(buffer) for buffer in (*self.staging, *self.outbox))}
+                        "cpu": sum(self.fmt.size_of(buffer) for pair in (*self.staging, self.outbox) for buffer in pair)}
         return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store.values() for buffer in pair)}
 
 
@@ -216,7 +216,11 @@ class BatchKV:
                        for p in split_rows(rows, policy.cache)]
         # layer -> (workspace set, event marking its CPU rows' load done, the worker's disk rows' load)
         self._loaded: dict[int, tuple] = {}
-        self._staging_copied = None  # the last copy out of disk rows' staging (the reader's; CUDA only)
+        self._layers = frozenset(layers)
+        # Per staging pair (even and odd layers): the copier's job that last copied out of it, whose
+        # result is the copy's event (None on the CPU).
+        self._staging_users: list[Future | None] = [None, None]
+        self._reads: dict[int, tuple[int, Future]] = {}  # layer -> (slots, its disk rows' read, made ahead)
         self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
         self._stored: dict[int, object] = {}  # layer -> event: the store stream's last write to its host rows
         self._cpu_output: torch.Tensor | None = None  # (offloaded rows, heads, 1, head_dim), pinned
@@ -303,32 +307,58 @@ class BatchKV:
         self._copy_in([g for g in groups if g.tier != "disk"], layer, start, index, first)
         ready = self.streams.record(self.streams.cache)
         on_disk = [g for g in groups if g.tier == "disk"]
-        from_disk = self.worker.read(partial(self._load_from_disk, on_disk, layer, start, index, first,
-                                             self._written.pop(layer, None))) if on_disk else None
+        from_disk = None
+        if on_disk:
+            read = self._read_disk(on_disk, layer, start)
+            from_disk = self.worker.then_copy(partial(self._copy_staged, on_disk, layer, start, index, first, read))
+            self._staging_users[layer % 2] = from_disk
+            if layer + 1 in self._layers:  # the next layer's read, a layer ahead of its load
+                self._reads[layer + 1] = (start, self._read_disk(on_disk, layer + 1, start))
         self._loaded[layer] = (index, ready, from_disk)
 
-    def _copy_in(self, groups: list[_Group], layer: int, start: int, index: int, first: int) -> None:
-        """Copy the groups' first ``start`` slots into workspace set ``index`` on the cache stream."""
+    def _read_disk(self, groups: list[_Group], layer: int, start: int) -> Future:
+        """Disk rows' read of a layer's first ``start`` slots into its staging pair: the one made
+        ahead, or one made now."""
+        ahead = self._reads.pop(layer, None)
+        if ahead is not None:
+            if ahead[0] == start:
+                return ahead[1]
+            ahead[1].result()  # made for a step that did not run (its batch had finished): let it land
+        return self.worker.read(partial(self._fill_staging, groups, layer, start, self._written.pop(layer, None),
+                                        self._staging_users[layer % 2]))
+
+    @staticmethod
+    def _fill_staging(groups: list[_Group], layer: int, start: int, written: Future | None,
+                      user: Future | None) -> None:
+        """A reader's job: once the worker has written this layer's last slot (``written``) and the
+        last copy out of its staging pair (``user``'s) has finished, refill the pair from the files."""
+        if written is not None:
+            written.result()
+        copied = user.result() if user is not None else None
+        if copied is not None:
+            copied.synchronize()
+        for group in groups:
+            group.load(layer, start)
+
+    def _copy_staged(self, groups: list[_Group], layer: int, start: int, index: int, first: int, read: Future):
+        """The copier's job: once the read has landed, copy the staging pairs into the workspace;
+        returns the copies' event."""
+        read.result()
+        self._copy_in(groups, layer, start, index, first, load=False)
+        return self.streams.record(self.streams.cache)
+
+    def _copy_in(self, groups: list[_Group], layer: int, start: int, index: int, first: int,
+                 load: bool = True) -> None:
+        """Copy the groups' first ``start`` slots into workspace set ``index`` on the cache stream
+        (``load``: disk rows read their staging pair in first)."""
         with self.streams.on(self.streams.cache):
             for group in groups:
-                group.load(layer, start)
+                if load:
+                    group.load(layer, start)
                 offset, count = group.rows.start - first, group.rows.stop - group.rows.start
                 for target, source in zip(self.workspace.sets[index], group.pair(layer)):
                     target.narrow(1, offset, count).narrow(0, 0, start).copy_(source.narrow(0, 0, start),
                                                                              non_blocking=True)
-
-    def _load_from_disk(self, groups: list[_Group], layer: int, start: int, index: int, first: int,
-                        written: Future | None):
-        """The worker's reader: once the worker has written this layer's last slot (``written``, the
-        only host job on a travelling cache) and the last copy out of the staging pairs has finished,
-        refill them from the files and copy them into the workspace; returns the copies' event."""
-        if written is not None:
-            written.result()
-        if self._staging_copied is not None:
-            self._staging_copied.synchronize()
-        self._copy_in(groups, layer, start, index, first)
-        self._staging_copied = self.streams.record(self.streams.cache)
-        return self._staging_copied
 
     def attender(self, layer: int, start: int, mask: torch.Tensor, expand: torch.Tensor | None = None):
         """What a layer calls to store its new keys and values and attend. ``expand`` (prefill only):

@@ -212,10 +212,12 @@ class HostWorker:
     The main thread only enqueues GPU work and records an event; a job waits for that event on the
     store stream, so the host work of one GPU batch runs while the GPU computes the others. Being
     one thread, jobs run in submission order: a job that reads a layer's host cache sees every
-    earlier write to it, and disk rows' staging pair is never used by two jobs at once.
+    earlier write to it. Reads of disk rows wait for the job that wrote them, and for the copy
+    that last used their staging pair (kv.BatchKV).
     """
 
     MAX_IN_FLIGHT = HOST_JOBS_IN_FLIGHT  # a job keeps its GPU inputs (a layer's keys at prefill) alive until it has run
+    READERS = 4  # threads reading disk rows
     CHUNK = HOST_CHUNK  # bytes of each of the two pinned chunks a strided host write goes through
 
     def __init__(self, device: torch.device, streams: Streams, pin: bool):
@@ -223,9 +225,12 @@ class HostWorker:
         self.streams = streams
         self.pin = pins_host_memory(pin)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host")
-        # Reads of disk rows for GPU attention run on a thread of their own: they wait for nothing
-        # on the GPU, so queued behind jobs that do, they would hold up the batch they load.
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host-read")
+        # Reads of disk rows for GPU attention run on threads of their own: they wait for nothing
+        # on the GPU, so queued behind jobs that do, they would hold up the batch they load. Several
+        # at once (batches, and a layer read ahead) keep the drive's queue deep enough to stream.
+        self._reader = ThreadPoolExecutor(max_workers=self.READERS, thread_name_prefix="flexoff-host-read")
+        # The copies of what was read into the GPU workspace are enqueued in order, by one thread.
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host-copy")
         self._jobs: deque[Future] = deque()
         self._reads: deque[Future] = deque()
         self._chunks: list[torch.Tensor] = []
@@ -239,11 +244,18 @@ class HostWorker:
         return future
 
     def read(self, fn) -> Future:
-        """Run ``fn()`` on the reader thread, in submission order among reads."""
+        """Run ``fn()`` on a reader thread (reads run side by side)."""
+        return self._track(self._reader.submit(self._run, fn, None))
+
+    def then_copy(self, fn) -> Future:
+        """Run ``fn()`` on the copier thread, in submission order among copies."""
+        return self._track(self._copier.submit(self._run, fn, None))
+
+    def _track(self, future: Future) -> Future:
         while self._reads and self._reads[0].done():
-            self._reads.popleft().result()
-        self._reads.append(self._reader.submit(self._run, fn, None))
-        return self._reads[-1]
+            self._reads.popleft().result()  # a failed read's error surfaces here, on the main thread
+        self._reads.append(future)
+        return future
 
     def _run(self, fn, ready):
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
@@ -294,6 +306,7 @@ class HostWorker:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._reader.shutdown(wait=True, cancel_futures=True)
+        self._copier.shutdown(wait=True, cancel_futures=True)
         self._jobs.clear()
         self._chunks.clear()
 

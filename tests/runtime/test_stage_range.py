@@ -95,14 +95,15 @@ def test_a_ranges_caches_are_its_layers_share(cache):
         whole_host = block_host_requests(cfg, policy, 32, slots, 2)
         # The rows on the host, per layer: the ranges together hold the whole model's.
         per_layer = sum(whole_host) - sum(sum(h) for h in host)
-        staging_pairs = len(split) - 1  # each device stages its disk rows through a pair of its own
+        staging_pairs = len(split) - 1  # each device stages its disk rows through host pairs of its own
         assert per_layer == -staging_pairs * sum(_staging(cfg, policy, slots))
 
 
 def _staging(cfg, policy, slots):
     from flexoff.layout import kv_buffer_parts, split_rows
+    from flexoff.layout.block import DISK_HOST_PAIRS
 
-    return [2 * 2 * sum(kv_buffer_parts(cfg, slots, p.stop - p.start, None, 2)) * policy.num_gpu_batches
+    return [DISK_HOST_PAIRS * 2 * sum(kv_buffer_parts(cfg, slots, p.stop - p.start, None, 2)) * policy.num_gpu_batches
             for p in split_rows(policy.gpu_batch_size, policy.cache) if p.tier == "disk"]
 
 
