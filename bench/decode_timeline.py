@@ -9,6 +9,12 @@ compute stream was, and where the host spent its time.
     python bench/decode_timeline.py --model opt-30b --policy auto --compress auto --hardware h100 \
         --gpu-mem 16GiB --gen-len 4
     python bench/decode_timeline.py --model opt-30b --policy-file policy.json --num-prompts 480
+    python bench/decode_timeline.py --model opt-66b --policy-file policy.json --gpu-mem 16GiB \
+        --offload-dir /tmp/off --gen-len 2 --decode-kernels 16
+
+``--decode-kernels N`` adds a profile of N decoder layers of a decode step alone: the GPU kernels
+that fill them, per layer and GPU batch and per token (bench/decode_kernels.py); ``--kernels``
+profiles a 2-token run, whose prefill dominates its table.
 
 The events cost a few microseconds a step (a few percent of a decode step); the step times are
 those of the instrumented run.
@@ -28,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_policy import add_policy_args, cuda_job  # noqa: E402
+from bench.decode_kernels import profile_decode  # noqa: E402
 from flexoff import LLM, SamplingParams  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
@@ -269,6 +276,9 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=4)
     parser.add_argument("--kernels", action="store_true",
                         help="also profile a 2-token run with torch.profiler and print the top GPU kernels")
+    parser.add_argument("--decode-kernels", type=int, default=0, metavar="N",
+                        help="also profile N decoder layers (all GPU batches) of a decode step alone, or the "
+                             "whole step where N covers every layer, and print the kernels that fill them")
     parser.add_argument("--layers", type=int, default=2, help="layers of the last token to print step by step")
     parser.add_argument("--cprofile", action="store_true",
                         help="also run a 2-token generation under cProfile (the main thread's Python time)")
@@ -311,6 +321,9 @@ def main() -> None:
             llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+    if args.decode_kernels:
+        del llm.engine.make_batches  # the timeline's capture would keep the run's host cache alive
+        report["decode_kernels"] = profile_decode(llm, prompts, args.decode_kernels)
     if args.sync_debug:
         llm.engine.observer = None
         few = prompts[:2 * policy.gpu_batch_size]  # two GPU batches make every kind of step
