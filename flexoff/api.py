@@ -66,7 +66,7 @@ class LLM:
                  tokenizer: str | None = None, offload_dir: str | None = None,
                  gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
                  workload=None, hardware=None, compress: str = "off", pipeline_parallel_size: int | None = None,
-                 data_parallel_size: int | None = None):
+                 data_parallel_size: int | None = None, pipeline_layers: SequenceOf[int] | None = None):
         """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
         With it, a job that cannot fit the machine is refused before anything is allocated, and with
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
@@ -78,15 +78,18 @@ class LLM:
         "auto" (try both) or "on".
         ``pipeline_parallel_size`` and ``data_parallel_size``: this process is one of a parallel
         job's, started by torchrun (see ``flexoff.parallel``); None takes them from the launch
-        (all its processes one pipeline). Every process calls the same methods with the same
-        prompts, and every one returns the same outputs."""
+        (all its processes one pipeline); ``pipeline_layers``, the decoder layers of each stage
+        (default: split evenly). Every process calls the same methods with the same prompts, and
+        every one returns the same outputs."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                        offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress)
         # A local directory, a registry name (dummy only) or a Hugging Face Hub id (fetched as needed).
         self.config: ModelConfig
         self.config, checkpoint = resolve_model(model, dummy)
         self.device = resolve_device(device)
-        self.ranks = parallel_ranks(Parallel(pipeline_parallel_size, data_parallel_size), self.config, device)
+        layers = tuple(pipeline_layers) if pipeline_layers is not None else None
+        self.ranks = parallel_ranks(Parallel(pipeline_parallel_size, data_parallel_size, layers=layers), self.config,
+                                    device)
         if self.ranks is not None:
             self.device = self.ranks.device
         self.dtype = resolve_dtype(dtype, self.device, self.config)

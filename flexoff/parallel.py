@@ -19,7 +19,7 @@ import torch
 
 from .checks import check_int
 from .errors import ConfigError, FlexoffError
-from .layout.pipeline import range_layers, stage_ranges, stage_view
+from .layout.pipeline import check_counts, range_layers, stage_ranges, stage_view
 
 # How long a process waits for a peer before the job ends (a rank that died, a stuck collective).
 DEFAULT_TIMEOUT_S = 600.0
@@ -60,6 +60,7 @@ class Parallel:
     pipeline: int | None = None
     data: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    layers: tuple[int, ...] | None = None  # decoder layers of each stage (None: split evenly)
 
     def __post_init__(self):
         for name, value in (("pipeline_parallel_size", self.pipeline), ("data_parallel_size", self.data)):
@@ -76,7 +77,7 @@ class Parallel:
         world = launch.world if launch is not None else self.asked
         data = self.data or (world // self.pipeline if self.pipeline and world % self.pipeline == 0 else 1)
         pipeline = self.pipeline or max(1, world // data)
-        return Parallel(pipeline, data, self.timeout_s)
+        return Parallel(pipeline, data, self.timeout_s, self.layers)
 
 
 def check_parallel(parallel: Parallel, num_layers: int, model: str, launch: Launch | None,
@@ -85,6 +86,8 @@ def check_parallel(parallel: Parallel, num_layers: int, model: str, launch: Laun
     if parallel.pipeline > num_layers:
         raise ConfigError(f"--pipeline-parallel {parallel.pipeline} is more than the {num_layers} layers of "
                           f"{model}: each stage needs at least one")
+    if parallel.layers is not None:
+        check_counts(parallel.layers, num_layers, parallel.pipeline)
     size = parallel.pipeline * parallel.data
     if launch is None:
         raise FlexoffError(f"{parallel.pipeline} pipeline stages x {parallel.data} replicas need {size} processes: "
@@ -113,7 +116,7 @@ class Ranks:
         self.launch = launch
         self.replica, self.stage = divmod(launch.rank, parallel.pipeline)
         first = self.replica * parallel.pipeline
-        self.place = PipelinePlace(self.stage, stage_ranges(num_layers, parallel.pipeline),
+        self.place = PipelinePlace(self.stage, stage_ranges(num_layers, parallel.pipeline, parallel.layers),
                                    tuple(range(first, first + parallel.pipeline)))
         self.device = torch.device("cuda", launch.local_rank) if device.type == "cuda" else device
 

@@ -240,7 +240,7 @@ def test_two_launchers_make_one_job_as_two_hosts_would(deep_model, tmp_path, cap
 @pytest.mark.slow
 def test_each_stage_runs_the_policy_planned_for_its_own_gpu(tmp_path):
     """--policy auto with one GPU cap per stage: the stages run different placements of one batch
-    shape, and the tokens are one process's. A cap too small for any plan is refused once, by rank 0."""
+    shape over layers split by their speed, and the tokens are one process's. A cap too small for any plan is refused once, by rank 0."""
     common = ["run", "--model", "opt-125m", "--dummy", "--device", "cpu", "--dtype", "bfloat16", "--num-prompts", "24",
               "--gen-len", "6", "--quiet", "--offload-dir", str(tmp_path)]
     auto = ["--pipeline-parallel", "2", "--policy", "auto", "--hardware", "t4", "--cpu-mem", "4GiB"]
@@ -252,7 +252,10 @@ def test_each_stage_runs_the_policy_planned_for_its_own_gpu(tmp_path):
     code, out, err = _flexoff(*common, *auto, "--gpu-mem", "420MiB,800MiB", "--output", str(tmp_path / "many.jsonl"))
     assert code == 0, err
     searched = re.findall(r"^searched   stage (\d) \(layers (\d+)-(\d+)\): (\S+) w (\S+)", err, re.M)
-    assert [s[:3] for s in searched] == [("0", "0", "5"), ("1", "6", "11")]
+    (_, first, cut, _, _), (_, after, last, _, _) = searched
+    # The layers split by the stages' speed: the smaller GPU's stage takes fewer, the two cover all 12.
+    assert (int(first), int(cut) + 1, int(last)) == (0, int(after), 11) and int(cut) + 1 < 6
+    assert f"the embedding and layers 0–{cut})" in out
     assert searched[0][3] == searched[1][3]  # one batch shape
     assert searched[0][4] != searched[1][4]  # each its own placement of the weights
     assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
@@ -276,3 +279,11 @@ def test_a_process_that_lost_its_peers_says_so_in_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == (
         "flexoff: error: rank 1 lost its peers ([Rank 1] Watchdog caught collective operation timeout: "
         "WorkNCCL(SeqNum=7)); a process of the job ended or stopped answering\n")
+
+
+def test_layers_given_per_stage_must_cover_the_model():
+    assert stage_ranges(12, 2, [4, 8]) == (range(0, 5), range(5, 14))
+    for counts in ([5, 5], [0, 12], [4, 4, 4], [6.0, 6]):
+        with pytest.raises(ConfigError, match="positive counts adding up to the model's 12 layers"):
+            check_parallel(Parallel(2, 1, layers=tuple(counts)), 12, "opt-125m", Launch(0, 2, 0, 2),
+                           torch.device("cpu"))

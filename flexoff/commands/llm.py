@@ -19,15 +19,17 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr)
 
 
-def policy_of(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> list:
+def policy_of(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> tuple[list, list[int] | None]:
     """The job's policy: its file (or a search, for auto), then its overrides on top; None for the
-    default. A list of one, or in a parallel job (``ranks``) searched for, one per pipeline stage."""
+    default. A list of one, or in a parallel job (``ranks``) searched for, one per pipeline stage,
+    with each stage's decoder layers (None: split evenly)."""
     from ..api import DEFAULT_POLICY
     from ..policy import Policy
 
     source = job.policy
+    counts = None
     if source.searched:
-        policies = searched_policies(job, workload, ranks)
+        policies, counts = searched_policies(job, workload, ranks)
     else:
         policies = [Policy.load(source.file) if source.file else None]
         if policies[0] is not None and source.compress == "off" and (policies[0].compress_weight or
@@ -36,7 +38,7 @@ def policy_of(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> 
                               "--compress off; drop --compress off or use a lossless policy")
     if source.overrides:
         policies = [replace(policy or DEFAULT_POLICY, **dict(source.overrides)) for policy in policies]
-    return policies
+    return policies, counts
 
 
 def _compressed_parts(policy) -> str:
@@ -44,7 +46,7 @@ def _compressed_parts(policy) -> str:
                                                   ("cache", policy.compress_cache)) if config is not None)
 
 
-def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> list:
+def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> tuple[list, list[int] | None]:
     """The planner's best policy for this job on its hardware profile, within its memory caps. In a
     parallel job (``ranks``), one per pipeline stage, each for its layers and its GPU's cap, with
     the host's memory shared by the processes on it, all of one batch shape."""
@@ -73,7 +75,7 @@ def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=N
         where = "" if stages == 1 else f"stage {stage.index} (layers {stage.layers.start}-{stage.layers.stop - 1}): "
         _log(f"searched   {where}{policy_summary(stage.policy)} for prompt {wanted.prompt_len}, generate "
              f"{wanted.gen_len} on {stage.hardware.name}: {stage.prediction.total_throughput:.4g} token/s predicted")
-    return plan.policies
+    return plan.policies, (plan.layer_counts if stages > 1 else None)
 
 
 def hardware_profile(job: Job, device):
@@ -110,7 +112,8 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
     stage, stages = (0, 1) if ranks is None else (ranks.stage, ranks.parallel.pipeline)
     gpu_mem = job.stage_gpu_mem(stage, stages)
     # A parallel job's processes must agree on the batch shape: rank 0 plans (and alone reports it).
-    policies = policy_of(job, workload) if ranks is None else ranks.on_rank0(lambda: policy_of(job, workload, ranks))
+    policies, layers = (policy_of(job, workload) if ranks is None else
+                        ranks.on_rank0(lambda: policy_of(job, workload, ranks)))
     policy = policies[stage] if len(policies) > 1 else policies[0]
 
     def measured_workload():
@@ -124,7 +127,8 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
               gpu_mem=gpu_mem, cpu_mem=job.cpu_mem, compress=job.policy.planning_compress,
               workload=measured_workload if workload is not None else None,
               hardware=lambda: hardware_profile(job, resolve_device(job.device)),
-              pipeline_parallel_size=job.pipeline_parallel, data_parallel_size=job.data_parallel)
+              pipeline_parallel_size=job.pipeline_parallel, data_parallel_size=job.data_parallel,
+              pipeline_layers=layers)
     if llm.plan is not None and llm.plan.message and (ranks is None or ranks.rank == 0):
         _log(llm.plan.message)
     return llm

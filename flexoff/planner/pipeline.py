@@ -50,6 +50,10 @@ class PipelinePlan:
         return [stage.policy for stage in self.stages]
 
     @property
+    def layer_counts(self) -> list[int]:
+        return [len(stage.layers) for stage in self.stages]
+
+    @property
     def slowest(self) -> StagePlan:
         return min(self.stages, key=lambda stage: stage.prediction.total_throughput)
 
@@ -73,14 +77,46 @@ def plan_pipeline(config: ModelConfig, workload: Workload, hardware: list[Hardwa
     host-memory share). Every device holds as many blocks as the pipeline has devices (they rotate
     through it), so the candidate batch shapes are each device's own shape alone and smaller ones,
     each planned with room for all its blocks; the plan whose slowest device is fastest wins.
-    ``options`` go to ``search_policy`` (compress, cpu_attention). Raises PolicyError where some
-    device fits no policy."""
+    The layers are split evenly, then, where the devices differ, in proportion to each one's speed
+    in that plan (and halfway there), and the best split is kept. ``options`` go to ``search_policy`` (compress,
+    cpu_attention). Raises PolicyError where some device fits no policy."""
     count = len(hardware)
     if count > config.num_layers:
         raise PolicyError(f"{count} pipeline stages are more than the {config.num_layers} layers of {config.name}")
-    ranges = stage_ranges(config.num_layers, count)
-    layers = [range_layers(owned, config.num_layers) for owned in ranges]
     share = stage_workload(workload, count, replicas)
+    even = [len(range_layers(r, config.num_layers)) for r in stage_ranges(config.num_layers, count)]
+    plan = _plan_split(config, share, hardware, replicas, even, options)
+    if len(set(hardware)) > 1:
+        # A device's time a token is its layers over its throughput: give each layers in proportion
+        # to its speed, or halfway there (a device's plan changes with its layers, so the
+        # proportion is only a guide).
+        speed = [len(stage.layers) * stage.prediction.total_throughput for stage in plan.stages]
+        balanced = _apportion(config.num_layers, speed)
+        halfway = _apportion(config.num_layers, [e + b for e, b in zip(even, balanced)])
+        for counts in dict.fromkeys(tuple(c) for c in (balanced, halfway) if c != even):
+            try:
+                other = _plan_split(config, share, hardware, replicas, list(counts), options)
+            except PolicyError:
+                continue
+            if other.throughput > plan.throughput:
+                plan = other
+    return plan
+
+
+def _apportion(total: int, weights: list[float]) -> list[int]:
+    """``total`` split in proportion to ``weights``, each part at least 1 (largest remainders)."""
+    scaled = [max(w, 1e-12) * (total - len(weights)) / sum(max(w, 1e-12) for w in weights) for w in weights]
+    parts = [1 + int(x) for x in scaled]
+    for i in sorted(range(len(weights)), key=lambda i: int(scaled[i]) - scaled[i])[:total - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+def _plan_split(config: ModelConfig, share: Workload, hardware: list[HardwareProfile], replicas: int,
+                counts: list[int], options: dict) -> PipelinePlan:
+    """The best plan with ``counts`` decoder layers on each device."""
+    count = len(hardware)
+    layers = [range_layers(owned, config.num_layers) for owned in stage_ranges(config.num_layers, count, counts)]
     views = {len(r): stage_view(config, len(r)) for r in layers}
     searched: dict[tuple, Prediction | None] = {}
 

@@ -95,3 +95,20 @@ def test_bad_pipeline_searches_are_one_line(capsys, argv, message):
     assert main(["search", "--model", "opt-30b", "--hardware", "h100", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1
+
+
+def test_devices_that_differ_get_layers_by_their_speed_when_that_is_faster():
+    """A small and a large device: the plan moves layers to the large one, and beats the even split."""
+    from flexoff.planner.pipeline import _plan_split
+
+    config = resolve_model_config("opt-125m")
+    t4 = resolve_hardware("t4")
+    MiB = 1 << 20
+    hardware = [t4.with_memory(420 * MiB, 2 * GiB), t4.with_memory(800 * MiB, 2 * GiB)]
+    job = Workload(64, 6, 24)
+    plan = plan_pipeline(config, job, hardware, compress="off")
+    even = _plan_split(config, stage_workload(job, 2), hardware, 1, [6, 6], {"compress": "off"})
+    assert plan.layer_counts[0] < plan.layer_counts[1] and sum(plan.layer_counts) == 12
+    assert plan.throughput > even.throughput
+    same = plan_pipeline(config, job, [hardware[1]] * 2, compress="off")
+    assert same.layer_counts == [6, 6]  # alike devices keep the even split
