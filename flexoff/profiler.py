@@ -103,6 +103,27 @@ def _copy_bandwidth(src_device, dst_device, sizes: ProfileSizes, pinned: bool):
     return bandwidth, raw
 
 
+def all_gpus_bandwidth(gpu_count: int, nbytes: int, repeats: int = 3) -> float:
+    """Host-to-GPU bytes per second in all, a pinned copy of ``nbytes`` to each GPU at once on its
+    own stream (the best of ``repeats``, after a warm-up): whether the GPUs' links share the way to
+    host memory."""
+    hosts = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(gpu_count)]
+    targets = [torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{i}") for i in range(gpu_count)]
+    streams = [torch.cuda.Stream(device=f"cuda:{i}") for i in range(gpu_count)]
+    times = []
+    for _ in range(repeats + 1):
+        for i in range(gpu_count):
+            torch.cuda.synchronize(i)
+        start = time.perf_counter()
+        for host, target, stream in zip(hosts, targets, streams):
+            with torch.cuda.stream(stream):
+                target.copy_(host, non_blocking=True)
+        for i in range(gpu_count):
+            torch.cuda.synchronize(i)
+        times.append(time.perf_counter() - start)
+    return gpu_count * nbytes / min(times[1:])
+
+
 def _disk_bandwidth(directory: str, nbytes: int):
     """Write then read a file in large blocks, bypassing the page cache with O_DIRECT; where the
     file system refuses O_DIRECT, write through, fsync, and evict the file's pages before reading."""
@@ -361,12 +382,17 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, compute, sizes, pinned=True)
         to_cpu, measurements["gpu_to_cpu"] = _copy_bandwidth(compute, cpu, sizes, pinned=True)
         notes["bandwidth_bytes_per_s"] = "measured: pinned copies at several sizes, fit to latency + bytes / bandwidth"
+        gpu_count, to_all = torch.cuda.device_count(), None
+        if gpu_count > 1:
+            log(f"copying to all {gpu_count} GPUs at once")
+            to_all = measurements["cpu_to_all_gpus"] = all_gpus_bandwidth(gpu_count, sizes.copy_bytes[-1])
         dtype = torch.float16
     else:
         gpu_memory = int(ram * CPU_ONLY_GPU_BUDGET)
         cpu_memory = ram - gpu_memory
         device_name = f"CPU only ({os.cpu_count()} cores); the gpu tier is a RAM budget"
         log("no CUDA: profiling the CPU as the compute device")
+        gpu_count, to_all = 1, None
         to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, cpu, sizes, pinned=False)
         to_cpu, measurements["gpu_to_cpu"] = to_gpu, measurements["cpu_to_gpu"]
         notes["memory_bytes"] = f"no CUDA: the gpu tier is {CPU_ONLY_GPU_BUDGET:.0%} of RAM, the cpu tier the rest"
@@ -434,7 +460,8 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     return HardwareProfile(
         name=f"measured-{'cuda' if use_cuda else 'cpu'}",
         gpu_memory=int(gpu_memory), cpu_memory=int(cpu_memory), disk_memory=int(disk_free),
-        cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_cpu,
+        cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_cpu, cpu_to_all_gpus_bandwidth=to_all,
+        gpu_count=gpu_count,
         disk_to_cpu_bandwidth=disk_read, cpu_to_disk_bandwidth=disk_write,
         disk_to_cpu_cached_bandwidth=cached_read,
         matmul_flops=tuple((float(m), float(f)) for m, f in curve), sparse_mlp_flops=sparse,

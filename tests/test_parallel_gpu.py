@@ -35,3 +35,22 @@ def test_two_gpus_generate_what_one_does(tmp_path, kind, shape):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert _records(tmp_path / "two.jsonl") == _records(tmp_path / "one.jsonl")
+
+
+def test_copies_to_every_gpu_at_once_are_measured():
+    from flexoff.profiler import all_gpus_bandwidth
+
+    together = all_gpus_bandwidth(torch.cuda.device_count(), 256 << 20)
+    host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty_like(host, device="cuda:0")
+    target.copy_(host)
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    target.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    alone = host.numel() / (start.elapsed_time(end) / 1000)
+    # At least one link's worth, at most every link's, allowing for timing noise.
+    assert 0.8 * alone < together < 1.2 * torch.cuda.device_count() * alone

@@ -67,8 +67,10 @@ def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=N
     sharing = 1 if ranks is None else ranks.launch.local_world
     profile = hardware_profile(job, device)
     cpu = parse_size(job.cpu_mem) if job.cpu_mem else profile.cpu_memory
-    hardware = [profile.with_memory(parse_size(gpu) if (gpu := job.stage_gpu_mem(stage, stages)) else None,
-                                    cpu // sharing) for stage in range(stages)]
+    # The processes of a host share its memory, and perhaps the way from it to their GPUs.
+    hardware = [profile.sharing_links(sharing).with_memory(
+        parse_size(gpu) if (gpu := job.stage_gpu_mem(stage, stages)) else None, cpu // sharing)
+        for stage in range(stages)]
     wanted = workload()
     plan = plan_pipeline(config, wanted, hardware, replicas, compress=job.policy.planning_compress)
     for stage in plan.stages:

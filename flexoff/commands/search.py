@@ -134,13 +134,14 @@ def _search_pipeline(args, gpu_sizes: list[str | None]) -> int:
     processes = stages * replicas
     cpu = parse_size(args.cpu_mem) if args.cpu_mem else profile.cpu_memory
     disk = parse_size(args.disk_mem) if args.disk_mem else None
-    hardware = [profile.with_memory(parse_size(gpu_sizes[i % len(gpu_sizes)]) if gpu_sizes[0] else None,
-                                    cpu // processes, disk // processes if disk else None) for i in range(stages)]
+    hardware = [profile.sharing_links(processes).with_memory(
+        parse_size(gpu_sizes[i % len(gpu_sizes)]) if gpu_sizes[0] else None, cpu // processes,
+        disk // processes if disk else None) for i in range(stages)]
     started = time.perf_counter()
     plan = plan_pipeline(config, workload, hardware, replicas, compress=args.compress, cpu_attention=args.cpu_attention)
     print(format_pipeline_plan(plan, (
         f"{config.name} on {profile.name}: {stages} pipeline stages x {replicas} replica{'s' * (replicas > 1)}, "
-        f"host memory shared by {processes} processes; prompt {workload.prompt_len}, generate {workload.gen_len}"
+        f"host memory{' and links' if profile.cpu_to_all_gpus_bandwidth else ''} shared by {processes} processes; prompt {workload.prompt_len}, generate {workload.gen_len}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else ""))))
     print(f"planned in {time.perf_counter() - started:.2f} s")
     return 0
@@ -165,6 +166,9 @@ def run_profile(args) -> int:
           f"disk read {profile.disk_to_cpu_bandwidth / gb:.3g} GB/s "
           f"({(profile.disk_to_cpu_cached_bandwidth or 0) / gb:.3g} from the page cache), "
           f"write {profile.cpu_to_disk_bandwidth / gb:.3g} GB/s")
+    if profile.cpu_to_all_gpus_bandwidth is not None:
+        print(f"  cpu->all {profile.gpu_count} GPUs at once {profile.cpu_to_all_gpus_bandwidth / gb:.3g} GB/s in all "
+              f"({profile.sharing_links(profile.gpu_count).cpu_to_gpu_bandwidth / gb:.3g} GB/s each)")
     curve = ", ".join(f"m={m:g}: {f / 1e12:.3g}" for m, f in profile.matmul_flops)
     print(f"  matmul TFLOP/s {curve}")
     print(f"  attention prefill {profile.prefill_attention_flops / 1e12:.3g} TFLOP/s, decode "

@@ -27,7 +27,7 @@ TIERS = ("gpu", "cpu", "disk")
 PACKAGED_PROFILES = {"t4": "t4_flexgen", "t4_flexgen": "t4_flexgen", "h100": "h100", "h200": "h200"}
 
 _BANDWIDTH_FIELDS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
-_OPTIONAL_BANDWIDTH_FIELDS = ("gpu_to_cpu_cache", "cpu_to_disk_cache", "disk_to_cpu_cached")
+_OPTIONAL_BANDWIDTH_FIELDS = ("gpu_to_cpu_cache", "cpu_to_disk_cache", "disk_to_cpu_cached", "cpu_to_all_gpus")
 _COMPUTE_FIELDS = (
     "prefill_attention_flop_per_s",
     "decode_attention_flop_per_s",
@@ -44,7 +44,7 @@ _OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "gpu_kv_quant_eleme
                             "host_seconds_per_layer", "host_seconds_per_step", *HOST_EXTRA_FIELDS)
 _TOP_FIELDS = {
     "format", "version", "name", "device", "source", "memory_bytes", "usable_fraction", "pinned_host_memory",
-    "bandwidth_bytes_per_s", "compute", "notes", "measurements",
+    "bandwidth_bytes_per_s", "compute", "notes", "measurements", "gpu_count",
 }
 
 
@@ -77,6 +77,11 @@ class HardwareProfile:
     cpu_to_disk_cache_bandwidth: float | None = None
     # Reads of a file the page cache still holds; None: every disk read is priced at the cold rate.
     disk_to_cpu_cached_bandwidth: float | None = None
+    # Host-to-GPU bytes per second in all, with copies to each of the machine's ``gpu_count`` GPUs at
+    # once: below gpu_count x cpu_to_gpu where their links share the way to host memory. None: not
+    # measured (one GPU, or profiled before), and each GPU is taken to have its link to itself.
+    cpu_to_all_gpus_bandwidth: float | None = None
+    gpu_count: int = 1
     # Dequantizing KV-cache-shaped tensors (short groups along head_dim) runs slower than weights.
     gpu_kv_dequant_throughput: float | None = None
     # Quantizing a prefill's keys into a compressed cache; None: at the KV dequantization rate.
@@ -130,6 +135,17 @@ class HardwareProfile:
     def kv_quant_throughput(self) -> float:
         return self.gpu_kv_quant_throughput or self.kv_dequant_throughput
 
+    def sharing_links(self, gpus: int) -> "HardwareProfile":
+        """The machine as each of ``gpus`` GPUs copying at once sees it (a pipeline's stages on one
+        host): its host links at its share of what they move together, where that is less."""
+        if gpus <= 1 or self.cpu_to_all_gpus_bandwidth is None:
+            return self
+        each = min(self.cpu_to_gpu_bandwidth, self.cpu_to_all_gpus_bandwidth / min(gpus, self.gpu_count))
+        scale = each / self.cpu_to_gpu_bandwidth
+        return replace(self, cpu_to_gpu_bandwidth=each, gpu_to_cpu_bandwidth=self.gpu_to_cpu_bandwidth * scale,
+                       gpu_to_cpu_cache_bandwidth=(self.gpu_to_cpu_cache_bandwidth * scale
+                                                   if self.gpu_to_cpu_cache_bandwidth is not None else None))
+
     def capacity(self, tier: str) -> float:
         """Bytes the planner may fill on ``tier``: the capacity less the headroom."""
         index = TIERS.index(tier)
@@ -177,6 +193,8 @@ class HardwareProfile:
             bandwidth["cpu_to_disk_cache"] = self.cpu_to_disk_cache_bandwidth
         if self.disk_to_cpu_cached_bandwidth is not None:
             bandwidth["disk_to_cpu_cached"] = self.disk_to_cpu_cached_bandwidth
+        if self.cpu_to_all_gpus_bandwidth is not None:
+            bandwidth["cpu_to_all_gpus"] = self.cpu_to_all_gpus_bandwidth
         compute = {}
         if self.gpu_kv_dequant_throughput is not None:
             compute["gpu_kv_dequant_elements_per_s"] = self.gpu_kv_dequant_throughput
@@ -199,6 +217,7 @@ class HardwareProfile:
             "memory_bytes": {"gpu": self.gpu_memory, "cpu": self.cpu_memory, "disk": self.disk_memory},
             "usable_fraction": dict(zip(TIERS, self.usable_fraction)),
             "pinned_host_memory": self.pinned_host_memory,
+            **({"gpu_count": self.gpu_count} if self.gpu_count != 1 else {}),
             "bandwidth_bytes_per_s": bandwidth,
             "compute": {
                 "matmul_flop_per_s": [[m, f] for m, f in self.matmul_flops],
@@ -316,6 +335,9 @@ def _parse_profile(data, source: str) -> HardwareProfile:
 
     memory = _section(data, "memory_bytes", source, TIERS)
     sizes = [_size(memory[t], f"memory_bytes.{t}", source) for t in TIERS]
+    gpu_count = data.get("gpu_count", 1)
+    if isinstance(gpu_count, bool) or not isinstance(gpu_count, int) or gpu_count < 1:
+        raise ConfigError(f"{source}: field 'gpu_count' must be a positive integer, got {gpu_count!r}")
     pinned = data.get("pinned_host_memory", True)
     if not isinstance(pinned, bool):
         raise ConfigError(f"{source}: field 'pinned_host_memory' must be true or false, got {pinned!r}")
@@ -350,6 +372,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         gpu_to_cpu_cache_bandwidth=bw_cache["gpu_to_cpu_cache"],
         cpu_to_disk_cache_bandwidth=bw_cache["cpu_to_disk_cache"],
         disk_to_cpu_cached_bandwidth=bw_cache["disk_to_cpu_cached"],
+        cpu_to_all_gpus_bandwidth=bw_cache["cpu_to_all_gpus"], gpu_count=gpu_count,
         gpu_kv_dequant_throughput=optional["gpu_kv_dequant_elements_per_s"],
         gpu_kv_quant_throughput=optional["gpu_kv_quant_elements_per_s"],
         cpu_attention_share_under_copy=1.0 if share is None else share,

@@ -2,6 +2,7 @@
 shape for all, the job at the pace of its slowest device; `flexoff search --pipeline-parallel`."""
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from flexoff.layout import job_bytes, pins_host_memory
 from flexoff.layout.pipeline import stage_view
 from flexoff.models import resolve_model_config
 from flexoff.planner.cost_model import Workload
-from flexoff.planner.hardware import resolve_hardware
+from flexoff.planner.hardware import HardwareProfile, resolve_hardware
 from flexoff.planner.pipeline import plan_pipeline, stage_workload
 from flexoff.planner.search import search_policy
 from flexoff.policy import TIERS
@@ -81,7 +82,9 @@ def test_search_prints_every_stage_and_the_job(capsys):
     out = capsys.readouterr().out
     assert "2 pipeline stages x 1 replica, host memory shared by 2 processes" in out
     stages = re.findall(r"^stage (\d)  layers (\d+)-(\d+) · gpu ([0-9.]+) GiB", out, re.M)
-    assert [(s, a, b) for s, a, b, _ in stages] == [("0", "0", "23"), ("1", "24", "47")]
+    (_, first, cut, _), (_, after, last, _) = stages
+    # The stages cover the 48 layers in order, the smaller GPU's with no more than half.
+    assert (int(first), int(cut) + 1, int(last)) == (0, int(after), 47) and int(cut) + 1 <= 24
     assert float(stages[0][3]) < float(stages[1][3])  # each stage's own cap, less the profile's headroom
     assert re.search(r"^job +[0-9.]+ token/s predicted: stage \d, the slowest", out, re.M)
 
@@ -112,3 +115,27 @@ def test_devices_that_differ_get_layers_by_their_speed_when_that_is_faster():
     assert plan.throughput > even.throughput
     same = plan_pipeline(config, job, [hardware[1]] * 2, compress="off")
     assert same.layer_counts == [6, 6]  # alike devices keep the even split
+
+
+def test_gpus_whose_links_share_the_host_are_planned_at_their_share(tmp_path, capsys):
+    """A profile that measured 1.2x one link's rate with copies to both GPUs at once: each of two
+    stages plans at 0.6x, and is predicted slower than with links of their own."""
+    profile = resolve_hardware("h100")
+    shared = replace(profile, cpu_to_all_gpus_bandwidth=1.2 * profile.cpu_to_gpu_bandwidth, gpu_count=2)
+    assert shared.sharing_links(2).cpu_to_gpu_bandwidth == pytest.approx(0.6 * profile.cpu_to_gpu_bandwidth)
+    assert shared.sharing_links(2).gpu_to_cpu_bandwidth == pytest.approx(0.6 * profile.gpu_to_cpu_bandwidth)
+    assert shared.sharing_links(1) is shared and profile.sharing_links(2) is profile
+    fast = replace(profile, cpu_to_all_gpus_bandwidth=2.5 * profile.cpu_to_gpu_bandwidth, gpu_count=2)
+    assert fast.sharing_links(2).cpu_to_gpu_bandwidth == profile.cpu_to_gpu_bandwidth  # never above one link
+    path = tmp_path / "shared.json"
+    shared.save(path)
+    assert HardwareProfile.load(path) == shared
+    rates = []
+    for hardware in (profile, shared):
+        hardware.save(path)
+        assert main(["search", "--model", "opt-30b", "--hardware", str(path), "--gpu-mem", "16GiB",
+                     "--pipeline-parallel", "2", "--num-prompts", "480"]) == 0
+        out = capsys.readouterr().out
+        rates.append(float(re.search(r"^job +([0-9.]+) token/s", out, re.M).group(1)))
+    assert "host memory and links shared by 2 processes" in out
+    assert rates[1] < rates[0]
