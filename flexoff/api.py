@@ -13,7 +13,7 @@ import torch
 
 from .chat import chat_prompt, conversation_list
 from .checks import check_bool
-from .errors import (ArgumentTypeError, ClosedError, ConfigError, FlexoffError, NonFiniteError, PromptError,
+from .errors import (ArgumentTypeError, ClosedError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
 from .generation_config import read_generation_config
 from .llm_args import check_llm_args, one_of, resolve_device, resolve_dtype, unwrap_prompt
@@ -388,21 +388,21 @@ class LLM:
     def next_token_logits(self, prompts: SequenceOf) -> torch.Tensor:
         """Logits for the token after each prompt: (len(prompts), vocab), fp32 on the CPU."""
         self._check_open()
-        self._check_whole("next_token_logits")
         ids = self._encode(prompts)
         self._check_lengths(ids, [SamplingParams(max_new_tokens=1)] * len(ids))
         out = torch.empty(len(ids), self.config.vocab_size)
         for block in form_blocks([len(p) for p in ids], [1] * len(ids), self.policy.block_size):
             out[block] = self.engine.last_logits([ids[i] for i in block])
+        out = self._from_head(out)
         self._check_finite(torch.isfinite(out).all(dim=-1).tolist(), "logits")
         return out
 
-    def _check_whole(self, method: str) -> None:
-        """Logits and scores come from the head, on a pipeline's last process: not across stages yet
-        (replicas alone each compute them all)."""
-        if self.ranks is not None and self.ranks.parallel.pipeline > 1:
-            raise ConfigError(f"{method}() does not run over pipeline stages; make the LLM with "
-                              "pipeline_parallel_size=1")
+    def _from_head(self, value):
+        """What the head computed (logits, scores), on every process: in a pipeline only its last
+        process has it. Replicas each compute it all: the first's is taken."""
+        if self.ranks is None or self.ranks.parallel.pipeline == 1:
+            return value
+        return next(v for v in self.ranks.gather(value if self.ranks.place.last else None) if v is not None)
 
     def _check_finite(self, finite: list[bool], what: str) -> None:
         """Refuse NaN or infinite results, naming the first prompt and the weight at fault."""
@@ -413,7 +413,6 @@ class LLM:
     def score(self, prompts: SequenceOf, continuations: SequenceOf) -> list[ScoreOutput]:
         """Per-token log-probabilities of each continuation given its prompt, in one prefill pass."""
         self._check_open()
-        self._check_whole("score")
         prompt_ids = self._encode(prompts)
         cont_ids = self._encode(continuations, "continuation")
         if len(cont_ids) != len(prompt_ids):
@@ -435,6 +434,7 @@ class LLM:
             logprobs = self.engine.score_block([prompt_ids[i] for i in block], [cont_ids[i] for i in block])
             for i, values in zip(block, logprobs):
                 results[i] = ScoreOutput(cont_ids[i], values)
+        results = self._from_head(results)
         self._check_finite([all(math.isfinite(v) for v in r.logprobs) for r in results], "log-probabilities")
         return results
 

@@ -287,3 +287,39 @@ def test_layers_given_per_stage_must_cover_the_model():
         with pytest.raises(ConfigError, match="positive counts adding up to the model's 12 layers"):
             check_parallel(Parallel(2, 1, layers=tuple(counts)), 12, "opt-125m", Launch(0, 2, 0, 2),
                            torch.device("cpu"))
+
+
+SCORING = """
+import json, os, sys
+from flexoff import LLM
+from flexoff.policy import Policy, TierFractions
+policy = Policy(2, 2, weights=TierFractions(0.3, 0.5, 0.2), cache=TierFractions(0.5, 0, 0.5),
+                activations=TierFractions(0.5, 0.5, 0))
+model, output, offload = sys.argv[1:4]
+sizes = {} if len(sys.argv) == 4 else {"pipeline_parallel_size": int(sys.argv[4])}
+with LLM(model, policy=policy, device="cpu", offload_dir=offload, **sizes) as llm:
+    prompts = [[5 + i, 9, 11, 3 + i] * (1 + i % 3) for i in range(7)]
+    logits = llm.next_token_logits(prompts)
+    scores = llm.score(prompts, [[7, 8, 9 + i] for i in range(7)])
+if os.environ.get("RANK", "0") == "0":
+    json.dump({"logits": [[round(x, 4) for x in row] for row in logits.tolist()],
+               "scores": [[round(v, 4) for v in s.logprobs] for s in scores]}, open(output, "w"))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa"])
+def test_logits_and_scores_over_pipeline_stages_are_one_process_s(deep_model, tmp_path, kind):
+    """The API's next_token_logits and score in a script torchrun starts: three stages, each with
+    weights and cache offloaded, give one process's figures on every process."""
+    script = tmp_path / "scoring.py"
+    script.write_text(SCORING)
+    model = str(deep_model(kind))
+    alone = subprocess.run([sys.executable, str(script), model, str(tmp_path / "one.json"), str(tmp_path)],
+                           capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    staged = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                             str(script), model, str(tmp_path / "three.json"), str(tmp_path), "3"],
+                            capture_output=True, text=True, timeout=180)
+    assert staged.returncode == 0, staged.stderr
+    assert json.loads((tmp_path / "three.json").read_text()) == json.loads((tmp_path / "one.json").read_text())

@@ -205,6 +205,8 @@ class Engine:
         greedy = SamplingParams(max_new_tokens=1)
         seqs = [Sequence(i, ids, greedy, self.seed) for i, ids in enumerate(token_lists)]
         self._execute(self.make_batches(seqs, 0), 1, on_head)
+        if self.link is not None:  # a pipeline's head hook ran on its last device only
+            self.link.flush()
 
     def last_logits(self, token_lists: list[list[int]]) -> torch.Tensor:
         """Logits after the last token of each list: (len(token_lists), vocab), fp32 on the CPU."""
