@@ -397,6 +397,16 @@ class LLM:
         self._check_finite(torch.isfinite(out).all(dim=-1).tolist(), "logits")
         return out
 
+    def ranks_memory(self) -> list[dict] | None:
+        """In a parallel job, each process's range of stages, weights by tier and peak memory, in
+        rank order; every process must call it (it gathers them). None alone."""
+        if self.ranks is None:
+            return None
+        owned = self.ranks.place.owned
+        return self.ranks.gather({"stages": (owned.start, owned.stop),
+                                  "weights": dict(self.engine.placement_report["bytes"]),
+                                  "peaks": self.engine.peak_memory()})
+
     def _from_head(self, value):
         """What the head computed (logits, scores), on every process: in a pipeline only its last
         process has it. Replicas each compute it all: the first's is taken."""

@@ -75,6 +75,12 @@ def test_a_parallel_run_generates_what_one_process_does(deep_model, tmp_path, ca
     # One summary, from rank 0, which says what it speaks of.
     assert out.count("wrote 14 results") == 1
     assert f"parallel   {stages} pipeline stages × {replicas} replica" in out
+    # Every process's layers, weights and peaks: the stages of each replica cover the model.
+    ranks = re.findall(r"^  rank (\d+) +layers (\d+)–(\d+) · weights device \(cpu\) ", out, re.M)
+    assert [int(r) for r, _, _ in ranks] == list(range(stages * replicas))
+    covered = [(int(a), int(b)) for _, a, b in ranks[:stages]]
+    assert covered[0][0] == 0 and covered[-1][1] == LAYERS - 1
+    assert all(b + 1 == a for (_, b), (a, _) in zip(covered, covered[1:]))
     assert not [p for p in tmp_path.iterdir() if p.is_dir()]  # every process removed its offload folder
 
 

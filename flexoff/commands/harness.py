@@ -104,9 +104,10 @@ def run_batch(args) -> int:
                     print(f"interrupted: {batch.done} of {total} prompts are in {args.output}; "
                           "rerun the same command to finish the rest", file=sys.stderr)
                 return 130
+            ranks_memory = llm.ranks_memory()
             if not speaks:
                 return 0
-            print(format_summary(llm, metrics))
+            print(format_summary(llm, metrics, ranks_memory))
         finally:
             llm.close()
         note = f" ({batch.already} from an earlier run)" if batch.already else ""

@@ -69,14 +69,15 @@ def cmd_run(args) -> int:
             llm.generate([p[:32] if isinstance(p, list) else p for p in prompts],
                          job.sampling(1, seed=job.seed))
         result = llm.generate(prompts, params, progress=not args.quiet, on_block=on_block)
+        ranks_memory = llm.ranks_memory()
     finally:
         llm.close()
     if llm.ranks is not None and llm.ranks.rank != 0:  # every process has the results; rank 0 reports them
         return 0
-    return _write_run_outputs(args, llm, result, ids, blocks, texts)
+    return _write_run_outputs(args, llm, result, ids, blocks, texts, ranks_memory)
 
 
-def _write_run_outputs(args, llm, result, ids, blocks, texts) -> int:
+def _write_run_outputs(args, llm, result, ids, blocks, texts, ranks_memory=None) -> int:
     """Write the results and metrics; a write that fails keeps its text elsewhere and ends the run
     with one line naming where. Exit code 1 when some sequences failed, 0 otherwise."""
     from ..records import failure_line, generation_record, record_line
@@ -92,7 +93,7 @@ def _write_run_outputs(args, llm, result, ids, blocks, texts) -> int:
         # whether the outputs were compressed.
         metrics = {**result.metrics.to_dict(), "policy": llm.policy.to_dict()}
         problems.append(write_or_keep(args.metrics_json, json_text(metrics, indent=2) + "\n", "the metrics"))
-    print(format_summary(llm, result.metrics))
+    print(format_summary(llm, result.metrics, ranks_memory))
     problems = [p for p in problems if p]
     if problems:
         raise OutputError("; ".join(problems))

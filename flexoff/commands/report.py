@@ -226,20 +226,34 @@ def _lossy(policy: Policy) -> str:
                    if config is not None)
 
 
-def _parallel_line(llm) -> list[str]:
-    """A parallel job's shape; the lines after it speak of rank 0's process, whose stage holds the
-    embedding."""
+def _parallel_lines(llm, ranks_memory: list[dict] | None) -> list[str]:
+    """A parallel job's shape, then each process's layers, weights and peaks (``LLM.ranks_memory``);
+    without those, the lines after it speak of rank 0's process."""
+    from ..layout import tier_name
+
     ranks = llm.ranks
     if ranks is None:
         return []
-    layers = range_layers(ranks.place.owned, llm.config.num_layers)
     stages, replicas = ranks.parallel.pipeline, ranks.parallel.data
-    return [f"parallel   {stages} pipeline stage{'s' * (stages > 1)} × {replicas} replica{'s' * (replicas > 1)} · "
-            f"weights and peak memory below are rank 0's (the embedding and layers {layers[0]}–{layers[-1]})"]
+    shape = f"parallel   {stages} pipeline stage{'s' * (stages > 1)} × {replicas} replica{'s' * (replicas > 1)}"
+    if ranks_memory is None:
+        layers = range_layers(ranks.place.owned, llm.config.num_layers)
+        return [f"{shape} · weights and peak memory below are rank 0's (the embedding and layers "
+                f"{layers[0]}–{layers[-1]})"]
+    lines = [f"{shape} · weights and peak memory below are rank 0's; every rank's:"]
+    for rank, report in enumerate(ranks_memory):
+        layers = range_layers(range(*report["stages"]), llm.config.num_layers)
+        peaks = report["peaks"]
+        gpu = f"gpu {format_size(peaks.get('gpu', 0))}, " if llm.device.type == "cuda" else ""
+        lines.append(f"  rank {rank:<3} layers {layers[0]}–{layers[-1]} · weights "
+                     + " · ".join(f"{tier_name(t, llm.device)} {format_size(report['weights'][t])}" for t in TIERS)
+                     + f" · peak {gpu}ram {format_size(peaks.get('cpu_rss', 0))}")
+    return lines
 
 
-def format_summary(llm, metrics) -> str:
-    """A run's summary: the model and policy, where the weights are, throughput, tokens and peak memory."""
+def format_summary(llm, metrics, ranks_memory: list[dict] | None = None) -> str:
+    """A run's summary: the model and policy, where the weights are, throughput, tokens and peak
+    memory; in a parallel job, each process's share (``ranks_memory``, from ``LLM.ranks_memory``)."""
     from ..layout import tier_name
 
     policy = llm.policy
@@ -259,7 +273,7 @@ def format_summary(llm, metrics) -> str:
         f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
         f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}"
         + _lossy(policy),
-        *_parallel_line(llm),
+        *_parallel_lines(llm, ranks_memory),
         "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",
         f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",
