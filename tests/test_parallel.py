@@ -261,7 +261,7 @@ def test_each_stage_runs_the_policy_planned_for_its_own_gpu(tmp_path):
     (_, first, cut, _, _), (_, after, last, _, _) = searched
     # The layers split by the stages' speed: the smaller GPU's stage takes fewer, the two cover all 12.
     assert (int(first), int(cut) + 1, int(last)) == (0, int(after), 11) and int(cut) + 1 < 6
-    assert f"the embedding and layers 0–{cut})" in out
+    assert f"  rank 0   layers 0–{cut} · " in out
     assert searched[0][3] == searched[1][3]  # one batch shape
     assert searched[0][4] != searched[1][4]  # each its own placement of the weights
     assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
