@@ -348,8 +348,8 @@ class LLM:
                                               on_prefill=tracker.prefilled if alone else None) if mine else []
             metrics = dict(zip(mine, ran))
             if ranks is not None:
-                mine = {b: ([s.outcome() for s in seqs[b]], metrics[b]) for b in mine} if ranks.reports else {}
-                for shared in ranks.gather(mine):
+                held = {b: ([s.outcome() for s in seqs[b]], metrics[b]) for b in mine} if ranks.reports else {}
+                for shared in ranks.gather(held):
                     for b, (outcomes, block_metrics) in shared.items():
                         for seq, outcome in zip(seqs[b], outcomes, strict=True):
                             seq.take_outcome(outcome)

@@ -20,6 +20,16 @@ DTYPES = ("auto", "float16", "fp16", "half", "bfloat16", "bf16", "float32", "fp3
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "cpu_attention", "overlap", "pin_cpu_memory")
 
 
+def stage_sizes(gpu_mem: str | None, stages: int) -> list[str | None]:
+    """Each pipeline stage's GPU memory cap: ``gpu_mem`` (--gpu-mem) is one size for every GPU, or
+    one per stage ("16GiB,24GiB"); None for none."""
+    sizes = [size.strip() for size in gpu_mem.split(",")] if gpu_mem else [None]
+    if len(sizes) not in (1, stages):
+        raise ConfigError(f"--gpu-mem gives {len(sizes)} sizes for {stages} pipeline stage{'s' * (stages > 1)}: "
+                          "give one size for every GPU, or one per stage")
+    return sizes * stages if len(sizes) == 1 else sizes
+
+
 def check_dtype_name(name: str) -> str:
     if name not in DTYPES:
         raise ConfigError(f"unknown dtype {name!r}; use auto, float16, bfloat16 or float32")
@@ -132,15 +142,10 @@ class Job:
                 raise PolicyError(f"policy {name} must be TierFractions, got {value!r}")
 
     def stage_gpu_mem(self, stage: int = 0, stages: int = 1) -> str | None:
-        """A pipeline stage's GPU memory cap: ``gpu_mem`` is one size for every GPU, or one per stage
-        ("16GiB,24GiB")."""
-        if not isinstance(self.gpu_mem, str) or "," not in self.gpu_mem:
+        """A pipeline stage's GPU memory cap (see stage_sizes)."""
+        if not isinstance(self.gpu_mem, str):
             return self.gpu_mem
-        sizes = [size.strip() for size in self.gpu_mem.split(",")]
-        if len(sizes) != stages:
-            raise ConfigError(f"--gpu-mem gives {len(sizes)} sizes, but the job has {stages} pipeline "
-                              f"stage{'s' * (stages > 1)}: give one size for every GPU, or one per stage")
-        return sizes[stage]
+        return stage_sizes(self.gpu_mem, stages)[stage]
 
     @property
     def offload_root(self) -> str | None:

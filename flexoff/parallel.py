@@ -192,17 +192,24 @@ def rounds(num_blocks: int, pipeline: int, data: int) -> list[list[list[int]]]:
     return [groups[start:start + data] for start in range(0, len(groups), data)]
 
 
-def parallel_ranks(parallel: Parallel, config, device: str | torch.device) -> Ranks | None:
-    """This process's place in the parallel job it belongs to, joined; None when it runs alone."""
+def checked_device(parallel: Parallel, config, launch: Launch | None, device: str | torch.device) -> torch.device:
+    """The kind of device a parallel job computes on, once the job's shape is checked for it
+    (``parallel`` resolved), before any weight is loaded."""
     from .llm_args import parse_device, resolve_device
 
+    resolve_device(device)  # refuses CUDA where there is none
+    asked = parse_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    check_parallel(parallel, config.num_layers, config.name, launch, asked)
+    return asked
+
+
+def parallel_ranks(parallel: Parallel, config, device: str | torch.device) -> Ranks | None:
+    """This process's place in the parallel job it belongs to, joined; None when it runs alone."""
     launch = Launch.from_env()
     parallel = parallel.resolved(launch)
     if parallel.pipeline * parallel.data == 1:
         return None
-    resolve_device(device)  # refuses CUDA where there is none
-    asked = parse_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    check_parallel(parallel, config.num_layers, config.name, launch, asked)
+    asked = checked_device(parallel, config, launch, device)
     ranks = Ranks(parallel, launch, config.num_layers, asked)
     ranks.join()
     return ranks

@@ -26,18 +26,12 @@ def needs_launch(args) -> int:
 
 def check_before_launch(job, size: int) -> None:
     """What each process would refuse before loading a weight, refused once, here."""
-    from ..llm_args import parse_device, resolve_device
     from ..models import resolve_model_config
-    from ..parallel import Launch, Parallel, check_parallel
+    from ..parallel import Launch, Parallel, checked_device
 
-    import torch
-
-    config = resolve_model_config(job.model)
-    resolve_device(job.device)
-    device = parse_device(job.device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     launch = Launch(0, size, 0, size)
-    check_parallel(Parallel(job.pipeline_parallel, job.data_parallel).resolved(launch), config.num_layers,
-                   config.name, launch, device)
+    checked_device(Parallel(job.pipeline_parallel, job.data_parallel).resolved(launch),
+                   resolve_model_config(job.model), launch, job.device)
 
 
 def launch(argv: list[str], size: int, offload_root: str | None = None) -> int:

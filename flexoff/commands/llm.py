@@ -52,7 +52,7 @@ def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=N
     the host's memory shared by the processes on it, all of one batch shape."""
     from ..llm_args import resolve_device, resolve_dtype
     from ..models import resolve_model_config
-    from ..planner.pipeline import plan_pipeline
+    from ..planner.pipeline import plan_pipeline, stage_hardware
     from ..planner.report import policy_summary
     from ..units import parse_size
 
@@ -64,13 +64,9 @@ def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=N
         raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16")
     config = resolve_model_config(job.model)
     stages, replicas = (1, 1) if ranks is None else (ranks.parallel.pipeline, ranks.parallel.data)
-    sharing = 1 if ranks is None else ranks.launch.local_world
-    profile = hardware_profile(job, device)
-    cpu = parse_size(job.cpu_mem) if job.cpu_mem else profile.cpu_memory
-    # The processes of a host share its memory, and perhaps the way from it to their GPUs.
-    hardware = [profile.sharing_links(sharing).with_memory(
-        parse_size(gpu) if (gpu := job.stage_gpu_mem(stage, stages)) else None, cpu // sharing)
-        for stage in range(stages)]
+    gpu_caps = [parse_size(gpu) if (gpu := job.stage_gpu_mem(stage, stages)) else None for stage in range(stages)]
+    hardware = stage_hardware(hardware_profile(job, device), gpu_caps, 1 if ranks is None else ranks.launch.local_world,
+                              parse_size(job.cpu_mem) if job.cpu_mem else None)
     wanted = workload()
     plan = plan_pipeline(config, wanted, hardware, replicas, compress=job.policy.planning_compress)
     for stage in plan.stages:

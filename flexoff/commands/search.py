@@ -77,9 +77,8 @@ def register(subparsers) -> None:
 
 def run_search(args) -> int:
     # The flags' types (SIZE, SIZES) have already checked them.
-    gpu_sizes = args.gpu_mem.split(",") if args.gpu_mem else [None]
-    if args.pipeline_parallel > 1 or args.data_parallel > 1 or len(gpu_sizes) > 1:
-        return _search_pipeline(args, gpu_sizes)
+    if args.pipeline_parallel > 1 or args.data_parallel > 1 or "," in (args.gpu_mem or ""):
+        return _search_pipeline(args)
     sizes = [parse_size(size) if size else None for size in (args.gpu_mem, args.cpu_mem, args.disk_mem)]
     config = resolve_model_config(args.model)
     workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
@@ -115,14 +114,13 @@ def run_search(args) -> int:
     return 0
 
 
-def _search_pipeline(args, gpu_sizes: list[str | None]) -> int:
+def _search_pipeline(args) -> int:
     """Each stage's plan of a pipeline over GPUs of one host (``planner.pipeline``)."""
-    from ..planner.pipeline import plan_pipeline
+    from ..job import stage_sizes
+    from ..planner.pipeline import plan_pipeline, stage_hardware
 
     stages, replicas = args.pipeline_parallel, args.data_parallel
-    if len(gpu_sizes) not in (1, stages):
-        raise ConfigError(f"--gpu-mem gives {len(gpu_sizes)} sizes for {stages} pipeline stages: give one size for "
-                          "every GPU, or one per stage")
+    gpu_sizes = stage_sizes(args.gpu_mem, stages)
     for flag, given in (("--max-latency", args.max_latency), ("--pareto", args.pareto or args.pareto_csv or
                                                                           args.pareto_plot), ("--output", args.output)):
         if given:
@@ -132,11 +130,8 @@ def _search_pipeline(args, gpu_sizes: list[str | None]) -> int:
     workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
     profile = resolve_hardware(args.hardware)
     processes = stages * replicas
-    cpu = parse_size(args.cpu_mem) if args.cpu_mem else profile.cpu_memory
-    disk = parse_size(args.disk_mem) if args.disk_mem else None
-    hardware = [profile.sharing_links(processes).with_memory(
-        parse_size(gpu_sizes[i % len(gpu_sizes)]) if gpu_sizes[0] else None, cpu // processes,
-        disk // processes if disk else None) for i in range(stages)]
+    caps = [parse_size(size) if size else None for size in (args.cpu_mem, args.disk_mem)]
+    hardware = stage_hardware(profile, [parse_size(size) if size else None for size in gpu_sizes], processes, *caps)
     started = time.perf_counter()
     plan = plan_pipeline(config, workload, hardware, replicas, compress=args.compress, cpu_attention=args.cpu_attention)
     print(format_pipeline_plan(plan, (

@@ -63,6 +63,17 @@ class PipelinePlan:
         return self.slowest.prediction.total_throughput * self.replicas
 
 
+def stage_hardware(profile: HardwareProfile, gpu_caps: list[int | None], processes: int, cpu: int | None = None,
+                   disk: int | None = None) -> list[HardwareProfile]:
+    """Each stage's machine, one GPU cap a stage (None: the profile's), where ``processes`` share
+    the host: its memory (``cpu`` and ``disk``: the host's caps, else the profile's) and perhaps the
+    way from it to their GPUs (``HardwareProfile.sharing_links``)."""
+    shared = profile.sharing_links(processes)
+    cpu = profile.cpu_memory if cpu is None else cpu
+    return [shared.with_memory(gpu, cpu // processes, None if disk is None else disk // processes)
+            for gpu in gpu_caps]
+
+
 def stage_workload(workload: Workload, pipeline: int, replicas: int = 1) -> Workload:
     """What each replica's blocks are planned for: a share of the prompts that makes at least
     ``pipeline`` blocks a replica, so that every device of its pipeline has one."""

@@ -344,17 +344,14 @@ class BatchKV:
         """The copier's job: once the read has landed, copy the staging pairs into the workspace;
         returns the copies' event."""
         read.result()
-        self._copy_in(groups, layer, start, index, first, load=False)
+        self._copy_in(groups, layer, start, index, first)
         return self.streams.record(self.streams.cache)
 
-    def _copy_in(self, groups: list[_Group], layer: int, start: int, index: int, first: int,
-                 load: bool = True) -> None:
+    def _copy_in(self, groups: list[_Group], layer: int, start: int, index: int, first: int) -> None:
         """Copy the groups' first ``start`` slots into workspace set ``index`` on the cache stream
-        (``load``: disk rows read their staging pair in first)."""
+        (disk rows from their staging pair, which a reader has filled)."""
         with self.streams.on(self.streams.cache):
             for group in groups:
-                if load:
-                    group.load(layer, start)
                 offset, count = group.rows.start - first, group.rows.stop - group.rows.start
                 for target, source in zip(self.workspace.sets[index], group.pair(layer)):
                     target.narrow(1, offset, count).narrow(0, 0, start).copy_(source.narrow(0, 0, start),
