@@ -88,6 +88,8 @@ def test_a_parallel_run_generates_what_one_process_does(deep_model, tmp_path, ca
     (["--pipeline-parallel", "13"], "--pipeline-parallel 13 is more than the 12 layers of opt-125m"),
     (["--pipeline-parallel", "2", "--device", "cuda"], "CUDA is not available"),
     (["--pipeline-parallel", "0"], "--pipeline-parallel: must be an integer >= 1"),
+    (["--pipeline-parallel", "3", "--gpu-mem", "1GiB,2GiB", "--device", "cpu"],
+     "--gpu-mem gives 2 sizes for 3 pipeline stages"),
 ])
 def test_a_job_that_cannot_be_split_is_refused_before_anything_starts(capsys, argv, message):
     assert main(["run", "--quiet", *argv]) == 2
@@ -329,3 +331,15 @@ def test_logits_and_scores_over_pipeline_stages_are_one_process_s(deep_model, tm
                             capture_output=True, text=True, timeout=180)
     assert staged.returncode == 0, staged.stderr
     assert json.loads((tmp_path / "three.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
+
+
+@pytest.mark.slow
+def test_under_torchrun_caps_that_do_not_fit_the_stages_are_refused_once():
+    """Every process would refuse them; rank 0 says so, the others end without a word."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "flexoff", "run", "--device", "cpu", "--quiet", "--gpu-mem", "1GiB,2GiB,3GiB"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("flexoff: error:")]
+    assert said == ["flexoff: error: --gpu-mem gives 3 sizes for 2 pipeline stages: give one size for every GPU, "
+                    "or one per stage"]

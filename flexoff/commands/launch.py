@@ -30,8 +30,9 @@ def check_before_launch(job, size: int) -> None:
     from ..parallel import Launch, Parallel, checked_device
 
     launch = Launch(0, size, 0, size)
-    checked_device(Parallel(job.pipeline_parallel, job.data_parallel).resolved(launch),
-                   resolve_model_config(job.model), launch, job.device)
+    parallel = Parallel(job.pipeline_parallel, job.data_parallel).resolved(launch)
+    checked_device(parallel, resolve_model_config(job.model), launch, job.device)
+    job.stage_gpu_mem(0, parallel.pipeline)  # one --gpu-mem, or one per stage
 
 
 def launch(argv: list[str], size: int, offload_root: str | None = None) -> int:

@@ -108,10 +108,14 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
     workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
     ranks = job_ranks(job)
     stage, stages = (0, 1) if ranks is None else (ranks.stage, ranks.parallel.pipeline)
-    gpu_mem = job.stage_gpu_mem(stage, stages)
+
+    def plan():
+        job.stage_gpu_mem(0, stages)  # caps that do not fit the stages are refused first (once, by rank 0)
+        return policy_of(job, workload, ranks)
+
     # A parallel job's processes must agree on the batch shape: rank 0 plans (and alone reports it).
-    policies, layers = (policy_of(job, workload) if ranks is None else
-                        ranks.on_rank0(lambda: policy_of(job, workload, ranks)))
+    policies, layers = plan() if ranks is None else ranks.on_rank0(plan)
+    gpu_mem = job.stage_gpu_mem(stage, stages)
     policy = policies[stage] if len(policies) > 1 else policies[0]
 
     def measured_workload():
