@@ -89,6 +89,12 @@ class KVWorkspace:
         self.streams.wait(self.streams.cache, self.free_events[index])
         return index
 
+    def rows(self, index: int, offset: int, count: int) -> tuple:
+        """Set ``index``'s (keys, values) for travelling rows [offset, offset + count). Each tier's
+        rows get a contiguous run of the set, so a load into it is one copy, with no kernel on the
+        GPU to scatter a staged copy into strided rows."""
+        return tuple(self.fmt.carve(buffer, offset, count) for buffer in self.sets[index])
+
     @property
     def nbytes(self) -> int:
         ring = sum(self.fmt.size_of(buffer) for pair in self.sets for buffer in pair)
@@ -352,10 +358,11 @@ class BatchKV:
         (disk rows from their staging pair, which a reader has filled)."""
         with self.streams.on(self.streams.cache):
             for group in groups:
-                offset, count = group.rows.start - first, group.rows.stop - group.rows.start
-                for target, source in zip(self.workspace.sets[index], group.pair(layer)):
-                    target.narrow(1, offset, count).narrow(0, 0, start).copy_(source.narrow(0, 0, start),
-                                                                             non_blocking=True)
+                for target, source in zip(self._workspace_rows(index, group, first), group.pair(layer)):
+                    target.narrow(0, 0, start).copy_(source.narrow(0, 0, start), non_blocking=True)
+
+    def _workspace_rows(self, index: int, group: _Group, first: int) -> tuple:
+        return self.workspace.rows(index, group.rows.start - first, group.rows.stop - group.rows.start)
 
     def attender(self, layer: int, start: int, mask: torch.Tensor, expand: torch.Tensor | None = None):
         """What a layer calls to store its new keys and values and attend. ``expand`` (prefill only):
@@ -446,22 +453,23 @@ class BatchKV:
         self.streams.wait(self.streams.compute, ready)
         if from_disk is not None:
             self.streams.wait(self.streams.compute, from_disk.result())
-        rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
-        loaded = [buffer.narrow(1, 0, rows.stop - rows.start) for buffer in self.workspace.sets[index]]
-        for buffer, new in zip(loaded, (k, v)):
-            SLOT_MAJOR.write(self.fmt, buffer, start, new[rows])
-        keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
-                        for buffer, space in zip(loaded, self._dequantized()))
-        out[rows] = attention(q[rows], keys, values, mask[rows])
+        first = offloaded[0].rows.start
+        for group in offloaded:  # each tier's rows have their own run of the set
+            loaded = self._workspace_rows(index, group, first)
+            for buffer, new in zip(loaded, (k, v)):
+                SLOT_MAJOR.write(self.fmt, buffer, start, new[group.rows])
+            keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
+                            for buffer, space in zip(loaded, self._dequantized()))
+            out[group.rows] = attention(q[group.rows], keys, values, mask[group.rows])
         self.workspace.free_events[index] = self.streams.record(self.streams.compute)
         streamed = [group for group in offloaded if self._on_store_stream(group)]
         if streamed:
-            self._send_slot(layer, start, loaded, rows.start, streamed, index)
+            self._send_slot(layer, start, first, streamed, index)
         others = [group for group in offloaded if group not in streamed]
         if others:
             self._store(layer, start, k, v, others)
 
-    def _send_slot(self, layer: int, start: int, loaded: list, first: int, groups: list[_Group], index: int) -> None:
+    def _send_slot(self, layer: int, start: int, first: int, groups: list[_Group], index: int) -> None:
         """Copy the new slot of slot-major CPU rows home from the workspace set ``index``, where it was
         just encoded (so it is not encoded twice), on the store stream after the attention. The set
         is reloaded only after these copies, and the layer's next load waits for them."""
@@ -469,9 +477,8 @@ class BatchKV:
         streams.wait(streams.store, streams.record(streams.compute))
         with streams.on(streams.store):
             for group in groups:
-                offset, count = group.rows.start - first, group.rows.stop - group.rows.start
-                for source, home in zip(loaded, group.pair(layer)):
-                    slot = source.narrow(0, start, 1).narrow(1, offset, count)
+                for source, home in zip(self._workspace_rows(index, group, first), group.pair(layer)):
+                    slot = source.narrow(0, start, 1)
                     for part, target in zip(self.fmt.parts(slot), self.fmt.parts(home.narrow(0, start, 1))):
                         target.copy_(part, non_blocking=True)
         self._stored[layer] = self.workspace.free_events[index] = streams.record(streams.store)

@@ -75,6 +75,15 @@ SLOT_MAJOR = Layout((2, 0, 1, 3))
 ROW_MAJOR = Layout((0, 1, 2, 3))
 
 
+def carve(part: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+    """Rows [offset, offset + count) of a slot-major (slots, rows, ...) part's storage as a
+    contiguous (slots, count, ...) tensor of their own: a run of the flat storage, not a narrowed
+    view. Runs for disjoint rows are disjoint, and a copy into one is a single memcpy."""
+    inner = part[0, 0].numel()
+    run = part.view(-1).narrow(0, part.shape[0] * offset * inner, part.shape[0] * count * inner)
+    return run.view(part.shape[0], count, *part.shape[2:])
+
+
 class _Format:
     def write(self, target, x: torch.Tensor, copy_across: CopyAcross | None = None) -> None:
         """Store x into ``target`` (the same shape, in the compute dtype, maybe on another device);
@@ -115,6 +124,10 @@ class PlainFormat(_Format):
         return x
 
     @staticmethod
+    def carve(buffer: torch.Tensor, offset: int, count: int) -> torch.Tensor:
+        return carve(buffer, offset, count)
+
+    @staticmethod
     def fill(target: torch.Tensor, x: torch.Tensor) -> None:
         target.copy_(x)
 
@@ -149,6 +162,11 @@ class QuantizedFormat(_Format):
 
     def encode(self, x: torch.Tensor) -> CompressedTensor:
         return quantize(x, self.bits, self.group_size, -1)
+
+    def carve(self, buffer: CompressedTensor, offset: int, count: int) -> CompressedTensor:
+        shape = (buffer.shape[0], count, *buffer.shape[2:])
+        return CompressedTensor(*(carve(p, offset, count) for p in self.parts(buffer)), shape, self.dtype, -1,
+                                self.bits, self.group_size)
 
     def fill(self, target: CompressedTensor, x: torch.Tensor) -> None:
         quantize(x, self.bits, self.group_size, -1, out=target)
