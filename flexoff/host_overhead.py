@@ -13,7 +13,6 @@ LLAMA_FIELDS = dict(OPT_FIELDS, family="llama", num_kv_heads=1, tie_word_embeddi
 SPARSE_FIELDS = dict(LLAMA_FIELDS, num_experts=8, experts_per_token=2, expert_intermediate_size=256)
 DEPTHS = (2, 10)
 STEPS = 24  # decode steps timed a run
-GPU_BATCHES = 4  # on a GPU: a lone batch misses per-batch host work (the CPU, the compute device, runs one)
 
 
 def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict, repeats: int = 3,
@@ -43,43 +42,40 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
     return (per_step[high] - per_step[low]) / (high - low), per_step
 
 
-def host_overhead(compute: torch.device, dtype, repeats: int = 3, batches: int = 1):
+def host_overhead(compute: torch.device, dtype, repeats: int = 3):
     """The runtime's host time per decoder layer and per decode step of one GPU batch, apart from
-    the work itself: decode of ``batches`` GPU batches of one sequence each through models too
-    narrow (hidden 128) to keep the device busy, at two depths. Real policies run several batches,
-    whose host work per batch a lone batch does not show (one batch priced a 20-batch OPT-66B
-    decode a fifth under what its host took). The slope over depth per batch is per layer, the
-    rest per step (embedding, head, sampling). All on the device first; then the extra per layer of a cache that travels, of
+    the work itself: decode of one sequence through models too narrow (hidden 128) to keep the
+    device busy, at two depths. The slope over depth is per layer, the rest per step (embedding,
+    head, sampling). All on the device first; then the extra per layer of a cache that travels, of
     a travelling cache that is compressed, and of compressed weights (the differences of slopes);
     and of a Llama-family layer over an OPT one, and of a sparse MLP (8 experts, 2 a token) over a
     dense gated one."""
     from .policy import CompressionConfig, Policy, TierFractions
 
     gpu, cpu, four_bit = TierFractions(1, 0, 0), TierFractions(0, 1, 0), CompressionConfig(4, 64)
-    on_device = Policy(1, batches, gpu, gpu, gpu)
+    on_device = Policy(1, 1, gpu, gpu, gpu)
     variants = {
         "on the device": (on_device, OPT_FIELDS),
-        "cache travels": (Policy(1, batches, gpu, cpu, gpu), OPT_FIELDS),
-        "compressed cache travels": (Policy(1, batches, gpu, cpu, gpu, compress_cache=four_bit), OPT_FIELDS),
-        "compressed weights": (Policy(1, batches, gpu, gpu, gpu, compress_weight=four_bit), OPT_FIELDS),
+        "cache travels": (Policy(1, 1, gpu, cpu, gpu), OPT_FIELDS),
+        "compressed cache travels": (Policy(1, 1, gpu, cpu, gpu, compress_cache=four_bit), OPT_FIELDS),
+        "compressed weights": (Policy(1, 1, gpu, gpu, gpu, compress_weight=four_bit), OPT_FIELDS),
         "llama": (on_device, LLAMA_FIELDS),
         "sparse": (on_device, SPARSE_FIELDS),
     }
-    measured = {name: decode_seconds_per_layer(compute, dtype, policy, fields, repeats, sequences=batches)
+    measured = {name: decode_seconds_per_layer(compute, dtype, policy, fields, repeats)
                 for name, (policy, fields) in variants.items()}
-    slope = {name: per_layer / batches for name, (per_layer, _) in measured.items()}  # per layer and batch
+    slope = {name: per_layer for name, (per_layer, _) in measured.items()}
     seconds = {name: per_step for name, (_, per_step) in measured.items()}
     # A profile holds positive figures: noise that hides one leaves it a nanosecond.
     per_layer = max(1e-9, slope["on the device"])
-    step = max(1e-9, seconds["on the device"][DEPTHS[0]] / batches - DEPTHS[0] * per_layer)
+    step = max(1e-9, seconds["on the device"][DEPTHS[0]] - DEPTHS[0] * per_layer)
     extras = {
         "host_seconds_per_travelling_layer": slope["cache travels"] - slope["on the device"],
         "host_seconds_per_compressed_cache_layer": slope["compressed cache travels"] - slope["cache travels"],
-        # per pass over a layer's compressed weights, which several batches make once (dequantizes_once)
-        "host_seconds_per_compressed_weight_layer": (slope["compressed weights"] - slope["on the device"]) * batches,
+        "host_seconds_per_compressed_weight_layer": slope["compressed weights"] - slope["on the device"],
         "host_seconds_per_llama_layer": slope["llama"] - slope["on the device"],
         "host_seconds_per_sparse_layer": slope["sparse"] - slope["llama"],
     }
     record = {"decode_seconds_per_step": {name: {str(k): v for k, v in t.items()} for name, t in seconds.items()},
-              "hidden": 128, "sequences": 1, "gpu_batches": batches, "steps": STEPS}
+              "hidden": 128, "sequences": 1, "steps": STEPS}
     return per_layer, step, {key: max(1e-9, value) for key, value in extras.items()}, record

@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from .errors import ConfigError
-from .host_overhead import GPU_BATCHES, host_overhead
+from .host_overhead import host_overhead
 from .sparse_kernel import measure_sparse_rates
 from .planner.hardware import HardwareProfile, default_profile_path
 
@@ -425,8 +425,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
     log("the runtime's host time per layer")
-    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(
-        compute, dtype, batches=GPU_BATCHES if use_cuda else 1)
+    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(compute, dtype)
     sparse = ()
     if use_cuda and not quick:
         log("the routed experts of each mixture-of-experts shape")
@@ -443,9 +442,10 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         timed = measurements["cpu_attention"]
         share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(
             sizes, compute, timed["rows"][-1], timed["seconds"][-1])
-    cpu_dequant = gpu_dequant  # where the CPU is the compute device
     if use_cuda:
         cpu_dequant, measurements["cpu_dequant"] = _dequant_rate(cpu, sizes)
+    else:
+        cpu_dequant = gpu_dequant
     notes["compute"] = ("measured: the runtime's attention (32 heads x 128; prefill of 512 with a causal and padding "
                         "mask, decode with softmax and bmm over 544 keys), the runtime's CPU attention over an fp16 "
                         "cache, alone and while pinned copies to the GPU stream, 4-bit group-64 dequantization of "
