@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import time
 
-from ..errors import ConfigError
+from ..errors import ConfigError, PolicyError
 from ..models import resolve_model_config
 from ..planner.cost_model import Workload
 from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
+from ..planner.report import policy_summary
 from ..planner.search import pareto_frontier, search_policy
 from ..policy import CHOICES
 from ..units import parse_size
@@ -138,8 +139,26 @@ def _search_pipeline(args) -> int:
         f"{config.name} on {profile.name}: {stages} pipeline stages x {replicas} replica{'s' * (replicas > 1)}, "
         f"host memory{' and links' if profile.cpu_to_all_gpus_bandwidth else ''} shared by {processes} processes; prompt {workload.prompt_len}, generate {workload.gen_len}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else ""))))
+    print(_against_one_gpu(plan.throughput, config, workload, profile, gpu_sizes, caps,
+                           compress=args.compress, cpu_attention=args.cpu_attention))
     print(f"planned in {time.perf_counter() - started:.2f} s")
     return 0
+
+
+def _against_one_gpu(throughput: float, config, workload: Workload, profile, gpu_sizes: list, caps: list,
+                     **options) -> str:
+    """The plan beside one GPU (the largest cap, the host to itself): where the host's memory or
+    links bound the job, more GPUs can run it slower, and the user should hear it before renting them."""
+    sizes = [parse_size(size) if size else None for size in gpu_sizes]
+    largest = None if None in sizes else max(sizes)
+    try:
+        alone = search_policy(config, workload, profile.with_memory(largest, *caps), **options).prediction
+    except PolicyError:
+        return "one GPU  fits no policy under these caps: the job needs the pipeline"
+    ratio = throughput / alone.total_throughput
+    return (f"one GPU  {alone.total_throughput:.4g} token/s predicted ({policy_summary(alone.policy)}, the largest "
+            f"cap, the host to itself): this plan is {ratio:.2f}x that"
+            + ("; fewer GPUs run this job faster" if ratio < 1 else ""))
 
 
 def run_profile(args) -> int:

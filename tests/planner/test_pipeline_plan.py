@@ -89,6 +89,29 @@ def test_search_prints_every_stage_and_the_job(capsys):
     assert re.search(r"^job +[0-9.]+ token/s predicted: stage \d, the slowest", out, re.M)
 
 
+def _predicted(pattern: str, out: str) -> float:
+    return float(re.search(pattern, out, re.M).group(1))
+
+
+def test_search_sets_the_plan_beside_one_gpu(capsys):
+    argv = ["search", "--model", "opt-30b", "--hardware", "h100", "--pipeline-parallel", "2", "--num-prompts", "480"]
+    assert main([*argv, "--gpu-mem", "16GiB,24GiB", "--compress", "auto"]) == 0
+    out = capsys.readouterr().out
+    job, alone = _predicted(r"^job +([0-9.]+) token/s", out), _predicted(r"^one GPU +([0-9.]+) token/s", out)
+    # One GPU is planned at the largest cap (24 GiB) with the whole host, as `flexoff search` plans it.
+    assert main(["search", "--model", "opt-30b", "--hardware", "h100", "--num-prompts", "480", "--gpu-mem", "24GiB",
+                 "--compress", "auto"]) == 0
+    single = _predicted(r"^  throughput +([0-9.]+) token/s", capsys.readouterr().out)
+    assert alone == pytest.approx(single, rel=1e-3)
+    ratio = _predicted(r"this plan is ([0-9.]+)x that", out)
+    assert ratio == pytest.approx(job / alone, abs=0.01)
+    assert ("fewer GPUs run this job faster" in out) == (job < alone)
+    # Where one GPU cannot hold the job under the caps, the pipeline is what runs it.
+    assert main(["search", "--model", "opt-66b", "--hardware", "h100", "--pipeline-parallel", "2", "--gpu-mem", "80GiB",
+                 "--cpu-mem", "40GiB", "--disk-mem", "1GiB", "--num-prompts", "64"]) == 0
+    assert "one GPU  fits no policy under these caps" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--gpu-mem", "16GiB,24GiB", "--pipeline-parallel", "3"], "--gpu-mem gives 2 sizes for 3 pipeline stages"),
     (["--pipeline-parallel", "2", "--output", "p.json"], "--output plans one device"),
