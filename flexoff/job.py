@@ -109,10 +109,10 @@ class Job:
     gpu_mem: str | None = None  # sizes as given ("16GiB"); the API parses them
     cpu_mem: str | None = None
     # A parallel job's pipeline stages and replicas (None: from the launch; see flexoff.parallel),
-    # and how long a process waits for its peers.
+    # and how long a process waits for its peers (None: flexoff.parallel's default).
     pipeline_parallel: int | None = None
     data_parallel: int | None = None
-    parallel_timeout: float = 600.0
+    parallel_timeout: float | None = None
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -136,7 +136,8 @@ class Job:
         for name in ("pipeline_parallel", "data_parallel"):
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, ConfigError, 1)
-        check_real(self.parallel_timeout, "parallel_timeout", ConfigError, above=0)
+        if self.parallel_timeout is not None:
+            check_real(self.parallel_timeout, "parallel_timeout", ConfigError, above=0)
         for name, value in self.policy.overrides:
             if name in ("weights", "cache", "activations", "experts") and not isinstance(value, TierFractions):
                 raise PolicyError(f"policy {name} must be TierFractions, got {value!r}")

@@ -50,6 +50,23 @@ def test_the_flags_become_one_job():
     assert (params.max_new_tokens, params.top_p, params.stop, params.seed) == (4, 0.5, ("\n", "x"), 3)
 
 
+def test_a_parallel_timeout_is_the_flags_or_else_the_parallel_default(monkeypatch):
+    from flexoff.commands import llm
+    from flexoff.parallel import DEFAULT_TIMEOUT_S
+
+    given = job_from_args(build_parser().parse_args(["run", "--parallel-timeout", "5"]))
+    assert given.parallel_timeout == 5.0
+    assert job_from_args(build_parser().parse_args(["run"])).parallel_timeout is None
+    with pytest.raises(ConfigError, match="parallel_timeout"):
+        Job(parallel_timeout=0)
+    # A parallel job's processes wait for their peers that long.
+    seen = []
+    monkeypatch.setattr("flexoff.parallel.parallel_ranks", lambda parallel, config, device: seen.append(parallel))
+    for timeout in (5.0, None):
+        llm.job_ranks(Job(pipeline_parallel=2, parallel_timeout=timeout))
+    assert [parallel.timeout_s for parallel in seen] == [5.0, DEFAULT_TIMEOUT_S]
+
+
 def test_without_a_model_the_job_is_the_default_one_with_dummy_weights():
     job = job_from_args(build_parser().parse_args(["run"]))
     assert job == Job()

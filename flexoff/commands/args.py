@@ -174,7 +174,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-parallel", type=COUNT, metavar="M",
                        help="M replicas of the pipeline, each generating its share of the blocks (default 1)")
     parser.set_defaults(launches=True)  # the command starts a parallel job's processes when alone
-    group.add_argument("--parallel-timeout", type=number(above=0), default=600.0, metavar="SECONDS",
+    group.add_argument("--parallel-timeout", type=number(above=0), metavar="SECONDS",
                        help="how long a process waits for its peers before the job ends (default 600)")
 
 
@@ -206,4 +206,4 @@ def job_from_args(args) -> Job:
                top_p=flag("top_p", 1.0), stop=tuple(flag("stop", ())), ignore_eos=flag("ignore_eos", False),
                offload_dir=flag("offload_dir"), gpu_mem=flag("gpu_mem"), cpu_mem=flag("cpu_mem"),
                pipeline_parallel=flag("pipeline_parallel"), data_parallel=flag("data_parallel"),
-               parallel_timeout=flag("parallel_timeout", 600.0))
+               parallel_timeout=flag("parallel_timeout"))

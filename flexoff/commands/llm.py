@@ -90,9 +90,10 @@ def hardware_profile(job: Job, device):
 def job_ranks(job: Job):
     """This process's place in the job's parallel launch, joined; None when it runs alone."""
     from ..models import resolve_model_config
-    from ..parallel import Launch, Parallel, parallel_ranks
+    from ..parallel import DEFAULT_TIMEOUT_S, Launch, Parallel, parallel_ranks
 
-    parallel = Parallel(job.pipeline_parallel, job.data_parallel, job.parallel_timeout)
+    timeout = DEFAULT_TIMEOUT_S if job.parallel_timeout is None else job.parallel_timeout
+    parallel = Parallel(job.pipeline_parallel, job.data_parallel, timeout)
     if parallel.asked == 1 and Launch.from_env() is None:
         return None
     return parallel_ranks(parallel, resolve_model_config(job.model), job.device)
