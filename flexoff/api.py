@@ -340,12 +340,10 @@ class LLM:
             budget = sum(s.params.max_new_tokens for b in order for s in seqs[b])
             # A prompt shared by rows is prefilled once.
             tracker.block_started(sum(len(p) for b in order for p in {tuple(s.prompt_ids) for s in seqs[b]}))
-            # Heads run on a pipeline's last process: alone, the tracker follows them token by token;
-            # in a parallel job it moves by rounds.
             alone = ranks is None
-            ran = self.engine.generate_blocks([seqs[b] for b in mine], decode,
-                                              on_step=tracker.generated if alone else None,
-                                              on_prefill=tracker.prefilled if alone else None) if mine else []
+            step, prefilled, counted = self._tracking(tracker, budget, len(mine), ranks)
+            ran = self.engine.generate_blocks([seqs[b] for b in mine], decode, on_step=step,
+                                              on_prefill=prefilled) if mine else []
             metrics = dict(zip(mine, ran))
             if ranks is not None:
                 held = {b: ([s.outcome() for s in seqs[b]], metrics[b]) for b in mine} if ranks.reports else {}
@@ -355,7 +353,7 @@ class LLM:
                             seq.take_outcome(outcome)
                         metrics[b] = block_metrics
             # Sequences that stopped early leave part of their budget unused; count it as done.
-            generated = sum(metrics[b].generated_tokens for b in order) if alone else 0
+            generated = sum(metrics[b].generated_tokens for b in order) if alone else counted()
             tracker.block_done(budget - generated)
             if alone:
                 yield seqs[order[0]], metrics[order[0]], metrics[order[0]]
@@ -363,6 +361,31 @@ class LLM:
             span = Metrics.concurrent([metrics[b] for b in order])
             for b in order:
                 yield seqs[b], metrics[b], span if b == order[-1] else Metrics()
+
+    @staticmethod
+    def _tracking(tracker, budget: int, blocks: int, ranks):
+        """(on_step, on_prefill, counted) for a round's blocks. Alone, the tracker follows the head
+        token by token. In a parallel job the bar is rank 0's: the first process of the first
+        replica, which takes each token from its pipeline's head; the other replicas are taken to
+        keep its pace (its count times the replicas, up to the round's budget), and the round's
+        end settles the rest. Its prefill counts once, when its last block's is done."""
+        if ranks is None:
+            return tracker.generated, tracker.prefilled, lambda: 0
+        if ranks.rank != 0:
+            return None, None, lambda: 0
+        state = {"counted": 0, "prefills": 0}
+
+        def step(count: int) -> None:
+            count = max(0, min(count * ranks.parallel.data, budget - state["counted"]))
+            state["counted"] += count
+            tracker.generated(count)
+
+        def prefilled() -> None:
+            state["prefills"] += 1
+            if state["prefills"] == blocks:
+                tracker.prefilled()
+
+        return step, prefilled, lambda: state["counted"]
 
     def chat(self, messages, sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
              use_tqdm: bool | None = None, *, add_generation_prompt: bool = True, chat_template: str | None = None,

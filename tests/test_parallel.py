@@ -333,6 +333,53 @@ def test_logits_and_scores_over_pipeline_stages_are_one_process_s(deep_model, tm
     assert json.loads((tmp_path / "three.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
 
 
+PROGRESS = """
+import json, os, sys
+from flexoff import LLM, SamplingParams
+from flexoff.policy import Policy, TierFractions
+
+class Calls:
+    def __init__(self):
+        self.calls = []
+    def __getattr__(self, name):
+        return lambda *args: self.calls.append([name, *args])
+
+policy = Policy(2, 3, weights=TierFractions(0.5, 0.5, 0), cache=TierFractions(0.5, 0.5, 0),
+                activations=TierFractions(1, 0, 0))
+model, output, offload = sys.argv[1:4]
+tracker = Calls()
+with LLM(model, policy=policy, device="cpu", offload_dir=offload, pipeline_parallel_size=2) as llm:
+    llm.generate([[5 + i, 9, 11] for i in range(6)], SamplingParams(max_new_tokens=5, ignore_eos=True),
+                 tracker=tracker)
+json.dump(tracker.calls, open(f"{output}.{os.environ['RANK']}", "w"))
+"""
+
+
+@pytest.mark.slow
+def test_the_bar_of_a_pipeline_moves_token_by_token_on_rank_0(deep_model, tmp_path):
+    """Rank 0, the pipeline's first process, takes each batch's tokens from the last: its bar
+    follows them as the head's would (one prefill, then every step); the last token of each
+    sequence comes with the results, at the round's end."""
+    script = tmp_path / "progress.py"
+    script.write_text(PROGRESS)
+    output = tmp_path / "calls.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script), str(deep_model("opt-pre")), str(output), str(tmp_path)],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    calls = json.loads((tmp_path / "calls.json.0").read_text())
+    kinds = [call[0] for call in calls]
+    assert kinds[:2] == ["start", "block_started"] and kinds[-2:] == ["block_done", "close"]
+    steps = [call[1] for call in calls if call[0] == "generated"]
+    # 3 GPU batches of 2 rows, 5 tokens each: a step per batch and token but the last (the first
+    # process embeds no token after it), the prefill once its last batch's is done.
+    assert steps == [2] * 12
+    assert kinds.index("prefilled") == kinds.index("generated") + 3
+    assert [call[1] for call in calls if call[0] == "block_done"] == [6]
+    # The last process runs the heads but shows no bar.
+    assert not [call for call in json.loads((tmp_path / "calls.json.1").read_text()) if call[0] == "generated"]
+
+
 @pytest.mark.slow
 def test_under_torchrun_caps_that_do_not_fit_the_stages_are_refused_once():
     """Every process would refuse them; rank 0 says so, the others end without a word."""
@@ -343,3 +390,19 @@ def test_under_torchrun_caps_that_do_not_fit_the_stages_are_refused_once():
     said = [line for line in proc.stderr.splitlines() if line.startswith("flexoff: error:")]
     assert said == ["flexoff: error: --gpu-mem gives 3 sizes for 2 pipeline stages: give one size for every GPU, "
                     "or one per stage"]
+
+
+def test_rank_0s_bar_takes_the_other_replicas_to_keep_its_pace_up_to_the_rounds_budget():
+    from types import SimpleNamespace
+
+    from flexoff.api import LLM
+
+    calls = []
+    tracker = SimpleNamespace(generated=lambda n: calls.append(("generated", n)),
+                              prefilled=lambda: calls.append(("prefilled",)))
+    ranks = SimpleNamespace(rank=0, parallel=SimpleNamespace(data=3))
+    step, prefilled, counted = LLM._tracking(tracker, 10, 2, ranks)
+    step(2), prefilled(), step(2), prefilled(), step(-1)
+    assert calls == [("generated", 6), ("generated", 4), ("prefilled",), ("generated", 0)] and counted() == 10
+    others = LLM._tracking(tracker, 10, 2, SimpleNamespace(rank=1, parallel=SimpleNamespace(data=3)))
+    assert others[:2] == (None, None) and others[2]() == 0

@@ -33,8 +33,8 @@ class BlockRun:
                                                  engine.device) for batch in self.batches}
         self.on_step, self.on_prefill = on_step, on_prefill
         self.failed: list[Sequence] = []
-        self.heads = 0
-        self.interpreter = engine.interpreter(self.batches, self.sample)
+        self.heads = self.received = 0  # head steps run here; batches' tokens taken from the head
+        self.interpreter = engine.interpreter(self.batches, self.sample, self.took_tokens)
         self.start, self.prefill_end = time.perf_counter(), None
 
     @property
@@ -81,6 +81,15 @@ class BlockRun:
         if self.on_step:
             self.on_step(produced)
         if self.on_prefill and self.heads == len(self.batches):
+            self.on_prefill()
+
+    def took_tokens(self, came: int) -> None:
+        """A pipeline's first device took a batch's new tokens from the last: progress moves as
+        it would at the head."""
+        self.received += 1
+        if self.on_step:
+            self.on_step(came)
+        if self.on_prefill and self.received == len(self.batches):
             self.on_prefill()
 
     def prompt_logprobs(self, batch: GpuBatch, weights: dict) -> None:

@@ -136,8 +136,10 @@ class Engine:
                                     make_kv, make_activations))
         return batches
 
-    def interpreter(self, batches: list[GpuBatch], on_head: HeadHook) -> BlockInterpreter:
-        return BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer, self.link)
+    def interpreter(self, batches: list[GpuBatch], on_head: HeadHook,
+                    on_tokens: Callable[[int], None] | None = None) -> BlockInterpreter:
+        return BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer, self.link,
+                                on_tokens)
 
     def _execute(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
         """Run the block schedule; it ends early once every batch has finished."""

@@ -36,7 +36,8 @@ class BlockInterpreter:
     """Takes the schedule's steps one by one; ``observer`` (if any) sees each step before it runs."""
 
     def __init__(self, batches: list[GpuBatch], stages: list[Stage], weights: TieredWeights, worker: HostWorker,
-                 on_head: HeadHook, observer: Observer | None = None, link: PipelineLink | None = None):
+                 on_head: HeadHook, observer: Observer | None = None, link: PipelineLink | None = None,
+                 on_tokens: Callable[[int], None] | None = None):
         self.batches = batches
         self.stages = stages
         self.weights = weights
@@ -44,6 +45,7 @@ class BlockInterpreter:
         self.on_head = on_head
         self.observer = observer
         self.link = link  # a pipeline stage's peers (None: this device runs every stage)
+        self.on_tokens = on_tokens  # a pipeline's first device: told of each batch's tokens from the head
         self.active = [True] * len(batches)  # read by the schedule between steps
         self._head_weights: dict[int, dict] = {}
 
@@ -119,7 +121,9 @@ class BlockInterpreter:
 
     def recv_tokens(self, step: Step) -> None:
         batch = self.batches[step.batch]
-        self.link.recv_tokens(step.batch, batch.seqs)
+        came = self.link.recv_tokens(step.batch, batch.seqs)
+        if self.on_tokens is not None:
+            self.on_tokens(came)
         if all(s.finished for s in batch.seqs):
             self._finished(step.batch)
 

@@ -107,16 +107,19 @@ class PipelineLink:
         finished = [int(s.finished) for s in seqs]
         self._send(torch.tensor([tokens, finished], dtype=torch.int64), 0, batch)
 
-    def recv_tokens(self, batch: int, seqs: list[Sequence]) -> None:
+    def recv_tokens(self, batch: int, seqs: list[Sequence]) -> int:
         """Append each sequence's new token, and mark those the head finished (their results come
-        with ``recv_results``)."""
+        with ``recv_results``); returns how many tokens came."""
         tokens, finished = self._recv((2, len(seqs)), torch.int64, len(self.place.ranges) - 1, batch).tolist()
+        came = 0
         for seq, token, done in zip(seqs, tokens, finished):
             if seq.finished:
                 continue
             seq.token_ids.append(token)
+            came += 1
             if done:
                 seq.finish_reason = "length"  # a placeholder until the results arrive
+        return came
 
     def send_results(self, seqs: list[Sequence], timing: dict) -> None:
         """The sequences' results, with ``timing``: what only the head's device measured (its
