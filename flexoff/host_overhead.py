@@ -16,9 +16,10 @@ STEPS = 24  # decode steps timed a run
 
 
 def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict, repeats: int = 3,
-                             sequences: int = 1) -> tuple[float, dict[int, float]]:
+                             sequences: int = 1, offload_dir: str | None = None) -> tuple[float, dict[int, float]]:
     """(seconds per layer, {layers: seconds per step}) of decoding ``sequences`` sequences under
-    ``policy`` through a model of ``fields`` at the two DEPTHS: the slope over depth is per layer."""
+    ``policy`` through a model of ``fields`` at the two DEPTHS: the slope over depth is per layer.
+    ``offload_dir``: where a policy with disk rows keeps them."""
     from .models.config import ModelConfig
     from .runtime.batch import Sequence
     from .runtime.engine import Engine
@@ -29,7 +30,7 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
     per_step = {}
     for layers in DEPTHS:
         config = ModelConfig(name=f"host-overhead-{layers}", num_layers=layers, **fields)
-        engine = Engine(config, DummyWeights(0), policy, compute, dtype)
+        engine = Engine(config, DummyWeights(0), policy, compute, dtype, offload_dir=offload_dir)
         try:
             times = []
             for _ in range(repeats + 1):  # the first run warms up

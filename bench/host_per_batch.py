@@ -1,0 +1,80 @@
+"""The runtime's host time per layer and GPU batch, by batch shape and by where the cache lives.
+
+`flexoff profile` times the host over one GPU batch of one sequence, on models too narrow to keep
+the device busy, and the cost model charges those figures per layer and batch. This times the same
+narrow models over the batch shapes real policies run (several batches; a cache travelling from
+host memory; one row of each batch on disk; 4-bit cache and weights), and sets beside each what the
+cost model charges for it on a profile. Where they differ, the planner's choice between many small
+batches and a few large ones is off (an OPT-66B decode of 20 batches ran host-bound, a fifth over
+its charge).
+
+    python bench/host_per_batch.py [--hardware h100] [--repeats 3] [--offload-dir /tmp/off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from flexoff.host_overhead import DEPTHS, OPT_FIELDS, STEPS, decode_seconds_per_layer  # noqa: E402
+from flexoff.models.config import ModelConfig  # noqa: E402
+from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
+from flexoff.planner.hardware import resolve_hardware  # noqa: E402
+from flexoff.planner.report import policy_summary  # noqa: E402
+from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
+
+GPU, CPU = TierFractions(1, 0, 0), TierFractions(0, 1, 0)
+FOUR_BIT = CompressionConfig(4, 64)
+
+
+def cases() -> list[Policy]:
+    """Batch shapes (rows x batches) and placements; disk rows are one row of each batch."""
+    travelling = dict(compress_cache=FOUR_BIT, compress_weight=FOUR_BIT)
+    shapes = [(1, 1), (4, 8), (12, 20), (56, 4)]
+    policies = [Policy(rows, batches, GPU, GPU, GPU) for rows, batches in shapes[:2]]
+    policies += [Policy(rows, batches, GPU, CPU, GPU, **travelling) for rows, batches in shapes]
+    policies += [Policy(rows, batches, GPU, TierFractions(0, 1 - 1 / rows, 1 / rows), GPU, **travelling)
+                 for rows, batches in shapes[1:]]
+    return policies
+
+
+def charged(policy: Policy, hardware) -> float:
+    """What the cost model charges the host per decode layer and batch, for the deeper model."""
+    config = ModelConfig(name="host-per-batch", num_layers=DEPTHS[1], **OPT_FIELDS)
+    workload = Workload(8, STEPS + 1, policy.gpu_batch_size * policy.num_gpu_batches)
+    return CostModel(config, workload, hardware).predict(policy).decode.io["host"] / policy.num_gpu_batches
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hardware", default="h100", help="the profile whose charges to show (default h100)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per depth; the best counts")
+    parser.add_argument("--offload-dir", default=None, help="where disk rows go (default: a temporary folder)")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    hardware = resolve_hardware(args.hardware)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (the compute device: host and work mix)"
+    print(f"device: {name}; model: OPT, hidden {OPT_FIELDS['hidden_size']}, {DEPTHS} layers; "
+          f"charges from the `{args.hardware}` profile")
+    print("| policy | host ms per layer and batch, measured | charged | measured / charged |")
+    print("| --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory(dir=args.offload_dir) as offload:
+        for policy in cases():
+            rows = policy.gpu_batch_size * policy.num_gpu_batches
+            per_layer, _ = decode_seconds_per_layer(device, dtype, policy, OPT_FIELDS, args.repeats, sequences=rows,
+                                                    offload_dir=offload)
+            measured, price = per_layer / policy.num_gpu_batches, charged(policy, hardware)
+            print(f"| {policy_summary(policy)} | {measured * 1e3:.3f} | {price * 1e3:.3f} | {measured / price:.2f} |",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
