@@ -132,25 +132,25 @@ def _search_pipeline(args) -> int:
     profile = resolve_hardware(args.hardware)
     processes = stages * replicas
     caps = [parse_size(size) if size else None for size in (args.cpu_mem, args.disk_mem)]
-    hardware = stage_hardware(profile, [parse_size(size) if size else None for size in gpu_sizes], processes, *caps)
+    gpu_caps = [parse_size(size) if size else None for size in gpu_sizes]
+    hardware = stage_hardware(profile, gpu_caps, processes, *caps)
     started = time.perf_counter()
     plan = plan_pipeline(config, workload, hardware, replicas, compress=args.compress, cpu_attention=args.cpu_attention)
     print(format_pipeline_plan(plan, (
         f"{config.name} on {profile.name}: {stages} pipeline stages x {replicas} replica{'s' * (replicas > 1)}, "
         f"host memory{' and links' if profile.cpu_to_all_gpus_bandwidth else ''} shared by {processes} processes; prompt {workload.prompt_len}, generate {workload.gen_len}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else ""))))
-    print(_against_one_gpu(plan.throughput, config, workload, profile, gpu_sizes, caps,
+    print(_against_one_gpu(plan.throughput, config, workload, profile, gpu_caps, caps,
                            compress=args.compress, cpu_attention=args.cpu_attention))
     print(f"planned in {time.perf_counter() - started:.2f} s")
     return 0
 
 
-def _against_one_gpu(throughput: float, config, workload: Workload, profile, gpu_sizes: list, caps: list,
+def _against_one_gpu(throughput: float, config, workload: Workload, profile, gpu_caps: list, caps: list,
                      **options) -> str:
     """The plan beside one GPU (the largest cap, the host to itself): where the host's memory or
     links bound the job, more GPUs can run it slower, and the user should hear it before renting them."""
-    sizes = [parse_size(size) if size else None for size in gpu_sizes]
-    largest = None if None in sizes else max(sizes)
+    largest = None if None in gpu_caps else max(gpu_caps)
     try:
         alone = search_policy(config, workload, profile.with_memory(largest, *caps), **options).prediction
     except PolicyError:
