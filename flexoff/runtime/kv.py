@@ -454,8 +454,8 @@ class BatchKV:
         if from_disk is not None:
             self.streams.wait(self.streams.compute, from_disk.result())
         first = offloaded[0].rows.start
-        for group in offloaded:  # each tier's rows have their own run of the set
-            loaded = self._workspace_rows(index, group, first)
+        runs = {group: self._workspace_rows(index, group, first) for group in offloaded}  # a run of the set a tier
+        for group, loaded in runs.items():
             for buffer, new in zip(loaded, (k, v)):
                 SLOT_MAJOR.write(self.fmt, buffer, start, new[group.rows])
             keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
@@ -464,20 +464,21 @@ class BatchKV:
         self.workspace.free_events[index] = self.streams.record(self.streams.compute)
         streamed = [group for group in offloaded if self._on_store_stream(group)]
         if streamed:
-            self._send_slot(layer, start, first, streamed, index)
+            self._send_slot(layer, start, runs, streamed, index)
         others = [group for group in offloaded if group not in streamed]
         if others:
             self._store(layer, start, k, v, others)
 
-    def _send_slot(self, layer: int, start: int, first: int, groups: list[_Group], index: int) -> None:
-        """Copy the new slot of slot-major CPU rows home from the workspace set ``index``, where it was
-        just encoded (so it is not encoded twice), on the store stream after the attention. The set
-        is reloaded only after these copies, and the layer's next load waits for them."""
+    def _send_slot(self, layer: int, start: int, runs: dict, groups: list[_Group], index: int) -> None:
+        """Copy the new slot of slot-major CPU rows home from their ``runs`` of workspace set
+        ``index``, where it was just encoded (so it is not encoded twice), on the store stream after
+        the attention. The set is reloaded only after these copies, and the layer's next load waits
+        for them."""
         streams = self.streams
         streams.wait(streams.store, streams.record(streams.compute))
         with streams.on(streams.store):
             for group in groups:
-                for source, home in zip(self._workspace_rows(index, group, first), group.pair(layer)):
+                for source, home in zip(runs[group], group.pair(layer)):
                     slot = source.narrow(0, start, 1)
                     for part, target in zip(self.fmt.parts(slot), self.fmt.parts(home.narrow(0, start, 1))):
                         target.copy_(part, non_blocking=True)
