@@ -78,18 +78,20 @@ class BlockRun:
         if self.heads == len(self.batches):  # the last batch's prefill just finished
             self.prefill_end = time.perf_counter()
             engine.memory.sample()
-        if self.on_step:
-            self.on_step(produced)
-        if self.on_prefill and self.heads == len(self.batches):
-            self.on_prefill()
+        self._progress(produced, self.heads)
 
     def took_tokens(self, came: int) -> None:
         """A pipeline's first device took a batch's new tokens from the last: progress moves as
         it would at the head."""
         self.received += 1
+        self._progress(came, self.received)
+
+    def _progress(self, tokens: int, steps: int) -> None:
+        """A batch's step gave ``tokens``; ``steps`` such steps so far, so the prefill is done once
+        every batch has had one."""
         if self.on_step:
-            self.on_step(came)
-        if self.on_prefill and self.received == len(self.batches):
+            self.on_step(tokens)
+        if self.on_prefill and steps == len(self.batches):
             self.on_prefill()
 
     def prompt_logprobs(self, batch: GpuBatch, weights: dict) -> None:
