@@ -14,7 +14,7 @@ and the planner read the same figures, so memory is counted once.
 - :mod:`.experts`: the experts a block touches, and whether a block loads only those (route first).
 """
 
-from .block import (CPU_ATTENTION_ROWS, WorkspaceLayout, block_bytes, block_disk_files, block_gpu_parts, block_host_requests,
+from .block import (CPU_ATTENTION_ROWS, DISK_SLOT_RING, WorkspaceLayout, block_bytes, block_disk_files, block_gpu_parts, block_host_requests,
                     has_dense_mlp, kv_buffer_parts, kv_cache_bytes, sparse_mlp_bytes, step_state_bytes, working_bytes,
                     workspace_layout)
 from .head import SORTED_ROWS, head_step_bytes, logprob_positions, sampler_state_bytes, sampler_step_bytes
@@ -29,7 +29,7 @@ from .weights import (WeightLayout, buffer_copies, compressible, dequantize_scra
                       weight_host_requests, weight_layout)
 
 __all__ = [
-    "CPU_ATTENTION_ROWS", "HOST_CHUNK", "HOST_JOBS_IN_FLIGHT", "PAGE", "block_bytes", "block_disk_files",
+    "CPU_ATTENTION_ROWS", "DISK_SLOT_RING", "HOST_CHUNK", "HOST_JOBS_IN_FLIGHT", "PAGE", "block_bytes", "block_disk_files",
     "block_gpu_parts", "block_host_requests", "buffer_copies", "Capacity", "check_fits", "compressible",
     "dequantize_scratch_numel", "dequantizes_once", "disk_file_bytes", "expected_experts_touched", "has_dense_mlp", "head_step_bytes", "job_bytes",
     "kv_buffer_parts", "kv_cache_bytes", "largest_matrix_numel", "largest_stage_matrix_numel", "logprob_positions", "overflow", "owned_layers", "owned_stages", "pages",

@@ -139,8 +139,12 @@ def workspace_layout(cfg: ModelConfig, policy: Policy, rows: int, slots: int, it
 
 # Host pairs (keys, values) of one layer that a batch's disk rows go through: two staging pairs, for
 # even and odd layers (a layer is read in ahead while the layer before is copied out of the other),
-# and one for new slots written out.
+# and one for a prefill's slots written out.
 DISK_HOST_PAIRS = 3
+# One-slot host pairs a decode step's new slot of disk rows goes home through: copied there on the
+# store stream, written to the files by the host worker. A pair is reused once its write is done;
+# with the worker's jobs bounded (HOST_JOBS_IN_FLIGHT), a ring one longer rarely waits.
+DISK_SLOT_RING = HOST_JOBS_IN_FLIGHT + 1
 
 
 def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
@@ -154,7 +158,8 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
         layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
         sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
         if piece.tier == "disk":
-            sizes["cpu"] += DISK_HOST_PAIRS * layer_bytes * policy.num_gpu_batches
+            slot_bytes = 2 * sum(kv_buffer_parts(cfg, 1, piece.stop - piece.start, policy.compress_cache, itemsize))
+            sizes["cpu"] += (DISK_HOST_PAIRS * layer_bytes + DISK_SLOT_RING * slot_bytes) * policy.num_gpu_batches
     workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, slots, itemsize)
     if workspace is not None:
         sizes["gpu"] += workspace.nbytes(itemsize)
@@ -164,15 +169,19 @@ def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
 def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
                         owned: range | None = None) -> list[int]:
     """Host allocations of one block in the order the engine makes them: batch by batch, its cache
-    (each tier's rows for every layer, keys then values; for disk rows, DISK_HOST_PAIRS pairs), then
-    its offloaded activations."""
+    (each tier's rows for every layer, keys then values; for disk rows, DISK_HOST_PAIRS pairs and
+    DISK_SLOT_RING one-slot pairs), then its offloaded activations."""
     cache: list[int] = []
     layers = len(owned_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
         if piece.tier == "gpu":
             continue
         pair = kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
-        cache += pair * (layers if piece.tier == "cpu" else DISK_HOST_PAIRS)
+        if piece.tier == "cpu":
+            cache += pair * layers
+        else:
+            slot = kv_buffer_parts(cfg, 1, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
+            cache += pair * DISK_HOST_PAIRS + slot * DISK_SLOT_RING
     activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
                    for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
     return (cache + activations) * policy.num_gpu_batches

@@ -29,12 +29,13 @@ from functools import partial
 
 import torch
 
-from ..layout import CPU_ATTENTION_ROWS, Piece, WorkspaceLayout, split_rows, workspace_layout
+from ..layout import CPU_ATTENTION_ROWS, split_rows
 from ..models import ModelConfig
 from ..models.common import attention
-from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
+from .kv_groups import KVWorkspace, TierRows, copy_async, own_rows
+from .kv_storage import SLOT_MAJOR, kv_format
 from ..policy import TIERS, Policy
-from .tiers import DiskTier, HostMemory, HostWorker, StoreQueue, Streams, device_allocator, read_pinned
+from .tiers import DiskTier, HostMemory, HostWorker, StoreQueue, Streams, read_pinned
 
 
 def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor,
@@ -50,131 +51,6 @@ def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor,
         rows = slice(start, min(start + CPU_ATTENTION_ROWS, q.shape[0]))
         out[rows] = attention(q[rows], read_keys(rows), read_values(rows), mask[rows])
     return out
-
-
-class KVWorkspace:
-    """GPU buffers shared by the batches of a block.
-
-    ``sets``: off-GPU rows that travel for GPU attention are loaded here, in the cache's format (so
-    a compressed cache crosses PCIe compressed); a ring of two, so the next batch loads while this
-    one computes. ``dequantized``: with a compressed cache, a flat (keys, values) pair that one
-    attention call's slots are decompressed into; one pair serves every call, since attention runs
-    in order on the compute stream.
-    """
-
-    def __init__(self, cfg: ModelConfig, layout: WorkspaceLayout, fmt: PlainFormat | QuantizedFormat,
-                 device: torch.device, dtype: torch.dtype, streams: Streams):
-        allocate = device_allocator(device)
-        shape = SLOT_MAJOR.shape(layout.slots, layout.travelling, cfg.num_kv_heads, cfg.head_dim)
-        self.fmt = fmt
-        self.sets = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in range(layout.ring_sets)]
-        numel = layout.dequantized_numel
-        self.dequantized = (allocate((numel,), dtype), allocate((numel,), dtype)) if numel else (None, None)
-        self.free_events = [None] * len(self.sets)
-        self.streams = streams
-        self._next = 0
-
-    @classmethod
-    def for_block(cls, cfg: ModelConfig, policy: Policy, rows: int, slots: int, device: torch.device,
-                  dtype: torch.dtype, streams: Streams) -> "KVWorkspace | None":
-        """The workspace for batches of up to ``rows`` sequences, or None where none is needed."""
-        layout = workspace_layout(cfg, policy, rows, slots, dtype.itemsize)
-        if layout is None:
-            return None
-        return cls(cfg, layout, kv_format(policy.compress_cache, dtype), device, dtype, streams)
-
-    def take(self) -> int:
-        index = self._next
-        self._next = (self._next + 1) % len(self.sets)
-        self.streams.wait(self.streams.cache, self.free_events[index])
-        return index
-
-    def rows(self, index: int, offset: int, count: int) -> tuple:
-        """Set ``index``'s (keys, values) for travelling rows [offset, offset + count). Each tier's
-        rows get a contiguous run of the set, so a load into it is one copy, with no kernel on the
-        GPU to scatter a staged copy into strided rows."""
-        return tuple(self.fmt.carve(buffer, offset, count) for buffer in self.sets[index])
-
-    @property
-    def nbytes(self) -> int:
-        ring = sum(self.fmt.size_of(buffer) for pair in self.sets for buffer in pair)
-        return ring + sum(t.numel() * t.element_size() for t in self.dequantized if t is not None)
-
-
-class _Group:
-    """Rows of the batch that share a tier, with their storage for every layer."""
-
-    def __init__(self, piece: Piece, cfg: ModelConfig, layers, slots: int, fmt: PlainFormat | QuantizedFormat,
-                 device: torch.device, host: HostMemory, disk: DiskTier | None, cpu_attention: bool, name: str):
-        self.tier = piece.tier
-        self.rows = slice(piece.start, piece.stop)
-        self.fmt = fmt
-        self.layout = ROW_MAJOR if self.tier == "cpu" and cpu_attention else SLOT_MAJOR
-        shape = self.layout.shape(slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
-        if self.tier != "disk":
-            allocate = device_allocator(device) if self.tier == "gpu" else host.empty
-            self.store = {j: (fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for j in layers}
-            return
-        # Two host staging pairs serve the layers, even and odd: a layer's slots are read in while
-        # the layer before is copied out of the other. New slots are written out through a pair of
-        # their own, since reads of other layers may be refilling the staging pairs meanwhile.
-        self.staging = [(fmt.empty(shape, host.empty), fmt.empty(shape, host.empty)) for _ in range(2)]
-        self.outbox = (fmt.empty(shape, host.empty), fmt.empty(shape, host.empty))
-        # A file holds the buffer's parts (the values; or codes, scales and minimums) one after
-        # another, each slot-major, so the first n slots are one read per part.
-        self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.outbox[0])]
-        self.sections = [slots * sum(self.slot_nbytes[:i]) for i in range(len(self.slot_nbytes))]
-        size = slots * sum(self.slot_nbytes)
-        self.files = {j: (disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
-                      for j in layers}
-
-    def pair(self, layer: int):
-        """This layer's (keys, values) buffers: its storage, or the staging pair of disk rows."""
-        return self.staging[layer % 2] if self.tier == "disk" else self.store[layer]
-
-    def load(self, layer: int, end: int) -> None:
-        """Read this layer's first ``end`` slots from disk into the staging pair (disk rows only)."""
-        if self.tier != "disk" or end == 0:
-            return
-        for region, buffer in zip(self.files[layer], self.pair(layer)):
-            for part, offset in zip(self.fmt.parts(buffer), self.sections):
-                region.read_into(part[:end], offset)
-
-    def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, copy_across=None,
-            staged: bool = False) -> None:
-        """Store keys and values (rows, kv_heads, seq, head_dim) at slots [start, start + seq), and
-        persist them to disk for disk rows. ``copy_across`` brings device tensors to the host.
-        ``staged``: disk rows' staging pair holds this layer, and gets the new slots too."""
-        targets = self.outbox if self.tier == "disk" else self.store[layer]
-        for buffer, new in zip(targets, (keys, values)):
-            self.layout.write(self.fmt, buffer, start, new, copy_across)
-        if self.tier == "disk":
-            end = start + keys.shape[2]
-            for region, buffer, staging in zip(self.files[layer], self.outbox, self.pair(layer)):
-                for part, offset, slot_nbytes in zip(self.fmt.parts(buffer), self.sections, self.slot_nbytes):
-                    region.write(part[start:end], offset + start * slot_nbytes)
-                if staged:
-                    staging.narrow(0, start, end - start).copy_(buffer.narrow(0, start, end - start))
-
-    def read(self, buffer, end: int, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.layout.read(self.fmt, buffer, end, rows, out)
-
-    def nbytes_by_tier(self) -> dict[str, int]:
-        if self.tier == "disk":
-            return {"disk": sum(r.num_bytes for pair in self.files.values() for r in pair),
-                        "cpu": sum(self.fmt.size_of(buffer) for pair in (*self.staging, self.outbox) for buffer in pair)}
-        return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store.values() for buffer in pair)}
-
-
-def _own_rows(x: torch.Tensor, group: _Group) -> torch.Tensor:
-    """The group's rows of x, to be kept alive until a host store has copied them. Rows cut out of
-    the batch are copied, or their views would keep the whole layer's keys alive (several GB at
-    prefill for a large batch with few rows off the GPU)."""
-    return x if group.rows == slice(0, x.shape[0]) else x[group.rows].clone()
-
-
-def _copy_async(target: torch.Tensor, source: torch.Tensor) -> None:
-    target.copy_(source, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -217,14 +93,14 @@ class BatchKV:
         self.stores = block.stores
         self.fmt = kv_format(policy.compress_cache, block.dtype)
         layers = range(block.cfg.num_layers) if block.layers is None else block.layers
-        self.groups = [_Group(p, block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk,
+        self.groups = [TierRows(p, block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk,
                               policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
         # layer -> (workspace set, event marking its CPU rows' load done, the worker's disk rows' load)
         self._loaded: dict[int, tuple] = {}
         self._layers = frozenset(layers)
-        # Per staging pair (even and odd layers): the copier's job that last copied out of it, whose
-        # result is the copy's event (None on the CPU).
+        # Per staging pair (even and odd layers): the job that last copied out of it to the
+        # workspace, whose result is the copy's event (None on the CPU).
         self._staging_users: list[Future | None] = [None, None]
         self._reads: dict[int, tuple[int, Future]] = {}  # layer -> (slots, its disk rows' read, made ahead)
         self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
@@ -241,10 +117,10 @@ class BatchKV:
         """Whether off-GPU rows are loaded to the GPU workspace for each decode layer."""
         return not self.cpu_attention and bool(self._offloaded())
 
-    def _offloaded(self) -> list[_Group]:
+    def _offloaded(self) -> list[TierRows]:
         return [g for g in self.groups if g.tier != "gpu"]
 
-    def _on_worker(self, group: _Group) -> bool:
+    def _on_worker(self, group: TierRows) -> bool:
         # Disk rows are always the worker's (their file writes and reads would stall the main
         # thread, and a write from the GPU would synchronise with it), and so is their staging
         # pair, shared by all layers: the worker's jobs run in order, so it is never used twice at
@@ -253,10 +129,10 @@ class BatchKV:
             return group.layout is not SLOT_MAJOR
         return group.tier == "disk"
 
-    def _on_store_stream(self, group: _Group) -> bool:
+    def _on_store_stream(self, group: TierRows) -> bool:
         return group.tier == "cpu" and group.layout is SLOT_MAJOR and self.streams.store is not None
 
-    def _store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, groups: list[_Group]) -> None:
+    def _store(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, groups: list[TierRows]) -> None:
         """Store new keys and values (batch, kv_heads, seq, head_dim) at slots [start, start + seq)
         of ``groups``; host rows' share is written by the store stream or the worker, after this
         point of the compute stream (k and v stay referenced until they are copied)."""
@@ -268,7 +144,7 @@ class BatchKV:
         if streamed:
             self._store_on_stream(layer, start, k, v, streamed)
         if later:
-            rows = [(group, _own_rows(k, group), _own_rows(v, group)) for group in later]
+            rows = [(group, own_rows(k, group), own_rows(v, group)) for group in later]
 
             def write() -> None:
                 for group, keys, values in rows:
@@ -277,12 +153,12 @@ class BatchKV:
             self._written[layer] = self.worker.submit(write, self.streams.record(self.streams.compute))
 
     def _store_on_stream(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
-                         groups: list[_Group]) -> None:
+                         groups: list[TierRows]) -> None:
         """Store slot-major CPU rows by asynchronous copies (encoded on the GPU first) on the store
         stream, after this point of the compute stream. Their inputs are kept alive for the store
         stream; the next load of the layer waits for the copies (``prefetch``)."""
         streams = self.streams
-        rows = [(group, _own_rows(k, group), _own_rows(v, group)) for group in groups]
+        rows = [(group, own_rows(k, group), own_rows(v, group)) for group in groups]
         streams.wait(streams.store, streams.record(streams.compute))
         held = 0
         with streams.on(streams.store):
@@ -290,7 +166,7 @@ class BatchKV:
                 for x in (keys, values):
                     x.record_stream(streams.store)
                     held += x.numel() * x.element_size()
-                group.put(layer, start, keys, values, _copy_async)
+                group.put(layer, start, keys, values, copy_async)
         self._stored[layer] = streams.record(streams.store)
         self.stores.add(self._stored[layer], held)
 
@@ -316,13 +192,13 @@ class BatchKV:
         from_disk = None
         if on_disk:
             read = self._read_disk(on_disk, layer, start)
-            from_disk = self.worker.then_copy(partial(self._copy_staged, on_disk, layer, start, index, first, read))
+            from_disk = self.worker.after(read, partial(self._copy_staged, on_disk, layer, start, index, first))
             self._staging_users[layer % 2] = from_disk
             if layer + 1 in self._layers:  # the next layer's read, a layer ahead of its load
                 self._reads[layer + 1] = (start, self._read_disk(on_disk, layer + 1, start))
         self._loaded[layer] = (index, ready, from_disk)
 
-    def _read_disk(self, groups: list[_Group], layer: int, start: int) -> Future:
+    def _read_disk(self, groups: list[TierRows], layer: int, start: int) -> Future:
         """Disk rows' read of a layer's first ``start`` slots into its staging pair: the one made
         ahead, or one made now."""
         ahead = self._reads.pop(layer, None)
@@ -334,7 +210,7 @@ class BatchKV:
                                         self._staging_users[layer % 2]))
 
     @staticmethod
-    def _fill_staging(groups: list[_Group], layer: int, start: int, written: Future | None,
+    def _fill_staging(groups: list[TierRows], layer: int, start: int, written: Future | None,
                       user: Future | None) -> None:
         """A reader's job: once the worker has written this layer's last slot (``written``) and the
         last copy out of its staging pair (``user``'s) has finished, refill the pair from the files."""
@@ -346,14 +222,13 @@ class BatchKV:
         for group in groups:
             group.load(layer, start)
 
-    def _copy_staged(self, groups: list[_Group], layer: int, start: int, index: int, first: int, read: Future):
-        """The copier's job: once the read has landed, copy the staging pairs into the workspace;
-        returns the copies' event."""
-        read.result()
+    def _copy_staged(self, groups: list[TierRows], layer: int, start: int, index: int, first: int):
+        """Once the read has landed (on its reader thread, or here if it already had): copy the
+        staging pairs into the workspace; returns the copies' event."""
         self._copy_in(groups, layer, start, index, first)
         return self.streams.record(self.streams.cache)
 
-    def _copy_in(self, groups: list[_Group], layer: int, start: int, index: int, first: int) -> None:
+    def _copy_in(self, groups: list[TierRows], layer: int, start: int, index: int, first: int) -> None:
         """Copy the groups' first ``start`` slots into workspace set ``index`` on the cache stream
         (disk rows from their staging pair, which a reader has filled)."""
         with self.streams.on(self.streams.cache):
@@ -361,7 +236,7 @@ class BatchKV:
                 for target, source in zip(self._workspace_rows(index, group, first), group.pair(layer)):
                     target.narrow(0, 0, start).copy_(source.narrow(0, 0, start), non_blocking=True)
 
-    def _workspace_rows(self, index: int, group: _Group, first: int) -> tuple:
+    def _workspace_rows(self, index: int, group: TierRows, first: int) -> tuple:
         return self.workspace.rows(index, group.rows.start - first, group.rows.stop - group.rows.start)
 
     def attender(self, layer: int, start: int, mask: torch.Tensor, expand: torch.Tensor | None = None):
@@ -465,11 +340,14 @@ class BatchKV:
         streamed = [group for group in offloaded if self._on_store_stream(group)]
         if streamed:
             self._send_slot(layer, start, runs, streamed, index)
-        others = [group for group in offloaded if group not in streamed]
+        on_disk = [group for group in offloaded if group.tier == "disk"]
+        if on_disk:
+            self._send_to_disk(layer, start, runs, on_disk, index)
+        others = [group for group in offloaded if group not in streamed and group not in on_disk]
         if others:
             self._store(layer, start, k, v, others)
 
-    def _send_slot(self, layer: int, start: int, runs: dict, groups: list[_Group], index: int) -> None:
+    def _send_slot(self, layer: int, start: int, runs: dict, groups: list[TierRows], index: int) -> None:
         """Copy the new slot of slot-major CPU rows home from their ``runs`` of workspace set
         ``index``, where it was just encoded (so it is not encoded twice), on the store stream after
         the attention. The set is reloaded only after these copies, and the layer's next load waits
@@ -483,6 +361,34 @@ class BatchKV:
                     for part, target in zip(self.fmt.parts(slot), self.fmt.parts(home.narrow(0, start, 1))):
                         target.copy_(part, non_blocking=True)
         self._stored[layer] = self.workspace.free_events[index] = streams.record(streams.store)
+
+    def _send_to_disk(self, layer: int, start: int, runs: dict, groups: list[TierRows], index: int) -> None:
+        """Send disk rows' new slot home from their ``runs`` of workspace set ``index``, where it was
+        just encoded: copied on the store stream into a one-slot host pair of each group's ring,
+        then written to the files by the worker once the copies have passed. The worker's job is a
+        wait and the writes: the fewer the worker's calls into torch, the less it holds the
+        interpreter the main thread needs to keep the GPU fed."""
+        streams = self.streams
+        streams.wait(streams.store, streams.record(streams.compute))
+        taken = []
+        with streams.on(streams.store):
+            for group in groups:
+                ring_index, pair = group.take_slot_pair()
+                for source, target in zip(runs[group], pair):
+                    for part, into in zip(self.fmt.parts(source.narrow(0, start, 1)), self.fmt.parts(target)):
+                        into.copy_(part, non_blocking=True)
+                taken.append((group, ring_index, pair))
+        copied = self.workspace.free_events[index] = streams.record(streams.store)
+
+        def write() -> None:
+            if copied is not None:
+                copied.synchronize()
+            for group, _, pair in taken:
+                group.write_slot(layer, start, pair)
+
+        job = self._written[layer] = self.worker.submit(write, None)
+        for group, ring_index, _ in taken:
+            group.wrote_slot_pair(ring_index, job)
 
     def nbytes_by_tier(self) -> dict[str, int]:
         """Bytes of this batch's cache per tier (compressed bytes where the cache is compressed),

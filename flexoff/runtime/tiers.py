@@ -207,7 +207,8 @@ class _Nothing:
 
 class HostWorker:
     """One thread for host-side cache work: placing new keys and values in host caches, and CPU
-    attention; and one reading disk rows in for GPU attention.
+    attention; and a few reading disk rows in for GPU attention, each enqueuing the copy of what it
+    read to the GPU.
 
     The main thread only enqueues GPU work and records an event; a job waits for that event on the
     store stream, so the host work of one GPU batch runs while the GPU computes the others. Being
@@ -229,8 +230,6 @@ class HostWorker:
         # on the GPU, so queued behind jobs that do, they would hold up the batch they load. Several
         # at once (batches, and a layer read ahead) keep the drive's queue deep enough to stream.
         self._reader = ThreadPoolExecutor(max_workers=self.READERS, thread_name_prefix="flexoff-host-read")
-        # The copies of what was read into the GPU workspace are enqueued in order, by one thread.
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flexoff-host-copy")
         self._jobs: deque[Future] = deque()
         self._reads: deque[Future] = deque()
         self._chunks: list[torch.Tensor] = []
@@ -247,9 +246,21 @@ class HostWorker:
         """Run ``fn()`` on a reader thread (reads run side by side)."""
         return self._track(self._reader.submit(self._run, fn, None))
 
-    def then_copy(self, fn) -> Future:
-        """Run ``fn()`` on the copier thread, in submission order among copies."""
-        return self._track(self._copier.submit(self._run, fn, None))
+    def after(self, first: Future, fn) -> Future:
+        """Run ``fn()`` as soon as ``first`` is done: on the thread that finishes it, or here if it
+        already has. A hand-over to another thread would cost each read a wake-up and a turn at
+        the interpreter, which the main thread needs to keep the GPU fed."""
+        future: Future = Future()
+
+        def run(done: Future) -> None:
+            try:
+                done.result()
+                future.set_result(self._run(fn, None))
+            except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the future
+                future.set_exception(exc)
+
+        first.add_done_callback(run)
+        return self._track(future)
 
     def _track(self, future: Future) -> Future:
         while self._reads and self._reads[0].done():
@@ -306,7 +317,6 @@ class HostWorker:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._reader.shutdown(wait=True, cancel_futures=True)
-        self._copier.shutdown(wait=True, cancel_futures=True)
         self._jobs.clear()
         self._chunks.clear()
 

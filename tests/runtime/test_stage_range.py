@@ -101,9 +101,12 @@ def test_a_ranges_caches_are_its_layers_share(cache):
 
 def _staging(cfg, policy, slots):
     from flexoff.layout import kv_buffer_parts, split_rows
-    from flexoff.layout.block import DISK_HOST_PAIRS
+    from flexoff.layout.block import DISK_HOST_PAIRS, DISK_SLOT_RING
 
-    return [DISK_HOST_PAIRS * 2 * sum(kv_buffer_parts(cfg, slots, p.stop - p.start, None, 2)) * policy.num_gpu_batches
+    def pair(p, n):
+        return 2 * sum(kv_buffer_parts(cfg, n, p.stop - p.start, None, 2))
+
+    return [(DISK_HOST_PAIRS * pair(p, slots) + DISK_SLOT_RING * pair(p, 1)) * policy.num_gpu_batches
             for p in split_rows(policy.gpu_batch_size, policy.cache) if p.tier == "disk"]
 
 

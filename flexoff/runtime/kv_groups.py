@@ -1,0 +1,168 @@
+"""What a batch's KV cache is built from: the rows of one tier with their storage for every layer
+(:class:`TierRows`), and the GPU workspace a block's batches share (:class:`KVWorkspace`).
+
+Disk rows keep each layer's keys and values in two files and go through host buffers of their
+own: two staging pairs, even and odd layers, that reads fill; an outbox for a prefill's slots; and
+a ring of one-slot pairs that a decode step's new slot goes home through.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import DISK_SLOT_RING, Piece, WorkspaceLayout, workspace_layout
+from ..models import ModelConfig
+from ..policy import Policy
+from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
+from .tiers import DiskTier, HostMemory, Streams, device_allocator
+
+
+class KVWorkspace:
+    """GPU buffers shared by the batches of a block.
+
+    ``sets``: off-GPU rows that travel for GPU attention are loaded here, in the cache's format (so
+    a compressed cache crosses PCIe compressed); a ring of two, so the next batch loads while this
+    one computes. ``dequantized``: with a compressed cache, a flat (keys, values) pair that one
+    attention call's slots are decompressed into; one pair serves every call, since attention runs
+    in order on the compute stream.
+    """
+
+    def __init__(self, cfg: ModelConfig, layout: WorkspaceLayout, fmt: PlainFormat | QuantizedFormat,
+                 device: torch.device, dtype: torch.dtype, streams: Streams):
+        allocate = device_allocator(device)
+        shape = SLOT_MAJOR.shape(layout.slots, layout.travelling, cfg.num_kv_heads, cfg.head_dim)
+        self.fmt = fmt
+        self.sets = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in range(layout.ring_sets)]
+        numel = layout.dequantized_numel
+        self.dequantized = (allocate((numel,), dtype), allocate((numel,), dtype)) if numel else (None, None)
+        self.free_events = [None] * len(self.sets)
+        self.streams = streams
+        self._next = 0
+
+    @classmethod
+    def for_block(cls, cfg: ModelConfig, policy: Policy, rows: int, slots: int, device: torch.device,
+                  dtype: torch.dtype, streams: Streams) -> "KVWorkspace | None":
+        """The workspace for batches of up to ``rows`` sequences, or None where none is needed."""
+        layout = workspace_layout(cfg, policy, rows, slots, dtype.itemsize)
+        if layout is None:
+            return None
+        return cls(cfg, layout, kv_format(policy.compress_cache, dtype), device, dtype, streams)
+
+    def take(self) -> int:
+        index = self._next
+        self._next = (self._next + 1) % len(self.sets)
+        self.streams.wait(self.streams.cache, self.free_events[index])
+        return index
+
+    def rows(self, index: int, offset: int, count: int) -> tuple:
+        """Set ``index``'s (keys, values) for travelling rows [offset, offset + count). Each tier's
+        rows get a contiguous run of the set, so a load into it is one copy, with no kernel on the
+        GPU to scatter a staged copy into strided rows."""
+        return tuple(self.fmt.carve(buffer, offset, count) for buffer in self.sets[index])
+
+    @property
+    def nbytes(self) -> int:
+        ring = sum(self.fmt.size_of(buffer) for pair in self.sets for buffer in pair)
+        return ring + sum(t.numel() * t.element_size() for t in self.dequantized if t is not None)
+
+
+class TierRows:
+    """Rows of the batch that share a tier, with their storage for every layer."""
+
+    def __init__(self, piece: Piece, cfg: ModelConfig, layers, slots: int, fmt: PlainFormat | QuantizedFormat,
+                 device: torch.device, host: HostMemory, disk: DiskTier | None, cpu_attention: bool, name: str):
+        self.tier = piece.tier
+        self.rows = slice(piece.start, piece.stop)
+        self.fmt = fmt
+        self.layout = ROW_MAJOR if self.tier == "cpu" and cpu_attention else SLOT_MAJOR
+        shape = self.layout.shape(slots, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
+        if self.tier != "disk":
+            allocate = device_allocator(device) if self.tier == "gpu" else host.empty
+            self.store = {j: (fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for j in layers}
+            return
+        # Two host staging pairs serve the layers, even and odd: a layer's slots are read in while
+        # the layer before is copied out of the other. New slots are written out through a pair of
+        # their own, since reads of other layers may be refilling the staging pairs meanwhile.
+        self.staging = [(fmt.empty(shape, host.empty), fmt.empty(shape, host.empty)) for _ in range(2)]
+        self.outbox = (fmt.empty(shape, host.empty), fmt.empty(shape, host.empty))
+        one_slot = self.layout.shape(1, piece.stop - piece.start, cfg.num_kv_heads, cfg.head_dim)
+        self.slot_ring = [(fmt.empty(one_slot, host.empty), fmt.empty(one_slot, host.empty))
+                          for _ in range(DISK_SLOT_RING)]
+        self._ring_writes: list = [None] * DISK_SLOT_RING  # each pair's last write to the files (a Future)
+        self._ring_next = 0
+        # A file holds the buffer's parts (the values; or codes, scales and minimums) one after
+        # another, each slot-major, so the first n slots are one read per part.
+        self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.outbox[0])]
+        self.sections = [slots * sum(self.slot_nbytes[:i]) for i in range(len(self.slot_nbytes))]
+        size = slots * sum(self.slot_nbytes)
+        self.files = {j: (disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
+                      for j in layers}
+
+    def pair(self, layer: int):
+        """This layer's (keys, values) buffers: its storage, or the staging pair of disk rows."""
+        return self.staging[layer % 2] if self.tier == "disk" else self.store[layer]
+
+    def load(self, layer: int, end: int) -> None:
+        """Read this layer's first ``end`` slots from disk into the staging pair (disk rows only)."""
+        if self.tier != "disk" or end == 0:
+            return
+        for region, buffer in zip(self.files[layer], self.pair(layer)):
+            for part, offset in zip(self.fmt.parts(buffer), self.sections):
+                region.read_into(part[:end], offset)
+
+    def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, copy_across=None,
+            staged: bool = False) -> None:
+        """Store keys and values (rows, kv_heads, seq, head_dim) at slots [start, start + seq), and
+        persist them to disk for disk rows. ``copy_across`` brings device tensors to the host.
+        ``staged``: disk rows' staging pair holds this layer, and gets the new slots too."""
+        targets = self.outbox if self.tier == "disk" else self.store[layer]
+        for buffer, new in zip(targets, (keys, values)):
+            self.layout.write(self.fmt, buffer, start, new, copy_across)
+        if self.tier == "disk":
+            end = start + keys.shape[2]
+            for region, buffer, staging in zip(self.files[layer], self.outbox, self.pair(layer)):
+                for part, offset, slot_nbytes in zip(self.fmt.parts(buffer), self.sections, self.slot_nbytes):
+                    region.write(part[start:end], offset + start * slot_nbytes)
+                if staged:
+                    staging.narrow(0, start, end - start).copy_(buffer.narrow(0, start, end - start))
+
+    def take_slot_pair(self) -> tuple:
+        """(index, pair) of the next one-slot pair of the ring, once its last write has finished."""
+        index = self._ring_next
+        self._ring_next = (index + 1) % len(self.slot_ring)
+        last = self._ring_writes[index]
+        if last is not None:
+            last.result()
+        return index, self.slot_ring[index]
+
+    def wrote_slot_pair(self, index: int, job) -> None:
+        """``job`` (a Future) writes ring pair ``index`` to the files; the pair waits for it."""
+        self._ring_writes[index] = job
+
+    def write_slot(self, layer: int, start: int, pair: tuple) -> None:
+        """Write a one-slot pair (this layer's new keys and values, encoded) to slot ``start`` of the
+        layer's files."""
+        for region, buffer in zip(self.files[layer], pair):
+            for part, offset, slot_nbytes in zip(self.fmt.parts(buffer), self.sections, self.slot_nbytes):
+                region.write(part, offset + start * slot_nbytes)
+
+    def read(self, buffer, end: int, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.layout.read(self.fmt, buffer, end, rows, out)
+
+    def nbytes_by_tier(self) -> dict[str, int]:
+        if self.tier == "disk":
+            return {"disk": sum(r.num_bytes for pair in self.files.values() for r in pair),
+                    "cpu": sum(self.fmt.size_of(buffer)
+                               for pair in (*self.staging, self.outbox, *self.slot_ring) for buffer in pair)}
+        return {self.tier: sum(self.fmt.size_of(buffer) for pair in self.store.values() for buffer in pair)}
+
+
+def own_rows(x: torch.Tensor, group: TierRows) -> torch.Tensor:
+    """The group's rows of x, to be kept alive until a host store has copied them. Rows cut out of
+    the batch are copied, or their views would keep the whole layer's keys alive (several GB at
+    prefill for a large batch with few rows off the GPU)."""
+    return x if group.rows == slice(0, x.shape[0]) else x[group.rows].clone()
+
+
+def copy_async(target: torch.Tensor, source: torch.Tensor) -> None:
+    target.copy_(source, non_blocking=True)
