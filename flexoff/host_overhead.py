@@ -43,27 +43,29 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
     return (per_step[high] - per_step[low]) / (high - low), per_step
 
 
-def host_overhead(compute: torch.device, dtype, repeats: int = 3):
+def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: str | None = None):
     """The runtime's host time per decoder layer and per decode step of one GPU batch, apart from
     the work itself: decode of one sequence through models too narrow (hidden 128) to keep the
     device busy, at two depths. The slope over depth is per layer, the rest per step (embedding,
     head, sampling). All on the device first; then the extra per layer of a cache that travels, of
-    a travelling cache that is compressed, and of compressed weights (the differences of slopes);
-    and of a Llama-family layer over an OPT one, and of a sparse MLP (8 experts, 2 a token) over a
-    dense gated one."""
+    a travelling cache that is compressed, of that cache on disk (under ``offload_dir``), and of
+    compressed weights (the differences of slopes); and of a Llama-family layer over an OPT one, and
+    of a sparse MLP (8 experts, 2 a token) over a dense gated one."""
     from .policy import CompressionConfig, Policy, TierFractions
 
-    gpu, cpu, four_bit = TierFractions(1, 0, 0), TierFractions(0, 1, 0), CompressionConfig(4, 64)
+    gpu, cpu, disk = TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(0, 0, 1)
+    four_bit = CompressionConfig(4, 64)
     on_device = Policy(1, 1, gpu, gpu, gpu)
     variants = {
         "on the device": (on_device, OPT_FIELDS),
         "cache travels": (Policy(1, 1, gpu, cpu, gpu), OPT_FIELDS),
         "compressed cache travels": (Policy(1, 1, gpu, cpu, gpu, compress_cache=four_bit), OPT_FIELDS),
+        "compressed cache on disk": (Policy(1, 1, gpu, disk, gpu, compress_cache=four_bit), OPT_FIELDS),
         "compressed weights": (Policy(1, 1, gpu, gpu, gpu, compress_weight=four_bit), OPT_FIELDS),
         "llama": (on_device, LLAMA_FIELDS),
         "sparse": (on_device, SPARSE_FIELDS),
     }
-    measured = {name: decode_seconds_per_layer(compute, dtype, policy, fields, repeats)
+    measured = {name: decode_seconds_per_layer(compute, dtype, policy, fields, repeats, offload_dir=offload_dir)
                 for name, (policy, fields) in variants.items()}
     slope = {name: per_layer for name, (per_layer, _) in measured.items()}
     seconds = {name: per_step for name, (_, per_step) in measured.items()}
@@ -74,6 +76,7 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3):
         "host_seconds_per_travelling_layer": slope["cache travels"] - slope["on the device"],
         "host_seconds_per_compressed_cache_layer": slope["compressed cache travels"] - slope["cache travels"],
         "host_seconds_per_compressed_weight_layer": slope["compressed weights"] - slope["on the device"],
+        "host_seconds_per_disk_rows_layer": slope["compressed cache on disk"] - slope["compressed cache travels"],
         "host_seconds_per_llama_layer": slope["llama"] - slope["on the device"],
         "host_seconds_per_sparse_layer": slope["sparse"] - slope["llama"],
     }

@@ -425,7 +425,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
     log("the runtime's host time per layer")
-    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(compute, dtype)
+    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(compute, dtype, offload_dir=disk_dir)
     sparse = ()
     if use_cuda and not quick:
         log("the routed experts of each mixture-of-experts shape")

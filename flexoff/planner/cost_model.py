@@ -19,8 +19,10 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
   bookkeeping, measured by the profiler). The device works while the host issues the next layer,
   so this is one more stream in the max; it bounds small batches. With CPU attention it adds to
   the attention instead: the host finishes each batch's layer only once its attention is back.
+  A GPU batch with cache rows on disk costs the host more per layer, however few the rows.
 
-Every time and memory term is affine in the placement fractions. The formulas take the fractions as
+Every time and memory term is affine in the placement fractions but that last one, a step in the
+disk share of the cache (see ``disk_rows_host_seconds``). The formulas take the fractions as
 floats or as numpy arrays, so the search reads the LP's coefficients off the same code that
 predicts a policy, and the two cannot drift apart.
 
@@ -31,6 +33,8 @@ fractions and streamed once per token like a layer's weights.
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 import torch
 
@@ -192,6 +196,15 @@ class CostModel:
 
     # ---- time
 
+    def disk_rows_host_seconds(self, frame: PolicyFrame) -> float:
+        """The host's extra seconds per decode layer where each GPU batch has cache rows on disk: a
+        cost per batch, whatever the rows' share (their files' reads and writes, and the helper
+        threads' turns at the interpreter), so not affine in the placement. ``phase_terms`` charges
+        it where the disk share is above zero, which the LP, reading the terms at whole-tier
+        placements, sees as in proportion to the share; ``FrameProblem`` adds the rest once a
+        placement in whole rows is fixed."""
+        return frame.num_gpu_batches * self.hardware.host_seconds_per_disk_rows_layer
+
     def phase_terms(self, frame: PolicyFrame, p: Placement, disk_read_bandwidth: float | None = None) -> dict:
         """{phase: (streams, compute sub-terms)}, each in seconds per layer, affine in ``p``.
 
@@ -248,7 +261,8 @@ class CostModel:
         # one, and per pass over compressed weights (as measured: rows off the GPU in proportion).
         decode_host = (host + nb * (shipped * hw.host_seconds_per_travelling_layer
                                     + (gpu_att * hw.host_seconds_per_compressed_cache_layer if cc else 0.0 * gpu_att))
-                       + (dequantized * hw.host_seconds_per_compressed_weight_layer if cw else 0.0))
+                       + (dequantized * hw.host_seconds_per_compressed_weight_layer if cw else 0.0)
+                       + self.disk_rows_host_seconds(frame) * has_any(p.cd))
         decode_io = {
             "cpu_to_gpu": (w_off * W_decode + h_off * act * bls
                            + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))
@@ -434,6 +448,11 @@ class CostModel:
         if hw.disk_to_cpu_cached_bandwidth is None or peak["disk"] <= 0:
             return False
         return peak["disk"] <= hw.cpu_memory - peak["cpu"]
+
+
+def has_any(share):
+    """1 where a share of a placement is above zero, else 0 (elementwise over arrays of placements)."""
+    return np.where(np.asarray(share) > 0, 1.0, 0.0) if isinstance(share, np.ndarray) else float(share > 0)
 
 
 def _maximum(a, b):

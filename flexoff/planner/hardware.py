@@ -38,7 +38,7 @@ _COMPUTE_FIELDS = (
 )
 HOST_EXTRA_FIELDS = ("host_seconds_per_travelling_layer", "host_seconds_per_compressed_cache_layer",
                      "host_seconds_per_compressed_weight_layer", "host_seconds_per_llama_layer",
-                     "host_seconds_per_sparse_layer")
+                     "host_seconds_per_sparse_layer", "host_seconds_per_disk_rows_layer")
 _OPTIONAL_COMPUTE_FIELDS = ("gpu_kv_dequant_elements_per_s", "gpu_kv_quant_elements_per_s",
                             "cpu_attention_share_under_copy", "cpu_attention_seconds_per_call",
                             "host_seconds_per_layer", "host_seconds_per_step", *HOST_EXTRA_FIELDS)
@@ -107,6 +107,11 @@ class HardwareProfile:
     # router, the sort by expert, the grouped matmuls). 0: not measured.
     host_seconds_per_llama_layer: float = 0.0
     host_seconds_per_sparse_layer: float = 0.0
+    # The host's extra time per decoder layer of one GPU batch with cache rows on disk, over the
+    # same batch's cache travelling from host memory: the batch's reads and writes of its files and
+    # the helper threads' turns at the interpreter. Per batch, however few of its rows are on disk.
+    # 0: not measured.
+    host_seconds_per_disk_rows_layer: float = 0.0
     # A sparse layer's routed experts by shape (see sparse_rate); none measured: the dense curve.
     sparse_mlp_flops: tuple[SparseRate, ...] = ()
     usable_fraction: tuple[float, float, float] = (0.9, 0.9, 0.9)

@@ -163,6 +163,26 @@ def test_host_issues_more_for_a_travelling_compressed_cache_and_compressed_weigh
     assert host(cache=CPU, cpu_attention=True, compress_weight=FOUR_BIT) == pytest.approx(base + 2.0)
 
 
+def test_disk_rows_cost_the_host_per_batch_however_few_they_are(tiny_opt, make_hardware):
+    hardware = make_hardware(host_seconds_per_layer=0.5, host_seconds_per_travelling_layer=0.25,
+                             host_seconds_per_disk_rows_layer=0.75)
+    model = CostModel(tiny_opt, Workload(4, 3), hardware)
+
+    def host(cache, cpu_attention=False):
+        p = model.predict(offloaded(num_gpu_batches=2, gpu_batch_size=8, cache=cache, cpu_attention=cpu_attention))
+        assert p.prefill.io["host"] == pytest.approx(2 * 0.5)  # decode's reads and writes only
+        return p.decode
+
+    travelling = 2 * (0.5 + 0.25)
+    assert host(CPU).io["host"] == pytest.approx(travelling)
+    # One row of eight on disk costs each batch the whole charge, as do two rows or all of them.
+    for cache in (TierFractions(0, 7 / 8, 1 / 8), TierFractions(0, 6 / 8, 2 / 8), DISK):
+        assert host(cache).io["host"] == pytest.approx(travelling + 2 * 0.75), cache
+    # With CPU attention the host time joins the attention, charge included.
+    assert (host(TierFractions(0, 7 / 8, 1 / 8), True).compute["cpu_attention"]
+            - host(CPU, True).compute["cpu_attention"]) == pytest.approx(2 * 0.75)
+
+
 def test_disk_reads_come_from_the_page_cache_only_while_free_memory_holds_them(tiny_opt, make_hardware):
     policy = offloaded(weights=DISK, cache=GPU)
     cold = CostModel(tiny_opt, Workload(4, 3), make_hardware()).predict(policy)

@@ -12,7 +12,7 @@ from flexoff.models import REGISTRY
 from flexoff.planner.cost_model import CostModel, Placement, PolicyFrame, Workload
 from flexoff.planner.hardware import packaged_profile
 from flexoff.planner.search import (
-    FrameProblem, candidate_frames, pareto_frontier, round_fractions, row_splits, search_policy,
+    FrameProblem, _searcher, candidate_frames, pareto_frontier, round_fractions, row_splits, search_policy,
 )
 from flexoff.policy import TIERS, CompressionConfig
 
@@ -107,6 +107,25 @@ def test_searched_cache_and_activations_split_whole_sequences(model_name, profil
     for triple in (policy.cache, policy.activations):
         rows = [policy.gpu_batch_size * share for share in triple.as_tuple()]
         assert rows == pytest.approx([round(r) for r in rows], abs=policy.gpu_batch_size * 1e-4)
+
+
+@pytest.mark.parametrize("charge", [0.0, 0.02, 0.05])
+def test_a_placement_in_whole_rows_is_priced_as_its_prediction(charge):
+    """The LP reads the host's charge for disk rows (a step in the disk share) in proportion to
+    the share; once rows are fixed, the search's latency must be the prediction's, charge and all
+    (at 0.02 s a layer and batch, OPT-30B's 16x16 frame was priced 96 s for a 127 s prediction)."""
+    hardware = dataclasses.replace(packaged_profile("h100").with_memory(16 << 30, 40 << 30),
+                                   host_seconds_per_disk_rows_layer=charge)
+    searcher = _searcher(REGISTRY["opt-30b"], Workload(512, 8, 480), hardware, "auto", "off", (16, 32), (8, 16), True)
+    split_rows = 0
+    for cand in searcher.candidates:
+        whole_rows = searcher.realise(cand)
+        if whole_rows is None:
+            continue
+        policy, prediction = searcher.finish(cand)
+        assert prediction.block_latency == pytest.approx(whole_rows[1], rel=1e-4), policy
+        split_rows += 0 < policy.cache.disk < 1
+    assert split_rows >= 2
 
 
 @pytest.mark.parametrize("model_name, cap", [("qwen3-30b-a3b", 16), ("opt-30b", 40), ("mixtral-8x7b", 24)])
