@@ -383,8 +383,8 @@ class BatchKV:
         def write() -> None:
             if copied is not None:
                 copied.synchronize()
-            for group, _, pair in taken:
-                group.write_slot(layer, start, pair)
+            for group, ring_index, _ in taken:
+                group.write_slot(layer, start, ring_index)
 
         job = self._written[layer] = self.worker.submit(write, None)
         for group, ring_index, _ in taken:

@@ -14,7 +14,7 @@ from ..layout import DISK_SLOT_RING, Piece, WorkspaceLayout, workspace_layout
 from ..models import ModelConfig
 from ..policy import Policy
 from .kv_storage import ROW_MAJOR, SLOT_MAJOR, PlainFormat, QuantizedFormat, kv_format
-from .tiers import DiskTier, HostMemory, Streams, device_allocator
+from .tiers import DiskTier, HostMemory, Streams, device_allocator, host_bytes
 
 
 class KVWorkspace:
@@ -91,12 +91,19 @@ class TierRows:
         self._ring_writes: list = [None] * DISK_SLOT_RING  # each pair's last write to the files (a Future)
         self._ring_next = 0
         # A file holds the buffer's parts (the values; or codes, scales and minimums) one after
-        # another, each slot-major, so the first n slots are one read per part.
+        # another, each slot-major, so the first n slots are one read per part. The staging pairs
+        # and the ring are read and written on helper threads at every step: their parts' bytes
+        # are viewed once, here.
         self.slot_nbytes = [part[0].numel() * part.element_size() for part in fmt.parts(self.outbox[0])]
+        self._staging_bytes = [self._part_bytes(pair) for pair in self.staging]
+        self._ring_bytes = [self._part_bytes(pair) for pair in self.slot_ring]
         self.sections = [slots * sum(self.slot_nbytes[:i]) for i in range(len(self.slot_nbytes))]
         size = slots * sum(self.slot_nbytes)
         self.files = {j: (disk.allocate(f"{name}.layer{j}.k", size), disk.allocate(f"{name}.layer{j}.v", size))
                       for j in layers}
+
+    def _part_bytes(self, pair: tuple) -> list[list[memoryview]]:
+        return [[host_bytes(part) for part in self.fmt.parts(buffer)] for buffer in pair]
 
     def pair(self, layer: int):
         """This layer's (keys, values) buffers: its storage, or the staging pair of disk rows."""
@@ -106,9 +113,9 @@ class TierRows:
         """Read this layer's first ``end`` slots from disk into the staging pair (disk rows only)."""
         if self.tier != "disk" or end == 0:
             return
-        for region, buffer in zip(self.files[layer], self.pair(layer)):
-            for part, offset in zip(self.fmt.parts(buffer), self.sections):
-                region.read_into(part[:end], offset)
+        for region, parts in zip(self.files[layer], self._staging_bytes[layer % 2]):
+            for part, offset, slot_nbytes in zip(parts, self.sections, self.slot_nbytes):
+                region.read_bytes(part[:end * slot_nbytes], offset)
 
     def put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor, copy_across=None,
             staged: bool = False) -> None:
@@ -139,12 +146,12 @@ class TierRows:
         """``job`` (a Future) writes ring pair ``index`` to the files; the pair waits for it."""
         self._ring_writes[index] = job
 
-    def write_slot(self, layer: int, start: int, pair: tuple) -> None:
-        """Write a one-slot pair (this layer's new keys and values, encoded) to slot ``start`` of the
-        layer's files."""
-        for region, buffer in zip(self.files[layer], pair):
-            for part, offset, slot_nbytes in zip(self.fmt.parts(buffer), self.sections, self.slot_nbytes):
-                region.write(part, offset + start * slot_nbytes)
+    def write_slot(self, layer: int, start: int, index: int) -> None:
+        """Write ring pair ``index`` (this layer's new keys and values, encoded) to slot ``start`` of
+        the layer's files."""
+        for region, parts in zip(self.files[layer], self._ring_bytes[index]):
+            for part, offset, slot_nbytes in zip(parts, self.sections, self.slot_nbytes):
+                region.write_bytes(part, offset + start * slot_nbytes)
 
     def read(self, buffer, end: int, rows: slice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.layout.read(self.fmt, buffer, end, rows, out)

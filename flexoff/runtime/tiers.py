@@ -393,8 +393,9 @@ class DiskTier:
         self._finalizer()
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous host tensor, whatever its dtype."""
+def host_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous host tensor, whatever its dtype. A view made once and sliced
+    later spares a thread that reads or writes the same buffer many times its calls into torch."""
     return memoryview(tensor.view(-1).view(torch.uint8).numpy())
 
 
@@ -407,7 +408,9 @@ class DiskRegion:
         self.num_bytes = num_bytes
 
     def write(self, tensor: torch.Tensor, offset: int = 0) -> None:
-        data = _bytes_of(tensor.contiguous())
+        self.write_bytes(host_bytes(tensor.contiguous()), offset)
+
+    def write_bytes(self, data: memoryview, offset: int = 0) -> None:
         for start in range(0, len(data), _CHUNK):
             chunk = data[start:start + _CHUNK]
             written = os.pwrite(self.fd, chunk, offset + start)
@@ -417,13 +420,15 @@ class DiskRegion:
 
     def read_into(self, out: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Fill the contiguous host tensor ``out`` from the file."""
-        data = _bytes_of(out)
+        self.read_bytes(host_bytes(out), offset)
+        return out
+
+    def read_bytes(self, data: memoryview, offset: int = 0) -> None:
         for start in range(0, len(data), _CHUNK):
             chunk = data[start:start + _CHUNK]
             got = os.preadv(self.fd, [chunk], offset + start)
             if got != len(chunk):
                 raise OSError(f"short read from the offload directory ({got} of {len(chunk)} bytes)")
-        return out
 
     def write_async(self, tensor: torch.Tensor, offset: int = 0) -> Future:
         return self.tier.submit(self.write, tensor, offset)
