@@ -21,8 +21,9 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
   the attention instead: the host finishes each batch's layer only once its attention is back.
   A GPU batch with cache rows on disk costs the host more per layer, however few the rows.
 
-Every time and memory term is affine in the placement fractions but that last one, a step in the
-disk share of the cache (see ``disk_rows_host_seconds``). The formulas take the fractions as
+Every time and memory term is affine in the placement fractions but two, which are affine once the
+cache's split is fixed: that last one, a step in the cache's disk share, and with CPU attention the
+host's time for a batch's GPU rows, which joins the attention in proportion to its off-GPU share. The formulas take the fractions as
 floats or as numpy arrays, so the search reads the LP's coefficients off the same code that
 predicts a policy, and the two cannot drift apart.
 
@@ -200,9 +201,8 @@ class CostModel:
         """The host's extra seconds per decode layer where each GPU batch has cache rows on disk: a
         cost per batch, whatever the rows' share (their files' reads and writes, and the helper
         threads' turns at the interpreter), so not affine in the placement. ``phase_terms`` charges
-        it where the disk share is above zero, which the LP, reading the terms at whole-tier
-        placements, sees as in proportion to the share; ``FrameProblem`` adds the rest once a
-        placement in whole rows is fixed."""
+        it where the disk share is above zero; the search's LP reads it exactly once the cache's
+        split is fixed."""
         return frame.num_gpu_batches * self.hardware.host_seconds_per_disk_rows_layer
 
     def phase_terms(self, frame: PolicyFrame, p: Placement, disk_read_bandwidth: float | None = None) -> dict:

@@ -2,8 +2,8 @@
 the nine fractions, and its answer realised in whole rows of a GPU batch.
 
 For a fixed PolicyFrame every time and memory term of the cost model is affine in the placement
-fractions (but for the host's charge for disk rows, a step made exact once the cache's rows are
-fixed), so the best placement is an LP, as in FlexGen's Eq. (1).
+fractions, so the best placement is an LP, as in FlexGen's Eq. (1); a few terms are affine only once
+the cache's split is fixed, and are read again at it (``FrameProblem.terms_for``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def row_splits(triple, rows: int) -> list[tuple[float, float, float]]:
 
 
 ROW_SPLIT = (3, 6)  # the first fraction of the cache's and of the activations' triples
-CACHE_CPU, CACHE_DISK = ROW_SPLIT[0] + 1, ROW_SPLIT[0] + 2
+CACHE_FIRST = ROW_SPLIT[0]
 
 
 def _unsplit_cache(split: tuple[float, float, float]) -> list[tuple[float, float, float]]:
@@ -73,17 +73,11 @@ class FrameProblem:
     def __init__(self, model: CostModel, frame: PolicyFrame):
         self.model, self.frame = model, frame
         self.lps_solved = 0
-        terms = model.phase_terms(frame, _POINTS)
         # phase -> list of affine terms whose max (or sum, without overlap) is the phase's seconds
-        self.time_terms = {}
-        for phase in PHASES:
-            io, compute = terms[phase]
-            compute_total = sum(_full(v) for v in compute.values())
-            parts = [_full(io[k]) for k in STREAM_TERMS] + [compute_total]
-            self.time_terms[phase] = parts if frame.overlap else [sum(parts)]
+        self.time_terms = self._time_terms(_POINTS)
+        self._at_cache: dict[tuple, dict] = {}
         self.memory = {key: _full(v) for key, v in model.memory_terms(frame, _POINTS).items()}
         self.capacity = model.capacities()
-        self.disk_rows_charge = model.disk_rows_host_seconds(frame)
 
     # ---- cheap necessary conditions and bounds, from the 27 vertices
 
@@ -147,10 +141,10 @@ class FrameProblem:
         prob = pulp.LpProblem("placement", pulp.LpMinimize)
         x = [_variable(prob, name, fixed.get(i, 0), fixed.get(i, 1)) for i, name in enumerate(FRACTION_NAMES)]
         t = {phase: _variable(prob, f"t_{phase}", 0, None) for phase in PHASES}
+        time_terms = self.terms_for(fixed)
         for phase in PHASES:
-            corrections = self._disk_rows_corrections(fixed) if phase == "decode" else {}
-            for index, values in enumerate(self.time_terms[phase]):
-                prob += _affine(values, x) + corrections.get(index, 0.0) <= t[phase]
+            for values in time_terms[phase]:
+                prob += _affine(values, x) <= t[phase]
         for (tier, _phase), values in self.memory.items():
             # in GB, so that the constraint's numbers sit near those of the time terms
             prob += _affine(values / 1e9, x) <= self.capacity[tier] * (1 - margin) / 1e9
@@ -158,19 +152,31 @@ class FrameProblem:
             prob += pulp.lpSum(x[3 * group: 3 * group + 3]) == 1
         return prob, x, t
 
-    def _disk_rows_corrections(self, fixed: dict[int, float]) -> dict[int, float]:
-        """{decode term index: seconds} that make the disk rows' host charge exact once the cache's
-        split is fixed: the terms charge it in proportion to the disk share (they are read at
-        whole-tier placements), where the runtime pays all of it for any disk rows; and with CPU
-        attention, the attention's host share covers the host rows too."""
-        cached, on_disk = fixed.get(CACHE_CPU), fixed.get(CACHE_DISK)
-        if not self.disk_rows_charge or not on_disk or cached is None:
-            return {}
-        host = self.disk_rows_charge * (1 - on_disk)
-        attention = self.disk_rows_charge * cached if self.frame.cpu_attention else 0.0
-        if not self.frame.overlap:
-            return {0: host + attention}
-        return {STREAM_TERMS.index("host"): host, len(STREAM_TERMS): attention}
+    def _time_terms(self, points: Placement) -> dict:
+        terms = self.model.phase_terms(self.frame, points)
+        time_terms = {}
+        for phase in PHASES:
+            io, compute = terms[phase]
+            compute_total = sum(_full(v) for v in compute.values())
+            parts = [_full(io[k]) for k in STREAM_TERMS] + [compute_total]
+            time_terms[phase] = parts if self.frame.overlap else [sum(parts)]
+        return time_terms
+
+    def terms_for(self, fixed: dict[int, float]) -> dict:
+        """The time terms for an LP whose cache split is ``fixed`` (or is free). A few terms are not
+        affine in the cache's fractions (the host's charge for a batch with disk rows, a step; with
+        CPU attention, the host's share of attention for the GPU's rows, a product), so the terms
+        read at whole-tier placements only bound them; with the split fixed, they are read again
+        at it, and are exact in the weights and activations that stay free."""
+        cache = tuple(fixed.get(CACHE_FIRST + i) for i in range(3))
+        if None in cache:
+            return self.time_terms
+        if cache not in self._at_cache:
+            columns = _POINTS._asdict()
+            for name, share in zip(FRACTION_NAMES[CACHE_FIRST:CACHE_FIRST + 3], cache):
+                columns[name] = np.full_like(columns[name], share)
+            self._at_cache[cache] = self._time_terms(Placement(**columns))
+        return self._at_cache[cache]
 
     def _latency(self, t) -> pulp.LpAffineExpression:
         layers, n = self.model.num_layers, self.model.workload.gen_len
@@ -195,8 +201,8 @@ class FrameProblem:
         prob += self._latency(t) <= latency * (1 + 1e-7)
         layers, n = self.model.num_layers, self.model.workload.gen_len
         weights = {"prefill": layers, "decode": layers * max(n - 1, 0)}
-        prob += pulp.lpSum(weights[phase] * _affine(values, x)
-                           for phase in PHASES for values in self.time_terms[phase])
+        time_terms = self.terms_for(fixed or {})
+        prob += pulp.lpSum(weights[phase] * _affine(values, x) for phase in PHASES for values in time_terms[phase])
         if not _solved(prob):
             return None
         return _fractions(x), float(pulp.value(self._latency(t)))
@@ -214,8 +220,7 @@ class FrameProblem:
             for activations in options[1]:
                 fixed = dict(enumerate(cache, ROW_SPLIT[0])) | dict(enumerate(activations, ROW_SPLIT[1]))
                 distance = sum(abs(fractions[i] - v) for i, v in fixed.items())
-                exact = distance < 1e-9 and not self._disk_rows_corrections(fixed)
-                solution = (fractions, latency) if exact else self.solve(fixed=fixed)
+                solution = self.solve(fixed=fixed)
                 if solution is None:
                     continue
                 key = (round(solution[1] / latency, 9), distance)

@@ -109,23 +109,27 @@ def test_searched_cache_and_activations_split_whole_sequences(model_name, profil
         assert rows == pytest.approx([round(r) for r in rows], abs=policy.gpu_batch_size * 1e-4)
 
 
+@pytest.mark.parametrize("cpu_attention", ["off", "on"])
 @pytest.mark.parametrize("charge", [0.0, 0.02, 0.05])
-def test_a_placement_in_whole_rows_is_priced_as_its_prediction(charge):
-    """The LP reads the host's charge for disk rows (a step in the disk share) in proportion to
-    the share; once rows are fixed, the search's latency must be the prediction's, charge and all
-    (at 0.02 s a layer and batch, OPT-30B's 16x16 frame was priced 96 s for a 127 s prediction)."""
+def test_a_placement_in_whole_rows_is_priced_as_its_prediction(charge, cpu_attention):
+    """Terms that are not affine in the cache's split (the host's charge for disk rows, a step; with
+    CPU attention, the host's share of attention, a product) are read at whole-tier placements in
+    proportion; once rows are fixed, the search's latency must be the prediction's (at 0.02 s a
+    layer and batch, OPT-30B's 16x16 frame was priced 96 s for a 127 s prediction; with CPU
+    attention and no charge, 42.83 s for 43.35)."""
     hardware = dataclasses.replace(packaged_profile("h100").with_memory(16 << 30, 40 << 30),
                                    host_seconds_per_disk_rows_layer=charge)
-    searcher = _searcher(REGISTRY["opt-30b"], Workload(512, 8, 480), hardware, "auto", "off", (16, 32), (8, 16), True)
+    searcher = _searcher(REGISTRY["opt-30b"], Workload(512, 8, 480), hardware, "auto", cpu_attention, (16, 32), (8, 16),
+                         True)
     split_rows = 0
     for cand in searcher.candidates:
         whole_rows = searcher.realise(cand)
         if whole_rows is None:
             continue
         policy, prediction = searcher.finish(cand)
-        assert prediction.block_latency == pytest.approx(whole_rows[1], rel=1e-4), policy
+        assert prediction.block_latency == pytest.approx(whole_rows[1], rel=2e-4), policy
         split_rows += 0 < policy.cache.disk < 1
-    assert split_rows >= 2
+    assert split_rows >= 1
 
 
 @pytest.mark.parametrize("model_name, cap", [("qwen3-30b-a3b", 16), ("opt-30b", 40), ("mixtral-8x7b", 24)])
