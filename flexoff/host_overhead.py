@@ -21,6 +21,16 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
     """(seconds per layer, {layers: seconds per step}) of decoding ``sequences`` sequences under
     ``policy`` through a model of ``fields`` at the two DEPTHS: the slope over depth is per layer.
     ``offload_dir``: where a policy with disk rows keeps them."""
+    return decode_seconds_by_case(compute, dtype, {None: (policy, fields, sequences)}, repeats, offload_dir)[None]
+
+
+def decode_seconds_by_case(compute: torch.device, dtype, cases: dict, repeats: int = 3,
+                           offload_dir: str | None = None) -> dict:
+    """{name: (seconds per layer, {layers: seconds per step})} for each case ``name: (policy,
+    fields, sequences)``, as ``decode_seconds_per_layer`` times one. Every engine is built first,
+    then timed in rounds, one run of each a round, each keeping its best: the cases' figures are
+    differences of each other, and drift in the machine (clocks, caches, other processes) then
+    falls on all of them alike instead of on the ones timed last."""
     from .models.config import ModelConfig
     from .runtime.batch import Sequence
     from .runtime.engine import Engine
@@ -28,20 +38,26 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
     from .weights.dummy import DummyWeights
 
     params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
-    per_step = {}
-    for layers in DEPTHS:
-        config = ModelConfig(name=f"host-overhead-{layers}", num_layers=layers, **fields)
-        engine = Engine(config, DummyWeights(0), policy, compute, dtype, offload_dir=offload_dir)
-        try:
-            times = []
-            for _ in range(repeats + 1):  # the first run warms up
-                seqs = [Sequence(i, [5] * 8, params, 0) for i in range(sequences)]
-                times.append(engine.generate_block(seqs).decode_time / STEPS)
-            per_step[layers] = min(times[1:])
-        finally:
+    engines, sequences = {}, {}
+    try:
+        for name, (policy, fields, count) in cases.items():
+            for layers in DEPTHS:
+                config = ModelConfig(name=f"host-overhead-{layers}", num_layers=layers, **fields)
+                engines[name, layers] = Engine(config, DummyWeights(0), policy, compute, dtype, offload_dir=offload_dir)
+                sequences[name, layers] = count
+        best = {key: float("inf") for key in engines}
+        for round_ in range(repeats + 1):  # the first round warms up
+            for key, engine in engines.items():
+                seqs = [Sequence(i, [5] * 8, params, 0) for i in range(sequences[key])]
+                seconds = engine.generate_block(seqs).decode_time / STEPS
+                if round_:
+                    best[key] = min(best[key], seconds)
+    finally:
+        for engine in engines.values():
             engine.close()
     low, high = DEPTHS
-    return (per_step[high] - per_step[low]) / (high - low), per_step
+    return {name: ((best[name, high] - best[name, low]) / (high - low), {layers: best[name, layers] for layers in DEPTHS})
+            for name in cases}
 
 
 def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: str | None = None):
@@ -71,9 +87,9 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: s
         "llama": (on_device, LLAMA_FIELDS),
         "sparse": (on_device, SPARSE_FIELDS),
     }
-    measured = {name: decode_seconds_per_layer(compute, dtype, policy, fields, repeats, offload_dir=offload_dir,
-                                               sequences=policy.gpu_batch_size * policy.num_gpu_batches)
-                for name, (policy, fields) in variants.items()}
+    measured = decode_seconds_by_case(
+        compute, dtype, {name: (policy, fields, policy.gpu_batch_size * policy.num_gpu_batches)
+                         for name, (policy, fields) in variants.items()}, repeats, offload_dir)
     slope = {name: per_layer for name, (per_layer, _) in measured.items()}
     seconds = {name: per_step for name, (_, per_step) in measured.items()}
     # A profile holds positive figures: noise that hides one leaves it a nanosecond.
