@@ -8,7 +8,7 @@ cost model charges for it on a profile. Where they differ, the planner's choice 
 batches and a few large ones is off (an OPT-66B decode of 20 batches ran host-bound, a fifth over
 its charge).
 
-    python bench/host_per_batch.py [--hardware h100] [--repeats 3] [--offload-dir /tmp/off]
+    python bench/host_per_batch.py [--hardware h100] [--repeats 3] [--offload-dir /tmp/off] [--only TEXT]
 """
 
 from __future__ import annotations
@@ -56,6 +56,8 @@ def main() -> int:
     parser.add_argument("--hardware", default="h100", help="the profile whose charges to show (default h100)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per depth; the best counts")
     parser.add_argument("--offload-dir", default=None, help="where disk rows go (default: a temporary folder)")
+    parser.add_argument("--only", action="append", metavar="TEXT",
+                        help="time only the policies whose summary holds TEXT (e.g. 'c 0/75/25'); repeatable")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -67,6 +69,8 @@ def main() -> int:
     print("| --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory(dir=args.offload_dir) as offload:
         for policy in cases():
+            if args.only and not any(text in policy_summary(policy) for text in args.only):
+                continue
             rows = policy.gpu_batch_size * policy.num_gpu_batches
             per_layer, _ = decode_seconds_per_layer(device, dtype, policy, OPT_FIELDS, args.repeats, sequences=rows,
                                                     offload_dir=offload)
