@@ -14,6 +14,7 @@ SPARSE_FIELDS = dict(LLAMA_FIELDS, num_experts=8, experts_per_token=2, expert_in
 DEPTHS = (2, 10)
 STEPS = 24  # decode steps timed a run
 DISK_BATCHES = 4  # GPU batches the disk rows' extra is timed over
+GPU_BATCHES = 4  # GPU batches a GPU's host figures are timed over
 
 
 def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict, repeats: int = 3,
@@ -60,50 +61,58 @@ def decode_seconds_by_case(compute: torch.device, dtype, cases: dict, repeats: i
             for name in cases}
 
 
-def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: str | None = None):
-    """The runtime's host time per decoder layer and per decode step of one GPU batch, apart from
-    the work itself: decode of one sequence through models too narrow (hidden 128) to keep the
-    device busy, at two depths. The slope over depth is per layer, the rest per step (embedding,
-    head, sampling). All on the device first; then the extra per layer of a cache that travels, of
-    a travelling cache that is compressed, of that cache on disk (under ``offload_dir``, per batch
-    of DISK_BATCHES), and of compressed weights (the differences of slopes); and of a Llama-family layer over an OPT one, and
-    of a sparse MLP (8 experts, 2 a token) over a dense gated one."""
+def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: str | None = None,
+                  batches: int = 1):
+    """The runtime's host time per decoder layer and GPU batch, and per decode step of a batch, apart
+    from the work itself: decode of ``batches`` GPU batches of one sequence each through models too
+    narrow (hidden 128) to keep the device busy, at two depths. The slope over depth per batch is per
+    layer, the rest per step (embedding, head, sampling). All on the device first; then the extra per
+    layer and batch of a cache that travels, of a travelling cache that is compressed, of that cache
+    on disk (under ``offload_dir``, over DISK_BATCHES batches), of a Llama-family layer over an OPT
+    one, and of a sparse MLP (8 experts, 2 a token) over a dense gated one; and of compressed
+    weights per pass over them (several batches make one). A GPU's policies run many batches a layer,
+    and a lone batch misses host work each of them adds (it priced a 20-batch decode a fifth under
+    its host's time); where the CPU is the compute device, it runs one."""
     from .policy import CompressionConfig, Policy, TierFractions
 
     gpu, cpu, disk = TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(0, 0, 1)
     four_bit = CompressionConfig(4, 64)
-    on_device = Policy(1, 1, gpu, gpu, gpu)
+    on_device = Policy(1, batches, gpu, gpu, gpu)
+    travelling = Policy(1, batches, gpu, cpu, gpu, compress_cache=four_bit)
     variants = {
         "on the device": (on_device, OPT_FIELDS),
-        "cache travels": (Policy(1, 1, gpu, cpu, gpu), OPT_FIELDS),
-        "compressed cache travels": (Policy(1, 1, gpu, cpu, gpu, compress_cache=four_bit), OPT_FIELDS),
-        # Disk rows against host rows over DISK_BATCHES batches: each batch's reads and writes run on
-        # helper threads beside the main thread, and over one batch they overlap the others less.
-        "compressed cache travels, several batches": (Policy(1, DISK_BATCHES, gpu, cpu, gpu, compress_cache=four_bit),
-                                                      OPT_FIELDS),
-        "compressed cache on disk, several batches": (Policy(1, DISK_BATCHES, gpu, disk, gpu, compress_cache=four_bit),
-                                                      OPT_FIELDS),
-        "compressed weights": (Policy(1, 1, gpu, gpu, gpu, compress_weight=four_bit), OPT_FIELDS),
+        "cache travels": (Policy(1, batches, gpu, cpu, gpu), OPT_FIELDS),
+        "compressed cache travels": (travelling, OPT_FIELDS),
+        "compressed weights": (Policy(1, batches, gpu, gpu, gpu, compress_weight=four_bit), OPT_FIELDS),
         "llama": (on_device, LLAMA_FIELDS),
         "sparse": (on_device, SPARSE_FIELDS),
+        # Disk rows against host rows over several batches: each batch's reads and writes run on
+        # helper threads beside the main thread, and over one batch they overlap the others less.
+        "compressed cache on disk, several batches": (Policy(1, DISK_BATCHES, gpu, disk, gpu, compress_cache=four_bit),
+                                                      OPT_FIELDS),
     }
+    disk_reference = "compressed cache travels"
+    if batches != DISK_BATCHES:
+        disk_reference = "compressed cache travels, several batches"
+        variants[disk_reference] = (Policy(1, DISK_BATCHES, gpu, cpu, gpu, compress_cache=four_bit), OPT_FIELDS)
     measured = decode_seconds_by_case(
         compute, dtype, {name: (policy, fields, policy.gpu_batch_size * policy.num_gpu_batches)
                          for name, (policy, fields) in variants.items()}, repeats, offload_dir)
-    slope = {name: per_layer for name, (per_layer, _) in measured.items()}
+    # per layer and GPU batch
+    slope = {name: per_layer / variants[name][0].num_gpu_batches for name, (per_layer, _) in measured.items()}
     seconds = {name: per_step for name, (_, per_step) in measured.items()}
     # A profile holds positive figures: noise that hides one leaves it a nanosecond.
     per_layer = max(1e-9, slope["on the device"])
-    step = max(1e-9, seconds["on the device"][DEPTHS[0]] - DEPTHS[0] * per_layer)
+    step = max(1e-9, seconds["on the device"][DEPTHS[0]] / batches - DEPTHS[0] * per_layer)
     extras = {
         "host_seconds_per_travelling_layer": slope["cache travels"] - slope["on the device"],
         "host_seconds_per_compressed_cache_layer": slope["compressed cache travels"] - slope["cache travels"],
-        "host_seconds_per_compressed_weight_layer": slope["compressed weights"] - slope["on the device"],
-        "host_seconds_per_disk_rows_layer": (slope["compressed cache on disk, several batches"]
-                                             - slope["compressed cache travels, several batches"]) / DISK_BATCHES,
+        # per pass over a layer's compressed weights, which the batches of a layer make once
+        "host_seconds_per_compressed_weight_layer": (slope["compressed weights"] - slope["on the device"]) * batches,
+        "host_seconds_per_disk_rows_layer": slope["compressed cache on disk, several batches"] - slope[disk_reference],
         "host_seconds_per_llama_layer": slope["llama"] - slope["on the device"],
         "host_seconds_per_sparse_layer": slope["sparse"] - slope["llama"],
     }
     record = {"decode_seconds_per_step": {name: {str(k): v for k, v in t.items()} for name, t in seconds.items()},
-              "hidden": 128, "sequences": 1, "steps": STEPS}
+              "hidden": 128, "sequences": 1, "gpu_batches": batches, "steps": STEPS}
     return per_layer, step, {key: max(1e-9, value) for key, value in extras.items()}, record

@@ -23,7 +23,7 @@ import psutil
 import torch
 
 from .errors import ConfigError
-from .host_overhead import host_overhead
+from .host_overhead import GPU_BATCHES, host_overhead
 from .sparse_kernel import measure_sparse_rates
 from .planner.hardware import HardwareProfile, default_profile_path
 
@@ -425,7 +425,8 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
     kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
     log("the runtime's host time per layer")
-    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(compute, dtype, offload_dir=disk_dir)
+    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(
+        compute, dtype, offload_dir=disk_dir, batches=GPU_BATCHES if use_cuda else 1)
     sparse = ()
     if use_cuda and not quick:
         log("the routed experts of each mixture-of-experts shape")
@@ -454,10 +455,13 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     notes["disk_to_cpu_cached"] = ("measured: the disk tier's reads of a file it has just written (page cache), two "
                                    "stages in flight as the weight store keeps them, while pinned copies to the GPU "
                                    "stream (the figure without them is kept in measurements)")
-    notes["host_seconds"] = ("measured: decode of one sequence through the runtime on 128-wide OPT models of 2 and 10 "
-                             "layers, all on the device, with the cache travelling (plain and 4-bit), and with 4-bit "
-                             "weights; and on Llama-family models alike, dense and with 8 experts (2 a token); fit: "
-                             "the slope is per layer, the intercept per step, the extras are differences of slopes")
+    batches = measurements["host_overhead"]["gpu_batches"]
+    notes["host_seconds"] = (f"measured: decode of {batches} GPU batch(es) of one sequence through the runtime on "
+                             "128-wide OPT models of 2 and 10 layers, all on the device, with the cache travelling "
+                             "(plain and 4-bit, and 4-bit on disk over 4 batches), and with 4-bit weights; and on "
+                             "Llama-family models alike, dense and with 8 experts (2 a token); fit: the slope per "
+                             "batch is per layer and batch, the intercept per batch and step, the extras are "
+                             "differences of slopes (4-bit weights': per pass over a layer)")
 
     return HardwareProfile(
         name=f"measured-{'cuda' if use_cuda else 'cpu'}",
