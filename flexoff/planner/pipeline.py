@@ -166,7 +166,7 @@ def _rotating(view: ModelConfig, workload: Workload, hardware: HardwareProfile, 
     the pipeline): the search plans one, so the others' caches and activations are taken off the
     memory it may plan with, until the plan fits with all of them."""
     limit = hardware
-    for _ in range(attempts):
+    for attempt in range(attempts):
         prediction = search_policy(view, workload, limit, **options).prediction
         policy = prediction.policy
         pinned = pins_host_memory(policy.pin_cpu_memory)
@@ -177,7 +177,10 @@ def _rotating(view: ModelConfig, workload: Workload, hardware: HardwareProfile, 
         if all(value <= 0 for value in over.values()):
             return replace(prediction, peak_memory={tier: prediction.peak_memory[tier] + extra[tier] for tier in TIERS},
                            capacity={tier: hardware.capacity(tier) for tier in TIERS})
-        limit = limit.with_memory(*(getattr(limit, f"{tier}_memory") - max(0, over[tier]) for tier in TIERS))
+        # The search fills what is taken off again, nearly: taking off only the overflow converges
+        # too slowly, so each attempt takes off twice what the last one would have.
+        limit = limit.with_memory(*(getattr(limit, f"{tier}_memory") - max(0, over[tier]) * 2 ** attempt
+                                    for tier in TIERS))
     raise PolicyError(f"no policy holds {blocks} blocks in rotation within the memory of {hardware.name}")
 
 

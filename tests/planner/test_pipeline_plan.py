@@ -51,11 +51,13 @@ def test_each_stage_is_planned_for_its_layers_at_one_shape_with_room_for_every_b
     assert plan.throughput == min(s.prediction.total_throughput for s in plan.stages)
 
 
-def test_a_bigger_gpu_holds_more_of_its_stage_and_the_smaller_one_sets_the_pace(opt30b):
+def test_a_bigger_gpu_holds_more_of_its_stage_and_never_slows_the_pipeline(opt30b):
     plan = plan_pipeline(opt30b, JOB, [_h100(12, 2), _h100(40, 2)], compress="off")
     small, big = plan.stages
     assert big.policy.weights.gpu > small.policy.weights.gpu
-    assert plan.slowest is small
+    # The small GPU sets the pace of an even split; the plan gives the big one layers to even it out.
+    assert plan.slowest is small or len(big.layers) > len(small.layers)
+    assert len(big.layers) >= len(small.layers)
     even = plan_pipeline(opt30b, JOB, [_h100(12, 2)] * 2, compress="off")
     assert plan.throughput >= even.throughput * 0.999  # a bigger second GPU never slows the pipeline
 
