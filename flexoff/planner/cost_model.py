@@ -262,7 +262,11 @@ class CostModel:
         decode_host = (host + nb * (shipped * hw.host_seconds_per_travelling_layer
                                     + (gpu_att * hw.host_seconds_per_compressed_cache_layer if cc else 0.0 * gpu_att))
                        + (dequantized * hw.host_seconds_per_compressed_weight_layer if cw else 0.0)
-                       + self.disk_rows_host_seconds(frame) * has_any(p.cd))
+                       + self.disk_rows_host_seconds(frame) * has_any(p.cd)
+                       # Disk rows' reads hold up the batches they feed, a layer ahead at most: measured
+                       # in series with the host's work, at about the disk's cold read rate although the
+                       # page cache serves them, not beside it as another stream.
+                       + p.cd * kv * s_avg * bls / hw.disk_to_cpu_bandwidth)
         decode_io = {
             "cpu_to_gpu": (w_off * W_decode + h_off * act * bls
                            + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))

@@ -163,7 +163,7 @@ def test_host_issues_more_for_a_travelling_compressed_cache_and_compressed_weigh
     assert host(cache=CPU, cpu_attention=True, compress_weight=FOUR_BIT) == pytest.approx(base + 2.0)
 
 
-def test_disk_rows_cost_the_host_per_batch_however_few_they_are(tiny_opt, make_hardware):
+def test_disk_rows_cost_the_host_per_batch_however_few_they_are_and_their_bytes_in_series(tiny_opt, make_hardware):
     hardware = make_hardware(host_seconds_per_layer=0.5, host_seconds_per_travelling_layer=0.25,
                              host_seconds_per_disk_rows_layer=0.75)
     model = CostModel(tiny_opt, Workload(4, 3), hardware)
@@ -174,13 +174,17 @@ def test_disk_rows_cost_the_host_per_batch_however_few_they_are(tiny_opt, make_h
         return p.decode
 
     travelling = 2 * (0.5 + 0.25)
+    # All 16 rows' cache on disk: 16 bytes a token (keys and values of hidden 4 in fp16) over the
+    # mean 5.5 slots of a decode step, read at the disk's 10 bytes/s.
+    all_rows_read = 16 * 16 * 5.5 / 10
     assert host(CPU).io["host"] == pytest.approx(travelling)
-    # One row of eight on disk costs each batch the whole charge, as do two rows or all of them.
+    # One row of eight on disk costs each batch the whole charge, as do two rows or all of them; the
+    # rows' reads add in proportion.
     for cache in (TierFractions(0, 7 / 8, 1 / 8), TierFractions(0, 6 / 8, 2 / 8), DISK):
-        assert host(cache).io["host"] == pytest.approx(travelling + 2 * 0.75), cache
-    # With CPU attention the host time joins the attention, charge included.
+        assert host(cache).io["host"] == pytest.approx(travelling + 2 * 0.75 + cache.disk * all_rows_read), cache
+    # With CPU attention the host time joins the attention, charge and reads included.
     assert (host(TierFractions(0, 7 / 8, 1 / 8), True).compute["cpu_attention"]
-            - host(CPU, True).compute["cpu_attention"]) == pytest.approx(2 * 0.75)
+            - host(CPU, True).compute["cpu_attention"]) == pytest.approx(2 * 0.75 + all_rows_read / 8)
 
 
 def test_disk_reads_come_from_the_page_cache_only_while_free_memory_holds_them(tiny_opt, make_hardware):
