@@ -239,7 +239,7 @@ def main() -> int:
     parser.add_argument("--only", action="append", help="run only the case of this name, or else those whose name "
                                                         "contains it (repeatable)")
     parser.add_argument("--timeout", type=float, default=540, help="seconds a run may take, model build included "
-                                                                   "(default 540)")
+                        "(default 540); one that has written its results has two minutes more to exit")
     parser.add_argument("--grid", default=None, metavar="NAME",
                         help="run the searched case NAME and its neighbours one step away instead of the cases")
     parser.add_argument("--grid-gen-len", type=int, default=8, help="tokens each grid run generates (default 8)")

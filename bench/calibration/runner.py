@@ -17,10 +17,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 POLL_SECONDS = 0.2
+# A run that has written its results may take this long more to exit: giving back a hundred GiB of
+# pinned host memory took 40 s on the H200 machine, which is the run's end, not its measurement.
+EXIT_GRACE_SECONDS = 120.0
 
 
-def _run_child(argv: list[str], log_file: Path, timeout: float) -> tuple[int | None, int, float]:
-    """(exit code or None when killed at ``timeout``, peak resident set in bytes, seconds)."""
+def _run_child(argv: list[str], log_file: Path, timeout: float,
+               done: Path | None = None) -> tuple[int | None, int, float]:
+    """(exit code or None when killed at ``timeout``, peak resident set in bytes, seconds). Once
+    ``done`` exists, the child has EXIT_GRACE_SECONDS more to exit, past ``timeout`` if need be."""
     started = time.time()
     with open(log_file, "w") as log:
         # Its own session, so that a timeout kills whatever it started as well.
@@ -30,6 +35,8 @@ def _run_child(argv: list[str], log_file: Path, timeout: float) -> tuple[int | N
         pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
         if pid:
             return os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, time.time() - started
+        if done is not None and done.exists():
+            deadline, done = max(deadline, time.time() + EXIT_GRACE_SECONDS), None
         if time.time() > deadline:
             os.killpg(proc.pid, signal.SIGKILL)
             _, _, usage = os.wait4(proc.pid, 0)
@@ -54,10 +61,10 @@ def measure(model: str, policy, *, prompt_len: int, gen_len: int, num_prompts: i
         "num_prompts": num_prompts, "gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "offload_dir": offload_dir,
         "warmup": warmup, "out": str(metrics_file)}))
     code, peak_rss, seconds = _run_child([sys.executable, "-m", "bench.calibration.runner", str(spec_file)],
-                                         log_file, timeout)
-    if code is None:
+                                         log_file, timeout, done=metrics_file)
+    if code is None and not metrics_file.exists():
         return {"error": f"timed out after {timeout:.0f} s", "seconds": seconds}
-    if code != 0 or not metrics_file.exists():
+    if code not in (0, None) or not metrics_file.exists():  # None: killed on its way out, results written
         return {"error": _last_line(log_file) or f"exit {code}", "exit": code, "seconds": seconds}
     metrics = json.loads(metrics_file.read_text())
     peak = metrics.get("peak_memory", {})
@@ -110,7 +117,10 @@ def child(spec_file: str) -> None:
     metrics = result.metrics.to_dict()
     metrics.update(wall_seconds=time.perf_counter() - started, build_seconds=build_seconds,
                    baseline_rss=baseline_rss, card=card)
-    Path(spec["out"]).write_text(json.dumps(metrics, indent=2))
+    out = Path(spec["out"])
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps(metrics, indent=2))
+    os.replace(partial, out)  # whole: the parent takes its existence as the run's end
     llm.close()
 
 
