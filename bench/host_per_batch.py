@@ -1,10 +1,10 @@
 """The runtime's host time per layer and GPU batch, by batch shape and by where the cache lives.
 
-`flexoff profile` times the host over one GPU batch of one sequence, on models too narrow to keep
-the device busy, and the cost model charges those figures per layer and batch. This times the same
-narrow models over the batch shapes real policies run (several batches; a cache travelling from
-host memory; one row of each batch on disk; 4-bit cache and weights), and sets beside each what the
-cost model charges for it on a profile. Where they differ, the planner's choice between many small
+`flexoff profile` times the host over a few GPU batches of one sequence (four on a GPU, one where
+the CPU computes), on models too narrow to keep the device busy, and the cost model charges those
+figures per layer and batch. This times the same narrow models over the batch shapes real policies
+run (more batches; a cache travelling from host memory; one row of each batch on disk; 4-bit cache
+and weights), and sets beside each what the cost model charges for it on a profile. Where they differ, the planner's choice between many small
 batches and a few large ones is off (an OPT-66B decode of 20 batches ran host-bound, a fifth over
 its charge).
 
