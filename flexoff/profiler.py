@@ -7,7 +7,6 @@ a memory budget in RAM, as everywhere in flexoff. Each measurement is kept raw i
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 import shutil
@@ -16,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import psutil
@@ -24,6 +23,8 @@ import torch
 
 from .errors import ConfigError
 from .host_overhead import GPU_BATCHES, host_overhead
+from .profile_kernels import (ProfileSizes, attention_rates, best_seconds, cpu_attention_rate, cpu_attention_seconds,
+                              dequant_rate, kv_quant_rate, matmul_curve)
 from .sparse_kernel import measure_sparse_rates
 from .planner.hardware import HardwareProfile, default_profile_path
 
@@ -35,19 +36,6 @@ STAGE_BYTES = 256 * MiB  # about one decoder layer's disk share
 CPU_ONLY_GPU_BUDGET = 0.25
 
 
-@dataclass(frozen=True)
-class ProfileSizes:
-    copy_bytes: tuple[int, ...]
-    disk_bytes: int
-    matmul_rows: tuple[int, ...]
-    matmul_inner: int
-    matmul_outer: int
-    attention_batch: int
-    dequant_elements: int
-    min_seconds: float  # repeat each timing until this much time has passed
-    cold_bytes: int  # CPU attention cycles through this much cache, more than CPU caches hold
-
-
 QUICK = ProfileSizes((16 * MiB, 64 * MiB, 256 * MiB), 256 * MiB, (1, 8, 32, 128, 512, 2048),
                      2048, 4096, 4, 16 * MiB, 0.1, 64 * MiB)
 FULL = ProfileSizes((64 * MiB, 256 * MiB, 1 * GiB), 4 * GiB, (1, 8, 32, 128, 512, 4096),
@@ -56,25 +44,6 @@ FULL = ProfileSizes((64 * MiB, 256 * MiB, 1 * GiB), 4 * GiB, (1, 8, 32, 128, 512
 # shapes they are launch-bound, and priced a full card's decode at under a third of what it ran at.
 QUICK_GPU = replace(QUICK, matmul_rows=FULL.matmul_rows, matmul_inner=FULL.matmul_inner, matmul_outer=FULL.matmul_outer,
                     attention_batch=FULL.attention_batch, dequant_elements=FULL.dequant_elements)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _time(fn, device: torch.device, min_seconds: float, max_repeats: int = 50) -> float:
-    """Best seconds per call of ``fn`` after one warm-up call."""
-    fn()
-    _sync(device)
-    best, spent, repeats = float("inf"), 0.0, 0
-    while (spent < min_seconds or repeats < 2) and repeats < max_repeats:
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        elapsed = time.perf_counter() - start
-        best, spent, repeats = min(best, elapsed), spent + elapsed, repeats + 1
-    return best
 
 
 def fit_bandwidth(sizes, seconds) -> tuple[float, float]:
@@ -99,7 +68,7 @@ def _copy_bandwidth(src_device, dst_device, sizes: ProfileSizes, pinned: bool):
             dst = dst.pin_memory()
         src.random_(0, 255)
         sync_device = dst_device if dst_device.type == "cuda" else src_device
-        seconds.append(_time(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), sync_device,
+        seconds.append(best_seconds(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), sync_device,
                              sizes.min_seconds))
         del src, dst  # free this size's buffers before allocating the next
     bandwidth, latency = fit_bandwidth(sizes.copy_bytes, seconds)
@@ -172,93 +141,6 @@ def _disk_bandwidth(directory: str, nbytes: int):
     return nbytes / read_seconds, nbytes / write_seconds, raw
 
 
-def _matmul_curve(device, dtype, sizes: ProfileSizes):
-    weight = torch.randn(sizes.matmul_inner, sizes.matmul_outer, device=device, dtype=dtype)
-    points, raw = [], []
-    for rows in sizes.matmul_rows:
-        x = torch.randn(rows, sizes.matmul_inner, device=device, dtype=dtype)
-        seconds = _time(lambda x=x: x @ weight, device, sizes.min_seconds)
-        flops = 2.0 * rows * sizes.matmul_inner * sizes.matmul_outer / seconds
-        raw.append({"rows": rows, "seconds": seconds, "flop_per_s": flops})
-        points.append([rows, flops])
-    # Noise can make a larger m look slower; the cost model wants the envelope.
-    for i in range(1, len(points)):
-        points[i][1] = max(points[i][1], points[i - 1][1])
-    return points, raw
-
-
-def _attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128, prompt=512, keys=544):
-    from .models.common import attention, attention_mask
-
-    batch = sizes.attention_batch * heads
-    # Prefill as the runtime runs it: its attention function, with a causal and padding mask.
-    q = torch.randn(sizes.attention_batch, heads, prompt, head_dim, device=device, dtype=dtype)
-    valid = torch.ones(sizes.attention_batch, prompt, dtype=torch.bool, device=device)
-    valid[::2, :prompt // 8] = False  # left padding on half the rows
-    mask = attention_mask(valid, 0, prompt)
-    prefill_seconds = _time(lambda: attention(q, q, q, mask), device, sizes.min_seconds)
-    q1 = torch.randn(batch, 1, head_dim, device=device, dtype=dtype)
-    cache = torch.randn(batch, keys, head_dim, device=device, dtype=dtype)
-
-    def decode():
-        scores = torch.softmax(q1 @ cache.transpose(1, 2), dim=-1)
-        return scores @ cache
-
-    decode_seconds = _time(decode, device, sizes.min_seconds)
-    big = torch.empty(sizes.dequant_elements, device=device, dtype=torch.float16)
-    copy = torch.empty_like(big)
-    copy_seconds = _time(lambda: copy.copy_(big), device, sizes.min_seconds)
-    return {
-        "prefill_attention_flop_per_s": 4.0 * batch * prompt * prompt * head_dim / prefill_seconds,
-        "decode_attention_flop_per_s": 4.0 * batch * keys * head_dim / decode_seconds,
-        "gpu_memory_bytes_per_s": 2.0 * big.numel() * 2 / copy_seconds,
-        "raw": {"heads_x_batch": batch, "head_dim": head_dim, "prompt": prompt, "keys": keys,
-                "prefill_seconds": prefill_seconds, "decode_seconds": decode_seconds,
-                "copy_bytes": big.numel() * 2, "copy_seconds": copy_seconds},
-    }
-
-
-def _cpu_attention_seconds(rows: int, sizes: ProfileSizes, heads=56, head_dim=128, keys=544) -> float:
-    """Seconds of one decode attention over ``rows`` sequences as the runtime runs it on the CPU: its
-    own function, over an fp16 cache in the row-major layout it keeps for CPU attention, with a
-    padding mask. Calls cycle through enough distinct caches (``sizes.cold_bytes`` in all) that none is
-    still in a CPU cache when it is read again, as a layer's cache is not in the runtime."""
-    from .runtime.kv import cpu_attention
-
-    shape = (rows, heads, keys, head_dim)
-    copies = max(1, -(-sizes.cold_bytes // (2 * 2 * math.prod(shape))))
-    q = torch.randn(rows, heads, 1, head_dim).half()
-    caches = [(torch.randn(shape).half(), torch.randn(shape).half()) for _ in range(copies)]
-    mask = torch.ones(rows, 1, 1, keys, dtype=torch.bool)
-    mask[:, :, :, :8] = False  # left padding
-
-    def attend():
-        for keys_cache, values_cache in caches:
-            cpu_attention(q, keys_cache.__getitem__, values_cache.__getitem__, mask)
-
-    return _time(attend, torch.device("cpu"), sizes.min_seconds) / copies
-
-
-def _cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544):
-    """CPU attention's FLOP/s and its fixed cost per call, fit to a full call (the full profile's
-    cache of 32 sequences of an OPT-30B layer, 0.5 GB, is larger than CPU caches, as real ones are)
-    and a call of a few sequences: seconds = per_call + FLOPs / rate."""
-    from .layout import CPU_ATTENTION_ROWS
-
-    flops_per_row = 4.0 * heads * keys * head_dim
-    small = 2
-    large = min(max(2 * sizes.attention_batch, 2 * small), CPU_ATTENTION_ROWS)
-    large_seconds = _cpu_attention_seconds(large, sizes, heads, head_dim, keys)
-    small_seconds = _cpu_attention_seconds(small, sizes, heads, head_dim, keys)
-    slope = (large_seconds - small_seconds) / (large - small)
-    raw = {"heads": heads, "keys": keys, "head_dim": head_dim, "rows": [small, large],
-           "seconds": [small_seconds, large_seconds], "threads": torch.get_num_threads()}
-    per_call = small_seconds - small * slope
-    if slope <= 0 or per_call <= 0:  # timing noise: no fixed cost can be told apart from the FLOPs
-        return large * flops_per_row / large_seconds, 0.0, raw
-    return flops_per_row / slope, per_call, raw
-
-
 def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
     """Read back, through the disk tier's own reads, a file just written: what a disk tier that
     fits in the free host memory sees, since the page cache keeps its pages. Stages are read into
@@ -284,7 +166,7 @@ def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
             for read in in_flight:
                 read.result()
 
-        seconds = _time(read_all, torch.device("cpu"), 0.0, max_repeats=3)
+        seconds = best_seconds(read_all, torch.device("cpu"), 0.0, max_repeats=3)
     finally:
         disk.close()
     return len(offsets) * stage / seconds, {"bytes": len(offsets) * stage, "seconds": seconds,
@@ -327,36 +209,9 @@ def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device, 
     share of its speed without them (``alone`` seconds)."""
     nbytes = max(sizes.copy_bytes)
     with copies_streaming(compute, nbytes):
-        together = _cpu_attention_seconds(rows, sizes)
+        together = cpu_attention_seconds(rows, sizes)
     share = min(1.0, alone / together)
     return share, {"rows": rows, "alone_seconds": alone, "under_copy_seconds": together, "copy_bytes": nbytes}
-
-
-def _dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, shape: tuple[int, ...] = (4096,)):
-    """4-bit dequantization through flexoff's own codec, as the runtime runs it, of a tensor whose
-    trailing dimensions are ``shape``, grouped along the last: a weight's rows, or a slot-major KV
-    cache's (sequences, heads, head_dim) slots."""
-    from .compression import dequantize, quantize
-
-    lead = max(1, sizes.dequant_elements // math.prod(shape))
-    full = (lead, *shape)
-    packed = quantize(torch.randn(full, device=device, dtype=torch.float16), bits=4, group_size=group_size)
-    out = torch.empty(full, device=device, dtype=torch.float16)
-    seconds = _time(lambda: dequantize(packed, out=out), device, sizes.min_seconds)
-    return out.numel() / seconds, {"shape": list(full), "group_size": group_size, "seconds": seconds}
-
-
-def _kv_quant_rate(device, dtype, sizes: ProfileSizes, heads=32, prompt=512, head_dim=128):
-    """Quantizing a prefill's keys (batch, heads, prompt, head_dim) into a slot-major compressed
-    cache, through the codec as the runtime calls it."""
-    from .compression import CompressedTensor, quantize
-    from .runtime.kv_storage import SLOT_MAJOR
-
-    keys = torch.randn(sizes.attention_batch, heads, prompt, head_dim, device=device, dtype=dtype)
-    out = CompressedTensor.empty(SLOT_MAJOR.shape(prompt, sizes.attention_batch, heads, head_dim), dtype,
-                                 4, 64, -1, device)
-    seconds = _time(lambda: quantize(SLOT_MAJOR.arrange(keys), 4, 64, -1, out=out), device, sizes.min_seconds)
-    return keys.numel() / seconds, {"shape": list(keys.shape), "group_size": 64, "seconds": seconds}
 
 
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
@@ -413,17 +268,17 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
             cached_read, measurements["disk_cached_read_under_copy"] = cached_read_bandwidth(
                 disk_dir, sizes.disk_bytes // 2)
     log("matmuls at several row counts")
-    curve, measurements["matmul"] = _matmul_curve(compute, dtype, sizes)
+    curve, measurements["matmul"] = matmul_curve(compute, dtype, sizes)
     notes["matmul_flop_per_s"] = (f"measured: {str(dtype).replace('torch.', '')} [m x {sizes.matmul_inner}] . "
                                   f"[{sizes.matmul_inner} x {sizes.matmul_outer}]; fit: running maximum over m, "
                                   "interpolated log-log between the points")
     log("attention and dequantization")
-    attention = _attention_rates(compute, dtype, sizes)
+    attention = attention_rates(compute, dtype, sizes)
     measurements["attention"] = attention.pop("raw")
-    cpu_attention, cpu_attention_call, measurements["cpu_attention"] = _cpu_attention_rate(sizes)
-    gpu_dequant, measurements["gpu_dequant"] = _dequant_rate(compute, sizes)
-    kv_dequant, measurements["gpu_kv_dequant"] = _dequant_rate(compute, sizes, shape=(32, 8, 128))
-    kv_quant, measurements["gpu_kv_quant"] = _kv_quant_rate(compute, dtype, sizes)
+    cpu_attention, cpu_attention_call, measurements["cpu_attention"] = cpu_attention_rate(sizes)
+    gpu_dequant, measurements["gpu_dequant"] = dequant_rate(compute, sizes)
+    kv_dequant, measurements["gpu_kv_dequant"] = dequant_rate(compute, sizes, shape=(32, 8, 128))
+    kv_quant, measurements["gpu_kv_quant"] = kv_quant_rate(compute, dtype, sizes)
     log("the runtime's host time per layer")
     host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(
         compute, dtype, offload_dir=disk_dir, batches=GPU_BATCHES if use_cuda else 1)
@@ -432,7 +287,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         log("the routed experts of each mixture-of-experts shape")
         # bfloat16: the mixtures' own dtype, which dtype auto runs them in on a GPU.
         sparse, measurements["sparse_mlp"] = measure_sparse_rates(
-            compute, torch.bfloat16, lambda fn: _time(fn, compute, sizes.min_seconds), log=log)
+            compute, torch.bfloat16, lambda fn: best_seconds(fn, compute, sizes.min_seconds), log=log)
         notes["sparse_mlp_flop_per_s"] = ("measured: a sparse layer's routed experts as the runtime runs them "
                                           "(routing, sort by expert, grouped matmuls, weighted sum), bfloat16, random "
                                           "weights, each expert shape of the registry; FLOP/s of the experts a token "
@@ -444,7 +299,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(
             sizes, compute, timed["rows"][-1], timed["seconds"][-1])
     if use_cuda:
-        cpu_dequant, measurements["cpu_dequant"] = _dequant_rate(cpu, sizes)
+        cpu_dequant, measurements["cpu_dequant"] = dequant_rate(cpu, sizes)
     else:
         cpu_dequant = gpu_dequant
     notes["compute"] = ("measured: the runtime's attention (32 heads x 128; prefill of 512 with a causal and padding "

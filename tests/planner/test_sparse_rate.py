@@ -101,10 +101,10 @@ def test_the_profiler_rates_a_shape_by_the_flops_of_the_experts_each_token_is_ro
 def test_on_a_gpu_the_profiler_times_routed_experts_in_bfloat16_by_the_grouped_kernel():
     """What `flexoff profile` measures on a GPU: a rate for every point, rising from a decode-sized
     call (64 tokens) to the shape's prefill chunk, where every expert gets many rows."""
-    from flexoff.profiler import _time
+    from flexoff.profile_kernels import best_seconds
 
     cfg = REGISTRY["qwen3-30b-a3b"].replace(hidden_size=512, expert_intermediate_size=256)
     device = torch.device("cuda")
-    (rate,), _ = measure_sparse_rates(device, torch.bfloat16, lambda fn: _time(fn, device, 0.05), configs=[cfg])
+    (rate,), _ = measure_sparse_rates(device, torch.bfloat16, lambda fn: best_seconds(fn, device, 0.05), configs=[cfg])
     flops = [f for _, f in rate.points]
     assert all(f > 0 for f in flops) and flops[-1] > flops[0]
