@@ -73,28 +73,30 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: s
     weights per pass over them (several batches make one). A GPU's policies run many batches a layer,
     and a lone batch misses host work each of them adds (it priced a 20-batch decode a fifth under
     its host's time); where the CPU is the compute device, it runs one."""
+    from dataclasses import replace
+
     from .policy import CompressionConfig, Policy, TierFractions
 
     gpu, cpu, disk = TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(0, 0, 1)
     four_bit = CompressionConfig(4, 64)
     on_device = Policy(1, batches, gpu, gpu, gpu)
-    travelling = Policy(1, batches, gpu, cpu, gpu, compress_cache=four_bit)
+    travelling = replace(on_device, cache=cpu, compress_cache=four_bit)
+    # Disk rows against host rows over several batches: each batch's reads and writes run on
+    # helper threads beside the main thread, and over one batch they overlap the others less.
+    several = replace(travelling, num_gpu_batches=DISK_BATCHES)
     variants = {
         "on the device": (on_device, OPT_FIELDS),
-        "cache travels": (Policy(1, batches, gpu, cpu, gpu), OPT_FIELDS),
+        "cache travels": (replace(on_device, cache=cpu), OPT_FIELDS),
         "compressed cache travels": (travelling, OPT_FIELDS),
-        "compressed weights": (Policy(1, batches, gpu, gpu, gpu, compress_weight=four_bit), OPT_FIELDS),
+        "compressed weights": (replace(on_device, compress_weight=four_bit), OPT_FIELDS),
         "llama": (on_device, LLAMA_FIELDS),
         "sparse": (on_device, SPARSE_FIELDS),
-        # Disk rows against host rows over several batches: each batch's reads and writes run on
-        # helper threads beside the main thread, and over one batch they overlap the others less.
-        "compressed cache on disk, several batches": (Policy(1, DISK_BATCHES, gpu, disk, gpu, compress_cache=four_bit),
-                                                      OPT_FIELDS),
+        "compressed cache on disk, several batches": (replace(several, cache=disk), OPT_FIELDS),
     }
     disk_reference = "compressed cache travels"
     if batches != DISK_BATCHES:
         disk_reference = "compressed cache travels, several batches"
-        variants[disk_reference] = (Policy(1, DISK_BATCHES, gpu, cpu, gpu, compress_cache=four_bit), OPT_FIELDS)
+        variants[disk_reference] = (several, OPT_FIELDS)
     measured = decode_seconds_by_case(
         compute, dtype, {name: (policy, fields, policy.gpu_batch_size * policy.num_gpu_batches)
                          for name, (policy, fields) in variants.items()}, repeats, offload_dir)

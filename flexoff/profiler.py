@@ -22,7 +22,7 @@ import psutil
 import torch
 
 from .errors import ConfigError
-from .host_overhead import GPU_BATCHES, host_overhead
+from .host_overhead import DISK_BATCHES, GPU_BATCHES, host_overhead
 from .profile_kernels import (ProfileSizes, attention_rates, best_seconds, cpu_attention_rate, cpu_attention_seconds,
                               dequant_rate, kv_quant_rate, matmul_curve)
 from .sparse_kernel import measure_sparse_rates
@@ -313,7 +313,7 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     batches = measurements["host_overhead"]["gpu_batches"]
     notes["host_seconds"] = (f"measured: decode of {batches} GPU batch(es) of one sequence through the runtime on "
                              "128-wide OPT models of 2 and 10 layers, all on the device, with the cache travelling "
-                             "(plain and 4-bit, and 4-bit on disk over 4 batches), and with 4-bit weights; and on "
+                             f"(plain and 4-bit, and 4-bit on disk over {DISK_BATCHES} batches), and with 4-bit weights; and on "
                              "Llama-family models alike, dense and with 8 experts (2 a token); fit: the slope per "
                              "batch is per layer and batch, the intercept per batch and step, the extras are "
                              "differences of slopes (4-bit weights': per pass over a layer)")
