@@ -377,17 +377,17 @@ class BatchKV:
                 for source, target in zip(runs[group], pair):
                     for part, into in zip(self.fmt.parts(source.narrow(0, start, 1)), self.fmt.parts(target)):
                         into.copy_(part, non_blocking=True)
-                taken.append((group, ring_index, pair))
+                taken.append((group, ring_index))
         copied = self.workspace.free_events[index] = streams.record(streams.store)
 
         def write() -> None:
             if copied is not None:
                 copied.synchronize()
-            for group, ring_index, _ in taken:
+            for group, ring_index in taken:
                 group.write_slot(layer, start, ring_index)
 
         job = self._written[layer] = self.worker.submit(write, None)
-        for group, ring_index, _ in taken:
+        for group, ring_index in taken:
             group.wrote_slot_pair(ring_index, job)
 
     def nbytes_by_tier(self) -> dict[str, int]:
