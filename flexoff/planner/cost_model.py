@@ -257,6 +257,7 @@ class CostModel:
         shipped = 0.0 * c_off if cpu_att else c_off  # off-GPU cache that travels to be attended on the GPU
         gpu_att = p.cg + shipped  # share of decode attention on the GPU
         cpu_share = c_off if cpu_att else 0.0 * c_off
+        disk_cache_read = p.cd * kv * s_avg * bls  # bytes of the cache's disk rows a decode layer reads
         # The host issues more per batch where the cache travels or attention reads a compressed
         # one, and per pass over compressed weights (as measured: rows off the GPU in proportion).
         decode_host = (host + nb * (shipped * hw.host_seconds_per_travelling_layer
@@ -266,7 +267,7 @@ class CostModel:
                        # Disk rows' reads hold up the batches they feed, a layer ahead at most: measured
                        # in series with the host's work, at about the disk's cold read rate although the
                        # page cache serves them, not beside it as another stream.
-                       + p.cd * kv * s_avg * bls / hw.disk_to_cpu_bandwidth)
+                       + disk_cache_read / hw.disk_to_cpu_bandwidth)
         decode_io = {
             "cpu_to_gpu": (w_off * W_decode + h_off * act * bls
                            + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))
@@ -274,7 +275,7 @@ class CostModel:
             # New keys and values go to the cache's home; with CPU attention the query goes too.
             "gpu_to_cpu": c_off * kv * bls / hw.gtoc_cache_bandwidth
             + (h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * W_decode + p.hd * act * bls + p.cd * kv * s_avg * bls) / disk_read,
+            "disk_to_cpu": (p.wd * W_decode + p.hd * act * bls + disk_cache_read) / disk_read,
             "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
             "host": decode_host,
         }
