@@ -338,3 +338,14 @@ def test_memory_running_out_past_the_plan_is_one_line(tiny_model_dir, tmp_path, 
     assert len(err) == 1 and "Traceback" not in err[0], err
     assert err[0].startswith("flexoff: error: out of GPU memory while running (CUDA out of memory. Tried to "
                              "allocate 384.00 MiB)"), err
+
+
+def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
+    """`flexoff search ... | head -1`: the reader may close the pipe before the search prints; the
+    search must end without a traceback (exit 141, as a shell reports SIGPIPE), not with
+    BrokenPipeError's. `true` reads nothing, and exits long before the search has imported torch."""
+    command = (f"{sys.executable} -m flexoff search --model opt-30b --hardware h100 --gpu-mem 16GiB"
+               " | true; echo \"rc=${PIPESTATUS[0]}\"")
+    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout.strip().endswith("rc=141"), proc.stdout

@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("flexoff: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of our output went away (`flexoff search | head`)
+        _silence_stdout()
+        return 141  # what a shell reports for a process ended by SIGPIPE
     except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         if isinstance(exc, RuntimeError) and lost_peers(exc):
             print(f"flexoff: error: rank {os.environ['RANK']} lost its peers ({_first_line(exc)}); a process of the "
@@ -190,6 +193,17 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(out_of_memory_line(exc), file=sys.stderr)
         return 1
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit finds no closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file descriptor (a test's capture)
+        pass
+    finally:
+        os.close(devnull)
 
 
 def lost_peers(exc: RuntimeError) -> bool:
