@@ -9,11 +9,19 @@ batches and a few large ones is off (an OPT-66B decode of 20 batches ran host-bo
 its charge).
 
     python bench/host_per_batch.py [--hardware h100] [--repeats 3] [--offload-dir /tmp/off] [--only TEXT]
+                                   [--cprofile DIR]
+
+`--cprofile DIR` also runs each case's deeper model once more under cProfile and writes where the
+main thread's time went (by own time and by cumulative time) to a file per case in DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoff.host_overhead import DEPTHS, OPT_FIELDS, STEPS, decode_seconds_per_layer  # noqa: E402
+from flexoff.runtime.batch import Sequence  # noqa: E402
+from flexoff.runtime.engine import Engine  # noqa: E402
+from flexoff.runtime.sampling import SamplingParams  # noqa: E402
+from flexoff.weights.dummy import DummyWeights  # noqa: E402
 from flexoff.models.config import ModelConfig  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
@@ -51,6 +63,31 @@ def charged(policy: Policy, hardware) -> float:
     return CostModel(config, workload, hardware).predict(policy).decode.io["host"] / policy.num_gpu_batches
 
 
+def profile_calls(device, dtype, policy: Policy, offload: str, path: Path) -> None:
+    """One run of the deeper model under cProfile, after a warm-up run, written to ``path``: the
+    functions by own time and by cumulative time, with the calls per decode layer and batch."""
+    config = ModelConfig(name="host-per-batch", num_layers=DEPTHS[1], **OPT_FIELDS)
+    rows = policy.gpu_batch_size * policy.num_gpu_batches
+    params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
+    engine = Engine(config, DummyWeights(0), policy, device, dtype, offload_dir=offload)
+    try:
+        engine.generate_block([Sequence(i, [5] * 8, params, 0) for i in range(rows)])
+        profiler = cProfile.Profile()
+        profiler.enable()
+        engine.generate_block([Sequence(i, [5] * 8, params, 0) for i in range(rows)])
+        profiler.disable()
+    finally:
+        engine.close()
+    layer_batches = (STEPS + 1) * DEPTHS[1] * policy.num_gpu_batches
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    text.write(f"{policy_summary(policy)}\n{stats.total_calls} calls, {stats.total_calls / layer_batches:.0f} "
+               f"per layer and batch ({layer_batches} layer-batches, prefill included)\n")
+    for key in ("tottime", "cumulative"):
+        stats.sort_stats(key).print_stats(45)
+    path.write_text(text.getvalue())
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hardware", default="h100", help="the profile whose charges to show (default h100)")
@@ -58,6 +95,8 @@ def main() -> int:
     parser.add_argument("--offload-dir", default=None, help="where disk rows go (default: a temporary folder)")
     parser.add_argument("--only", action="append", metavar="TEXT",
                         help="time only the policies whose summary holds TEXT (e.g. 'c 0/75/25'); repeatable")
+    parser.add_argument("--cprofile", type=Path, metavar="DIR",
+                        help="also write each case's cProfile of the main thread to a file in DIR")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -77,6 +116,10 @@ def main() -> int:
             measured, price = per_layer / policy.num_gpu_batches, charged(policy, hardware)
             print(f"| {policy_summary(policy)} | {measured * 1e3:.3f} | {price * 1e3:.3f} | {measured / price:.2f} |",
                   flush=True)
+            if args.cprofile:
+                args.cprofile.mkdir(parents=True, exist_ok=True)
+                name = re.sub(r"[^A-Za-z0-9.]+", "_", policy_summary(policy)).strip("_")
+                profile_calls(device, dtype, policy, offload, args.cprofile / f"{name}.txt")
     return 0
 
 
