@@ -31,19 +31,23 @@ POLICIES = {
 PROMPT, NEW = 5, 3
 
 
-def held_tensor_bytes(root, device: torch.device) -> int:
+def held_tensor_bytes(root, device: torch.device, views_once: bool = False) -> int:
     """Bytes of every tensor on ``device`` reachable from ``root`` through flexoff objects,
     containers and compressed tensors, each tensor object once. Host memory pools are not entered:
-    their allocations are reached as the views handed out."""
-    seen, total, stack = set(), 0, [root]
+    their allocations are reached as the views handed out. ``views_once``: count the bytes the
+    tensors span, each byte once, so that views of a buffer kept beside it (the workspace's runs
+    cut from its sets) count as the buffer."""
+    seen, spans, stack = set(), [], [root]
     while stack:
         obj = stack.pop()
         if id(obj) in seen or isinstance(obj, HostMemory):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            if obj.device == device:
-                total += obj.numel() * obj.element_size()
+            if obj.device == device and obj.numel():
+                extent = 1 + sum((size - 1) * stride for size, stride in zip(obj.shape, obj.stride()))
+                spans.append((obj.data_ptr(), obj.data_ptr() + extent * obj.element_size(),
+                              obj.numel() * obj.element_size()))
         elif isinstance(obj, CompressedTensor):
             stack += [obj.data, obj.scale, obj.minimum]
         elif isinstance(obj, dict):
@@ -52,6 +56,12 @@ def held_tensor_bytes(root, device: torch.device) -> int:
             stack += list(obj)
         elif type(obj).__module__.startswith("flexoff") and hasattr(obj, "__dict__"):
             stack += list(vars(obj).values())
+    if not views_once:
+        return sum(nbytes for _, _, nbytes in spans)
+    total, reached = 0, 0
+    for start, stop, _ in sorted(spans):
+        total += max(0, stop - max(start, reached))
+        reached = max(reached, stop)
     return total
 
 
@@ -83,7 +93,7 @@ def _check_allocations(path, tmp_path, policy, device, monkeypatch):
         llm.generate([[7] * PROMPT] * policy.block_size, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
         # The GPU workspace the block's batches share.
         planned_workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, PROMPT + NEW, dtype.itemsize)
-        assert [held_tensor_bytes(w, llm.device) if w is not None else None for w in workspaces] == [
+        assert [held_tensor_bytes(w, llm.device, views_once=True) if w is not None else None for w in workspaces] == [
             planned_workspace.nbytes(dtype.itemsize) if planned_workspace is not None else None]
         files = offload_files(tmp_path)
         block = block_disk_files(cfg, policy, PROMPT, PROMPT + NEW, dtype.itemsize)
