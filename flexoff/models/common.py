@@ -63,8 +63,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """Softmax attention with grouped KV heads.
 
     q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, keys, head_dim);
-    mask: bool (batch, 1, seq, keys), True where a query may attend. Every row must allow at
-    least one key, otherwise softmax yields NaN that would leak through the cache.
+    mask: bool (batch, 1, seq, keys), True where a query may attend, or that mask as
+    :func:`attention_bias` makes it. Every row must allow at least one key, otherwise softmax
+    yields NaN that would leak through the cache.
     """
     batch, heads, seq, head_dim = q.shape
     groups = heads // k.shape[1]
@@ -80,6 +81,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return out.reshape(batch, heads, seq, head_dim)
+
+
+# The memory-efficient CUDA kernel reads a bias whose strides (but the last) are multiples of this
+# many entries; it pads any other bias into a new tensor on every call.
+BIAS_ALIGNMENT = 16
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive bias attention turns it into (0 where a query may attend,
+    -inf elsewhere, in ``dtype``), so that the step's layers share one conversion instead of each
+    converting, and on CUDA padding, the mask again. Each row is stored padded to BIAS_ALIGNMENT
+    entries, and the bias is a view of its first ``keys`` columns."""
+    keys = mask.shape[-1]
+    padded = -(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+    bias = torch.full((*mask.shape[:-1], padded), float("-inf"), dtype=dtype, device=mask.device)
+    return bias[..., :keys].masked_fill_(mask, 0.0)
 
 
 def attention_mask(valid: torch.Tensor, start: int, num_queries: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models import ModelConfig, architecture
-from ..models.common import attention_mask
+from ..models.common import attention_bias, attention_mask
 from .activations import BatchActivations
 from .kv import BatchKV
 from .sampler import Ranked
@@ -127,7 +127,8 @@ class GpuBatch:
             self.input_ids = torch.tensor(last, device=self.device)[:, None]
             self.positions = (self.lengths + token - 1)[:, None]
         self.start = self.slot_start(token)
-        self.mask = attention_mask(valid, self.start, self.input_ids.shape[1])
+        # One bias for all the step's layers: each attention call would convert a boolean mask anew.
+        self.mask = attention_bias(attention_mask(valid, self.start, self.input_ids.shape[1]), self.dtype)
         self.context = self.arch.step_context(self.cfg, self.positions, self.dtype)
 
     def prefill_row(self, row: int) -> int:
