@@ -61,14 +61,14 @@ def matmul_curve(device, dtype, sizes: ProfileSizes):
 
 
 def attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128, prompt=512, keys=544):
-    from .models.common import attention, attention_bias, attention_mask
+    from .models.common import attention, attention_mask
 
     batch = sizes.attention_batch * heads
     # Prefill as the runtime runs it: its attention function, with a causal and padding mask.
     q = torch.randn(sizes.attention_batch, heads, prompt, head_dim, device=device, dtype=dtype)
     valid = torch.ones(sizes.attention_batch, prompt, dtype=torch.bool, device=device)
     valid[::2, :prompt // 8] = False  # left padding on half the rows
-    mask = attention_bias(attention_mask(valid, 0, prompt), dtype)
+    mask = attention_mask(valid, 0, prompt)
     prefill_seconds = best_seconds(lambda: attention(q, q, q, mask), device, sizes.min_seconds)
     q1 = torch.randn(batch, 1, head_dim, device=device, dtype=dtype)
     cache = torch.randn(batch, keys, head_dim, device=device, dtype=dtype)

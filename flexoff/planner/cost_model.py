@@ -377,7 +377,7 @@ class CostModel:
                       + buffers
                       + 2 * (1 - p.hg) * act * gbs
                       + workspace
-                      + frame.num_gpu_batches * step_state_bytes(c, gbs, 1, s_max, FP16_BYTES)
+                      + frame.num_gpu_batches * step_state_bytes(c, gbs, 1, s_max, FP16_BYTES, decode=True)
                       + intermediates(gbs, s_max))
         # The CPU stages what moves between disk and GPU.
         weight_factor, cache_factor = self.pinned_host_factors(frame)

@@ -127,8 +127,11 @@ class GpuBatch:
             self.input_ids = torch.tensor(last, device=self.device)[:, None]
             self.positions = (self.lengths + token - 1)[:, None]
         self.start = self.slot_start(token)
-        # One bias for all the step's layers: each attention call would convert a boolean mask anew.
-        self.mask = attention_bias(attention_mask(valid, self.start, self.input_ids.shape[1]), self.dtype)
+        self.mask = attention_mask(valid, self.start, self.input_ids.shape[1])
+        if token > 0:
+            # One bias for all of a decode step's layers, where each call converting the mask was
+            # host time; the prefill keeps the boolean mask, half the memory of a bias over its keys.
+            self.mask = attention_bias(self.mask, self.dtype)
         self.context = self.arch.step_context(self.cfg, self.positions, self.dtype)
 
     def prefill_row(self, row: int) -> int:

@@ -261,8 +261,9 @@ def test_everything_on_gpu_memory_by_hand(model):
     # The batch's attention mask for the step, 2 rows x 4 queries x 4 keys of one byte: 32.
     assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 64 + 448 + 1200 + 128 + 160 + 100 + 32)
     # decode: hidden 8 x 2; attention's 2 rows x (32 + 7 keys x 3 + 8) = 122 is below the head
-    # step's 1200 too; two hidden copies 32; the mask 2 rows x 7 keys
-    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 16 + 448 + 1200 + 32 + 160 + 100 + 14)
+    # step's 1200 too; two hidden copies 32; the step's attention bias, 2 rows x 7 keys padded to
+    # 16, of 2 B: 64
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 16 + 448 + 1200 + 32 + 160 + 100 + 64)
     assert p.peak_memory == {"gpu": pytest.approx(3076), "cpu": 0, "disk": 0}
 
 
@@ -274,9 +275,10 @@ def test_a_long_prompt_makes_attention_the_prefills_largest_transient(tiny_llama
     # 4 B: 64 x 160 = 10240) over the MLP's 3 x 64 x 12 x 2 B = 4608 and the head step's 1200, and
     # two hidden copies 2048. Decode: the head step's 1200 (attention takes 2 x (48 + 35 x 3 + 16)
     # = 338), two hidden copies 64. The step's mask and rotary cos and sin (head_dim 2, fp16):
-    # 2 x 32 x (32 + 8) = 2560 at the prefill, 2 x (35 + 8) = 86 at the decode.
+    # 2 x 32 x (32 + 8) = 2560 at the prefill; at the decode the bias, 35 keys padded to 48 of 2 B,
+    # and the rotary tables: 2 x (96 + 8) = 208.
     difference = p.memory_by_phase[("gpu", "prefill")] - p.memory_by_phase[("gpu", "decode")]
-    assert difference == pytest.approx(992 + 10240 + 2048 - 1200 - 64 + 2560 - 86)
+    assert difference == pytest.approx(992 + 10240 + 2048 - 1200 - 64 + 2560 - 208)
 
 
 def test_offloaded_activations_add_their_copies_to_the_compute(model):
@@ -303,8 +305,8 @@ def test_offloaded_memory_counts_double_buffers(model):
     # on the GPU
     assert p.memory_by_phase[("gpu", "prefill")] == pytest.approx(944 + 128 + 4 * 128 + 1328 + 100 + 32)
     # decode: two hidden buffers (8 x 2 each), two batches of cache (16 x 7 x 2 each), transients
-    # 1200 + 32, state 100, mask 14
-    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 1232 + 100 + 14)
+    # 1200 + 32, state 100, the step's bias 64 (2 rows x 7 keys padded to 16, of 2 B)
+    assert p.memory_by_phase[("gpu", "decode")] == pytest.approx(944 + 32 + 448 + 1232 + 100 + 64)
     assert p.memory_by_phase[("cpu", "prefill")] == pytest.approx(944 + 448 + 64)
     assert p.peak_memory["cpu"] == pytest.approx(1456)
 
