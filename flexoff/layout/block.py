@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models import ModelConfig, moe
-from ..models.common import BIAS_ALIGNMENT
+from ..models.common import bias_row_entries
 from ..policy import TIERS, CompressionConfig, Policy
 from .head import head_step_bytes, sampler_state_bytes
 from .host import HOST_CHUNK, HOST_JOBS_IN_FLIGHT, disk_file_bytes, slab_bytes
@@ -85,11 +85,11 @@ def attention_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
 def step_state_bytes(cfg: ModelConfig, rows: int, queries: int, keys: int, itemsize: int,
                      decode: bool = False) -> int:
     """A GPU batch's state for one token step, kept from its first stage to its last: the attention
-    mask (one bool per query and key; at a decode step, the additive bias attention takes, one
-    value per key with the keys padded to BIAS_ALIGNMENT) and, for rotary models, the cos and sin
-    of each query's position. At the prefill every batch of the block holds its own at once."""
+    mask (one bool per query and key; at a decode step, the additive bias attention takes, its
+    keys stored padded as ``models.common.bias_row_entries`` says) and, for rotary models, the cos
+    and sin of each query's position. At the prefill every batch of the block holds its own at once."""
     rotary = 2 * cfg.head_dim * itemsize if cfg.family == "llama" else 0
-    mask = -(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT * itemsize if decode else keys
+    mask = bias_row_entries(keys) * itemsize if decode else keys
     return rows * queries * (mask + rotary)
 
 

@@ -88,14 +88,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 BIAS_ALIGNMENT = 16
 
 
+def bias_row_entries(keys: int) -> int:
+    """Entries a bias row over ``keys`` keys is stored in: ``keys`` rounded up to BIAS_ALIGNMENT."""
+    return -(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
+
+
 def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A boolean mask as the additive bias attention turns it into (0 where a query may attend,
     -inf elsewhere, in ``dtype``), so that the step's layers share one conversion instead of each
-    converting, and on CUDA padding, the mask again. Each row is stored padded to BIAS_ALIGNMENT
+    converting, and on CUDA padding, the mask again. Each row is stored in ``bias_row_entries``
     entries, and the bias is a view of its first ``keys`` columns."""
     keys = mask.shape[-1]
-    padded = -(-keys // BIAS_ALIGNMENT) * BIAS_ALIGNMENT
-    bias = torch.full((*mask.shape[:-1], padded), float("-inf"), dtype=dtype, device=mask.device)
+    bias = torch.full((*mask.shape[:-1], bias_row_entries(keys)), float("-inf"), dtype=dtype, device=mask.device)
     return bias[..., :keys].masked_fill_(mask, 0.0)
 
 
