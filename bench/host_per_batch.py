@@ -31,15 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoff.host_overhead import DEPTHS, OPT_FIELDS, STEPS, decode_seconds_per_layer  # noqa: E402
-from flexoff.runtime.batch import Sequence  # noqa: E402
-from flexoff.runtime.engine import Engine  # noqa: E402
-from flexoff.runtime.sampling import SamplingParams  # noqa: E402
-from flexoff.weights.dummy import DummyWeights  # noqa: E402
 from flexoff.models.config import ModelConfig  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
+from flexoff.runtime.batch import Sequence  # noqa: E402
+from flexoff.runtime.engine import Engine  # noqa: E402
+from flexoff.runtime.sampling import SamplingParams  # noqa: E402
+from flexoff.weights.dummy import DummyWeights  # noqa: E402
 
 GPU, CPU = TierFractions(1, 0, 0), TierFractions(0, 1, 0)
 FOUR_BIT = CompressionConfig(4, 64)
@@ -56,9 +56,14 @@ def cases() -> list[Policy]:
     return policies
 
 
+def deeper_model() -> ModelConfig:
+    """The deeper of the two narrow models a case is timed on: the one charged and profiled."""
+    return ModelConfig(name="host-per-batch", num_layers=DEPTHS[1], **OPT_FIELDS)
+
+
 def charged(policy: Policy, hardware) -> float:
     """What the cost model charges the host per decode layer and batch, for the deeper model."""
-    config = ModelConfig(name="host-per-batch", num_layers=DEPTHS[1], **OPT_FIELDS)
+    config = deeper_model()
     workload = Workload(8, STEPS + 1, policy.gpu_batch_size * policy.num_gpu_batches)
     return CostModel(config, workload, hardware).predict(policy).decode.io["host"] / policy.num_gpu_batches
 
@@ -66,15 +71,17 @@ def charged(policy: Policy, hardware) -> float:
 def profile_calls(device, dtype, policy: Policy, offload: str, path: Path) -> None:
     """One run of the deeper model under cProfile, after a warm-up run, written to ``path``: the
     functions by own time and by cumulative time, with the calls per decode layer and batch."""
-    config = ModelConfig(name="host-per-batch", num_layers=DEPTHS[1], **OPT_FIELDS)
-    rows = policy.gpu_batch_size * policy.num_gpu_batches
     params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
-    engine = Engine(config, DummyWeights(0), policy, device, dtype, offload_dir=offload)
+    engine = Engine(deeper_model(), DummyWeights(0), policy, device, dtype, offload_dir=offload)
+
+    def block() -> None:
+        engine.generate_block([Sequence(i, [5] * 8, params, 0) for i in range(policy.block_size)])
+
     try:
-        engine.generate_block([Sequence(i, [5] * 8, params, 0) for i in range(rows)])
+        block()  # warm-up
         profiler = cProfile.Profile()
         profiler.enable()
-        engine.generate_block([Sequence(i, [5] * 8, params, 0) for i in range(rows)])
+        block()
         profiler.disable()
     finally:
         engine.close()
@@ -110,7 +117,7 @@ def main() -> int:
         for policy in cases():
             if args.only and not any(text in policy_summary(policy) for text in args.only):
                 continue
-            rows = policy.gpu_batch_size * policy.num_gpu_batches
+            rows = policy.block_size
             per_layer, _ = decode_seconds_per_layer(device, dtype, policy, OPT_FIELDS, args.repeats, sequences=rows,
                                                     offload_dir=offload)
             measured, price = per_layer / policy.num_gpu_batches, charged(policy, hardware)
