@@ -30,17 +30,40 @@ def _run_child(argv: list[str], log_file: Path, timeout: float,
     with open(log_file, "w") as log:
         # Its own session, so that a timeout kills whatever it started as well.
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
-    deadline = started + timeout
+    # Stopped from outside (a time limit around the whole call, Ctrl-C), this process takes the run
+    # with it: in a session of its own the run would live on, holding its pinned host memory, and
+    # the next call's first run would find the host's RAM taken.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return _wait(proc.pid, started, started + timeout, done)
+    except BaseException:
+        try:
+            _kill(proc.pid)
+        except (ProcessLookupError, ChildProcessError):  # it had ended on its own
+            pass
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _kill(pid: int):
+    os.killpg(pid, signal.SIGKILL)
+    return os.wait4(pid, 0)[2]
+
+
+def _wait(pid: int, started: float, deadline: float, done: Path | None) -> tuple[int | None, int, float]:
     while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
+        waited, status, usage = os.wait4(pid, os.WNOHANG)
+        if waited:
             return os.waitstatus_to_exitcode(status), usage.ru_maxrss * 1024, time.time() - started
         if done is not None and done.exists():
             deadline, done = max(deadline, time.time() + EXIT_GRACE_SECONDS), None
         if time.time() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            _, _, usage = os.wait4(proc.pid, 0)
-            return None, usage.ru_maxrss * 1024, time.time() - started
+            return None, _kill(pid).ru_maxrss * 1024, time.time() - started
         time.sleep(POLL_SECONDS)
 
 
