@@ -1,4 +1,5 @@
-"""Which GPU kernels fill a decode step: torch.profiler over decode steps, and nothing else.
+"""Which GPU kernels fill a decode step: torch.profiler over decode steps, and nothing else (or
+over the prefill's layers alone, ``token=0``).
 
 A profile of a whole generation is dominated by its prefill (hundreds of prompt tokens per row
 against one per decode step), so its kernel table says nothing of decode. Here the engine's
@@ -41,6 +42,10 @@ MARKER = "spin_kernel"  # torch.cuda._sleep's kernel
 STEP = re.compile(r"^step:(\w+):(\w+) t(-?\d+) s(-?\d+) b(-?\d+)$")
 DEVICE_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
 LAUNCH_CATS = {"cuda_runtime", "cuda_driver"}
+
+
+def pass_name(token: int) -> str:
+    return "the prefill" if token == 0 else f"decode step {token}"
 
 
 def progress(what: str) -> None:
@@ -86,12 +91,13 @@ def _code_ranges(arch) -> list[tuple]:
 
 
 class DecodeKernelProfile:
-    """The engine's observer for one profiled generation: records ``layers`` decoder layers of the
-    first decode step (all of it where they are every layer), each step inside a range named
-    ``step:KIND:STAGE tTOKEN sSTAGE bBATCH``."""
+    """The engine's observer for one profiled generation: records ``layers`` decoder layers of
+    token ``token``'s pass (1: the first decode step; 0: the prefill), all of it where they are every
+    layer, each step inside a range named ``step:KIND:STAGE tTOKEN sSTAGE bBATCH``."""
 
-    def __init__(self, engine, layers: int):
+    def __init__(self, engine, layers: int, token: int = 1):
         self.engine = engine
+        self.token = token
         self.stage_kinds = [stage.kind for stage in engine.stages]
         total = engine.cfg.num_layers
         # Stages: 0 the embedding, 1..total the decoder layers, then the head.
@@ -114,13 +120,13 @@ class DecodeKernelProfile:
     def __call__(self, step) -> None:
         self._close_range()
         if self.profiler is None:
-            if step.kind == COMPUTE and step.token == 1 and step.stage == self.first:
+            if step.kind == COMPUTE and step.token == self.token and step.stage == self.first:
                 self._start()
             else:
                 return
         if not self.recording:
             return
-        if step.kind == SYNC or (step.kind == COMPUTE and (step.token > 1 or step.stage >= self.stop_at)):
+        if step.kind == SYNC or (step.kind == COMPUTE and (step.token > self.token or step.stage >= self.stop_at)):
             self.finish()
             return
         kind = self.stage_kinds[step.stage] if 0 <= step.stage < len(self.stage_kinds) else "-"
@@ -137,7 +143,7 @@ class DecodeKernelProfile:
 
     def _start(self) -> None:
         torch.cuda.synchronize()
-        progress(f"recording from stage {self.first} of decode step 1")
+        progress(f"recording from stage {self.first} of {pass_name(self.token)}")
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.start()
@@ -311,9 +317,10 @@ def summarise(rows: list[dict], layer_batches: int, layers: int, batches: int, t
             "where": where, "layer_steps": {k: v for k, v in layer_steps.items() if v}}
 
 
-def show(s: dict) -> None:
+def show(s: dict, token: int = 1) -> None:
+    """Print a summary; "a token" is one pass over the model: ``token``'s (0: the whole prefill)."""
     per_lb = s["layer_batches"]
-    print(f"\n== decode kernels: {per_lb} layer-batches recorded, {s['tokens']:.3g} of a decode step's "
+    print(f"\n== kernels of {pass_name(token)}: {per_lb} layer-batches recorded, {s['tokens']:.3g} of its "
           f"{s['layers']} layers x {s['batches']} GPU batches; ms/token = us/lb x {s['layers'] * s['batches']} / 1000")
     print(f"GPU span {s['span_ms_per_token']:.1f} ms a token")
     print(f"compute stream: busy {s['compute_busy_ms_per_token']:.1f} ms a token "
@@ -341,11 +348,12 @@ def show(s: dict) -> None:
               f"  span {sum(span) / len(span):6.2f} ({min(span):.2f}-{max(span):.2f})  {sum(n) / len(n):.0f} activities")
 
 
-def profile_decode(llm, prompts, layers: int) -> dict | None:
+def profile_decode(llm, prompts, layers: int, token: int = 1) -> dict | None:
     """Generate one decode step after the prefill, with the profiler on ``layers`` decoder layers
-    of it (see the module's docstring); print and return the summary (None where none ran)."""
+    of token ``token``'s pass (1: that decode step; 0: the prefill; see the module's docstring);
+    print and return the summary (None where none ran)."""
     engine = llm.engine
-    observer = DecodeKernelProfile(engine, layers)
+    observer = DecodeKernelProfile(engine, layers, token)
     previous, engine.observer = engine.observer, observer
     fd, path = tempfile.mkstemp(suffix=".json", prefix="decode_kernels_")
     os.close(fd)
@@ -357,7 +365,7 @@ def profile_decode(llm, prompts, layers: int) -> dict | None:
         llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
         observer.finish()
         if observer.profiler is None or not observer.layer_steps:
-            print("decode kernels: no decode layer ran")
+            print(f"kernels: no layer of {pass_name(token)} ran")
             return None
         gc.collect()  # the block's host cache, before the trace is written and read
         observer.profiler.export_chrome_trace(path)
@@ -373,5 +381,5 @@ def profile_decode(llm, prompts, layers: int) -> dict | None:
               "streams are named by their markers' order")
     batches = len({batch for _, _, batch in observer.layer_steps})
     summary = summarise(trace["rows"], len(observer.layer_steps), engine.cfg.num_layers, batches)
-    show(summary)
+    show(summary, token)
     return summary

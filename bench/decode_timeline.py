@@ -270,6 +270,20 @@ def print_syncs(run) -> None:
         print(f"{count:8d}  {where}")
 
 
+def show_prefill_terms(model: CostModel, policy) -> None:
+    """The cost model's prefill terms in the kernel table's units, µs per layer and GPU batch: the
+    compute terms add up (what the compute stream's kernels should sum to), the streams overlap them."""
+    prefill = model.predict(policy).prefill
+    batches = policy.num_gpu_batches
+    print(f"\ncost model, prefill, us per layer and GPU batch (phase: {prefill.seconds_per_layer / batches * 1e6:.0f}, "
+          f"bound by {prefill.bound})")
+    for group, terms in (("compute", prefill.compute), ("stream", prefill.io)):
+        for name, seconds in terms.items():
+            if seconds:
+                print(f"  {group:<8} {name:<20} {seconds / batches * 1e6:10.1f}")
+    print(f"  compute  {'sum':<20} {sum(prefill.compute.values()) / batches * 1e6:10.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_policy_args(parser)
@@ -279,6 +293,9 @@ def main() -> None:
     parser.add_argument("--decode-kernels", type=int, default=0, metavar="N",
                         help="also profile N decoder layers (all GPU batches) of a decode step alone, or the "
                              "whole step where N covers every layer, and print the kernels that fill them")
+    parser.add_argument("--prefill-kernels", type=int, default=0, metavar="N",
+                        help="the same for N decoder layers of the prefill (its kernels against the cost "
+                             "model's prefill terms)")
     parser.add_argument("--layers", type=int, default=2, help="layers of the last token to print step by step")
     parser.add_argument("--cprofile", action="store_true",
                         help="also run a 2-token generation under cProfile (the main thread's Python time)")
@@ -321,9 +338,13 @@ def main() -> None:
             llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
-    if args.decode_kernels:
+    if args.decode_kernels or args.prefill_kernels:
         del llm.engine.make_batches  # the timeline's capture would keep the run's host cache alive
+    if args.decode_kernels:
         report["decode_kernels"] = profile_decode(llm, prompts, args.decode_kernels)
+    if args.prefill_kernels:
+        report["prefill_kernels"] = profile_decode(llm, prompts, args.prefill_kernels, token=0)
+        show_prefill_terms(CostModel(config, workload, hardware), policy)
     if args.sync_debug:
         llm.engine.observer = None
         few = prompts[:2 * policy.gpu_batch_size]  # two GPU batches make every kind of step
