@@ -210,8 +210,10 @@ def print_report(files: list[str]) -> int:
     return 0
 
 
-def print_repredicted(files: list[str], name: str, fields: list[str], parser) -> int:
+def print_repredicted(files: list[str], name: str, fields: list[str] | None, parser) -> int:
     other = resolve_hardware(name)
+    # By default the GPU rates the other profile has: an older one may lack the newer figures.
+    fields = fields or repredict.present(other, repredict.GPU_RATES)
     print(f"\nre-predicted with {', '.join(fields)} from {other.name} ({other.source})\n")
     print(repredict.HEADER + "\n" + report.separator(repredict.HEADER))
     for file in files:
@@ -267,7 +269,7 @@ def main() -> int:
     if args.report:
         code = print_report(args.report)
         if args.repredict:
-            code = print_repredicted(args.report, args.repredict, args.repredict_field or list(repredict.GPU_RATES), parser)
+            code = print_repredicted(args.report, args.repredict, args.repredict_field, parser)
         return code
 
     card = None

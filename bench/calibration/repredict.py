@@ -20,6 +20,12 @@ GPU_RATES = ("compute.matmul_flop_per_s", "compute.prefill_attention_flop_per_s"
              "compute.gpu_kv_quant_elements_per_s")
 
 
+def present(profile: HardwareProfile, fields) -> list[str]:
+    """Of ``fields`` ("section.key"), those ``profile`` has a figure for."""
+    data = profile.to_dict()
+    return [f for f in fields if f.partition(".")[2] in data.get(f.partition(".")[0], {})]
+
+
 def swapped(recorded: dict, other: HardwareProfile, fields: list[str]) -> HardwareProfile:
     """The recorded profile (its JSON form) with each of ``fields`` ("section.key") taken from ``other``."""
     data, source = copy.deepcopy(recorded), other.to_dict()

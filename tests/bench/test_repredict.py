@@ -55,3 +55,11 @@ def test_a_figure_the_other_profile_lacks_is_named():
     h100 = packaged_profile("h100")
     with pytest.raises(ValueError, match="compute.warp_speed"):
         repredict.rows(_recorded(h100), h100, ["compute.warp_speed"])
+
+
+def test_by_default_only_the_rates_the_other_profile_has_are_swapped():
+    h200 = packaged_profile("h200")  # measured before the KV quantize rate was a figure of its own
+    fields = repredict.present(h200, repredict.GPU_RATES)
+    assert "compute.matmul_flop_per_s" in fields and "compute.gpu_kv_quant_elements_per_s" not in fields
+    [row] = repredict.rows(_recorded(h200), h200, fields)
+    assert _cells(row)[5] == "+10% → +10%"
