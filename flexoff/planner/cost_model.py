@@ -7,6 +7,8 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
   attention output cross PCIe instead of the cache; each call pays a fixed cost besides its FLOPs
   (the profile's ``cpu_attention_seconds_per_call``);
 - grouped-query attention and SwiGLU, through the element counts in ``sizes``;
+- the prefill's element-wise kernels (norms, residual adds, activations), at the GPU's memory
+  bandwidth over the bytes they move (``sizes.layer_elementwise_bytes_per_token``);
 - host-memory contention: CPU attention slows down while the copy engine streams weights out of
   the same memory (the profile's ``cpu_attention_share_under_copy``);
 - pinned host memory: the cache comes in slabs, and is priced at the slabs the runtime's own
@@ -55,14 +57,14 @@ from .hardware import HardwareProfile
 from .experts import expected_expert_bytes, expert_bytes_per_layer
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
-    layer_active_matmul_numel, layer_matrix_numel, layer_routed_matmul_numel,
+    layer_active_matmul_numel, layer_elementwise_bytes_per_token, layer_matrix_numel, layer_routed_matmul_numel,
     layer_vector_numel,
 )
 
 IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
 # Streams that run beside the compute: the four links, and the host issuing the work.
 STREAM_TERMS = IO_TERMS + ("host",)
-COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "dequantize", "cpu_attention")
+COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "gpu_elementwise", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
 FP32_BYTES = 4
 
@@ -98,6 +100,7 @@ class CostModel:
         # with nearly all the layer's GPU share in front: bounded by the largest stage's matrices.
         self.split_numel = largest_stage_matrix_numel(c) if c.num_experts else largest_matrix_numel(c)
         self.kv_numel = c.kv_elements_per_token_per_layer
+        self.elementwise_bytes = layer_elementwise_bytes_per_token(c)
         self.query_width = c.num_heads * c.head_dim
         self.kv_width = c.num_kv_heads * c.head_dim
         self.mlp_buffers = 2 if c.family == "opt" else 3  # fc1 out; or gate, up and their product
@@ -247,6 +250,9 @@ class CostModel:
         prefill_compute = {
             "gpu_matmul": self.matmul_seconds(s * bls, bls, gbs * s),
             "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
+            # Norms, residual adds and activations stream every prompt token through GPU memory
+            # (about 4% of an OPT-30B prefill layer on an H200); a decode step's are launches.
+            "gpu_elementwise": s * bls * self.elementwise_bytes / hw.gpu_memory_bandwidth,
             # Weights are dequantized once or for every GPU batch; the new cache is quantized once.
             "dequantize": (dequantized * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
             + (bls * s * self.kv_numel / hw.kv_quant_throughput if cc else 0.0),

@@ -51,6 +51,33 @@ def layer_weight_numel(config: ModelConfig) -> float:
     return layer_matrix_numel(config) + layer_vector_numel(config)
 
 
+# Bytes per element of width that the element-wise kernels of a layer move at fp16, as the layer
+# files compute them: a LayerNorm reads and writes (2 + 2), a residual add reads two and writes one
+# (6), ReLU reads and writes (4); an RMS norm in fp32 measures, copies up, scales, copies down and
+# multiplies by its weight (26); a rotation is a product and two half-width updates (14); a gated
+# activation is SiLU then a product (10).
+_LAYER_NORM, _ADD, _RELU, _RMS_NORM, _ROTATION, _GATED = 4, 6, 4, 26, 14, 10
+
+
+def _elementwise_bytes(config: ModelConfig, stage: Stage) -> float:
+    h = config.hidden_size
+    if config.family == "opt":
+        return 2 * _LAYER_NORM * h + 2 * _ADD * h + _RELU * config.intermediate_size
+    rotated = (config.num_heads + config.num_kv_heads) * config.head_dim
+    per_head_norms = _RMS_NORM * rotated if config.qk_norm else 0
+    # A sparse layer's routed experts are priced at the rate measured for them as the runtime runs
+    # them (sparse_rate), activation included; only a shared expert's is left here.
+    mlp = config.shared_expert_intermediate_size if config.sparse_layer(stage.index) else config.intermediate_size
+    return 2 * _RMS_NORM * h + 2 * _ADD * h + _ROTATION * rotated + per_head_norms + _GATED * mlp
+
+
+def layer_elementwise_bytes_per_token(config: ModelConfig) -> float:
+    """Bytes the element-wise kernels of one layer (norms, residual adds, the MLP's activation, a
+    Llama-family model's rotations) read and write per token, averaged over the layers. A long
+    prefill streams them through GPU memory; a decode step's are too few to be more than launches."""
+    return _mean_over_layers(config, lambda stage: _elementwise_bytes(config, stage))
+
+
 def _active_numel(config: ModelConfig, stage: Stage) -> float:
     share = config.experts_per_token / config.num_experts if config.num_experts else 1.0
     # A stacked tensor holds one expert per row of its first dimension; a token uses k of them.

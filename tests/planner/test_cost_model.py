@@ -45,8 +45,11 @@ def test_weights_and_cache_on_cpu_by_hand(model):
     assert p.prefill.compute["gpu_matmul"] == pytest.approx(2128 / 1000)
     # 4 s^2 x (2 heads x 2) x 2 sequences at 500 FLOP/s
     assert p.prefill.compute["gpu_attention"] == pytest.approx(512 / 500)
-    assert p.prefill.seconds_per_layer == pytest.approx(4.72)
-    assert p.prefill.bound == "cpu_to_gpu"
+    # element-wise, per token: 2 LayerNorms (4 B x 4 wide) + 2 residual adds (6 B x 4) + ReLU (4 B x 8)
+    # = 112 B, x 4 tokens x 2 sequences at 40 B/s of GPU memory
+    assert p.prefill.compute["gpu_elementwise"] == pytest.approx(896 / 40)
+    assert p.prefill.seconds_per_layer == pytest.approx(2.128 + 1.024 + 22.4)
+    assert p.prefill.bound == "compute (gpu_elementwise)"
     # decode: weights plus the cache (16 B x 5.5 tokens x 2 sequences) cross PCIe each step
     assert p.decode.io["cpu_to_gpu"] == pytest.approx((472 + 176) / 100)
     assert p.decode.io["gpu_to_cpu"] == pytest.approx(32 / 50)  # the new token's keys and values
@@ -55,10 +58,10 @@ def test_weights_and_cache_on_cpu_by_hand(model):
     assert p.decode.compute["gpu_attention"] == pytest.approx(8.8)
     assert p.decode.seconds_per_layer == pytest.approx(9.392)
     assert p.decode.bound == "compute (gpu_attention)"
-    # 2 layers x (4.72 + 2 decode steps x 9.392)
-    assert p.block_latency == pytest.approx(2 * 4.72 + 2 * 2 * 9.392)
+    # 2 layers x (25.552 + 2 decode steps x 9.392)
+    assert p.block_latency == pytest.approx(2 * 25.552 + 2 * 2 * 9.392)
     assert p.total_throughput == pytest.approx(2 * 3 / p.block_latency)
-    assert p.prefill_throughput == pytest.approx(2 * 4 / (2 * 4.72))
+    assert p.prefill_throughput == pytest.approx(2 * 4 / (2 * 25.552))
     assert p.decode_throughput == pytest.approx(2 * 2 / (2 * 2 * 9.392))
 
 

@@ -6,7 +6,8 @@ from flexoff.models import resolve_model_config
 from flexoff.models import REGISTRY
 from flexoff.planner.sizes import (
     bytes_per_element, embedding_numel, head_matmul_numel, layer_active_matmul_numel, layer_matrix_numel,
-    layer_routed_matmul_numel, layer_vector_numel, layer_weight_numel, parameter_count,
+    layer_elementwise_bytes_per_token, layer_routed_matmul_numel, layer_vector_numel, layer_weight_numel,
+    parameter_count,
 )
 from flexoff.policy import CompressionConfig
 
@@ -28,6 +29,31 @@ def test_llama_layer_by_hand_counts_gqa_and_swiglu(tiny_llama):
     assert layer_vector_numel(tiny_llama) == 2 * 8  # two RMSNorms, no biases
     # embedding and an untied head, 10*8 each, plus the final RMSNorm
     assert embedding_numel(tiny_llama) == 80 + 80 + 8
+
+
+def test_elementwise_bytes_by_hand(tiny_opt, tiny_llama):
+    # OPT, 4 wide, MLP 8: 2 LayerNorms read and write 4 x 2 B, 2 residual adds read 2 and write 1,
+    # ReLU reads and writes 8 x 2 B
+    assert layer_elementwise_bytes_per_token(tiny_opt) == 2 * 16 + 2 * 24 + 32
+    # Llama, 8 wide, 4 query and 2 KV heads of 2, MLP 12: 2 fp32 RMS norms (26 B an element), 2 adds,
+    # the rotation of 6 heads x 2 (14 B an element), SiLU and the gate's product over 12 (10 B)
+    assert layer_elementwise_bytes_per_token(tiny_llama) == 2 * 26 * 8 + 2 * 6 * 8 + 14 * 12 + 10 * 12
+    # Qwen3 normalises each head's queries and keys before rotating them
+    normed = tiny_llama.replace(qk_norm=True)
+    assert layer_elementwise_bytes_per_token(normed) == layer_elementwise_bytes_per_token(tiny_llama) + 26 * 12
+
+
+def test_a_sparse_layers_routed_experts_are_not_counted_as_elementwise(tiny_llama):
+    """The rate measured for routed experts runs them whole (sparse_rate); a shared expert's
+    activation and a dense layer's count."""
+    moe = tiny_llama.replace(num_experts=4, experts_per_token=2, expert_intermediate_size=6)
+    dense = layer_elementwise_bytes_per_token(tiny_llama)
+    assert layer_elementwise_bytes_per_token(moe) == dense - 10 * 12
+    shared = moe.replace(shared_expert_intermediate_size=5)
+    assert layer_elementwise_bytes_per_token(shared) == dense - 10 * 12 + 10 * 5
+    # one dense layer of two: the mean over the layers
+    half = moe.replace(dense_layers=(0,))
+    assert layer_elementwise_bytes_per_token(half) == dense - 10 * 12 / 2
 
 
 @pytest.mark.parametrize("name, params", [
