@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_policy import add_policy_args, cuda_job  # noqa: E402
 from bench.decode_kernels import profile_decode  # noqa: E402
 from flexoff import LLM, SamplingParams  # noqa: E402
-from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
+from flexoff.planner.cost_model import CostModel, PhaseBreakdown, Workload  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
 from flexoff.runtime.schedule import LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, SYNC  # noqa: E402
 
@@ -270,11 +270,9 @@ def print_syncs(run) -> None:
         print(f"{count:8d}  {where}")
 
 
-def show_prefill_terms(model: CostModel, policy) -> None:
+def show_prefill_terms(prefill: PhaseBreakdown, batches: int) -> None:
     """The cost model's prefill terms in the kernel table's units, µs per layer and GPU batch: the
     compute terms add up (what the compute stream's kernels should sum to), the streams overlap them."""
-    prefill = model.predict(policy).prefill
-    batches = policy.num_gpu_batches
     print(f"\ncost model, prefill, us per layer and GPU batch (phase: {prefill.seconds_per_layer / batches * 1e6:.0f}, "
           f"bound by {prefill.bound})")
     for group, terms in (("compute", prefill.compute), ("stream", prefill.io)):
@@ -344,7 +342,7 @@ def main() -> None:
         report["decode_kernels"] = profile_decode(llm, prompts, args.decode_kernels)
     if args.prefill_kernels:
         report["prefill_kernels"] = profile_decode(llm, prompts, args.prefill_kernels, token=0)
-        show_prefill_terms(CostModel(config, workload, hardware), policy)
+        show_prefill_terms(predicted.prefill, policy.num_gpu_batches)
     if args.sync_debug:
         llm.engine.observer = None
         few = prompts[:2 * policy.gpu_batch_size]  # two GPU batches make every kind of step
