@@ -20,20 +20,26 @@ GPU_RATES = ("compute.matmul_flop_per_s", "compute.prefill_attention_flop_per_s"
              "compute.gpu_kv_quant_elements_per_s")
 
 
+def _has(data: dict, field: str) -> bool:
+    """Whether a profile's JSON form has a figure at ``field`` ("section.key")."""
+    section, _, key = field.partition(".")
+    return key in data.get(section, {})
+
+
 def present(profile: HardwareProfile, fields) -> list[str]:
     """Of ``fields`` ("section.key"), those ``profile`` has a figure for."""
     data = profile.to_dict()
-    return [f for f in fields if f.partition(".")[2] in data.get(f.partition(".")[0], {})]
+    return [field for field in fields if _has(data, field)]
 
 
 def swapped(recorded: dict, other: HardwareProfile, fields: list[str]) -> HardwareProfile:
     """The recorded profile (its JSON form) with each of ``fields`` ("section.key") taken from ``other``."""
     data, source = copy.deepcopy(recorded), other.to_dict()
     for field in fields:
-        section, _, key = field.partition(".")
-        if key not in source.get(section, {}):
+        if not _has(source, field):
             raise ValueError(f"--repredict-field {field}: the other profile has no such figure "
                              f"(sections.keys: {', '.join(f'{s}.{k}' for s in ('compute', 'bandwidth_bytes_per_s') for k in source[s])})")
+        section, _, key = field.partition(".")
         data.setdefault(section, {})[key] = source[section][key]
     return HardwareProfile.from_dict(data, "recorded profile with swapped figures")
 
