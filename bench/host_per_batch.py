@@ -30,15 +30,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoff.host_overhead import DEPTHS, OPT_FIELDS, STEPS, decode_seconds_per_layer  # noqa: E402
+from flexoff.host_overhead import (  # noqa: E402
+    DEPTHS, OPT_FIELDS, PROMPT_LEN, STEPS, decode_seconds_per_layer, probe_sequences,
+)
 from flexoff.models.config import ModelConfig  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
-from flexoff.runtime.batch import Sequence  # noqa: E402
 from flexoff.runtime.engine import Engine  # noqa: E402
-from flexoff.runtime.sampling import SamplingParams  # noqa: E402
 from flexoff.weights.dummy import DummyWeights  # noqa: E402
 
 GPU, CPU = TierFractions(1, 0, 0), TierFractions(0, 1, 0)
@@ -64,18 +64,17 @@ def deeper_model() -> ModelConfig:
 def charged(policy: Policy, hardware) -> float:
     """What the cost model charges the host per decode layer and batch, for the deeper model."""
     config = deeper_model()
-    workload = Workload(8, STEPS + 1, policy.gpu_batch_size * policy.num_gpu_batches)
+    workload = Workload(PROMPT_LEN, STEPS + 1, policy.block_size)
     return CostModel(config, workload, hardware).predict(policy).decode.io["host"] / policy.num_gpu_batches
 
 
 def profile_calls(device, dtype, policy: Policy, offload: str, path: Path) -> None:
     """One run of the deeper model under cProfile, after a warm-up run, written to ``path``: the
     functions by own time and by cumulative time, with the calls per decode layer and batch."""
-    params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
     engine = Engine(deeper_model(), DummyWeights(0), policy, device, dtype, offload_dir=offload)
 
     def block() -> None:
-        engine.generate_block([Sequence(i, [5] * 8, params, 0) for i in range(policy.block_size)])
+        engine.generate_block(probe_sequences(policy.block_size))
 
     try:
         block()  # warm-up

@@ -13,6 +13,7 @@ LLAMA_FIELDS = dict(OPT_FIELDS, family="llama", num_kv_heads=1, tie_word_embeddi
 SPARSE_FIELDS = dict(LLAMA_FIELDS, num_experts=8, experts_per_token=2, expert_intermediate_size=256)
 DEPTHS = (2, 10)
 STEPS = 24  # decode steps timed a run
+PROMPT_LEN = 8  # tokens of each timed sequence's prompt
 DISK_BATCHES = 4  # GPU batches the disk rows' extra is timed over
 GPU_BATCHES = 4  # GPU batches a GPU's host figures are timed over
 
@@ -25,6 +26,16 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
     return decode_seconds_by_case(compute, dtype, {None: (policy, fields, sequences)}, repeats, offload_dir)[None]
 
 
+def probe_sequences(count: int) -> list:
+    """The ``count`` sequences a timed block runs: prompts of PROMPT_LEN tokens, each generating
+    STEPS + 1 tokens (the prefill's, then STEPS decode steps)."""
+    from .runtime.batch import Sequence
+    from .runtime.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
+    return [Sequence(i, [5] * PROMPT_LEN, params, 0) for i in range(count)]
+
+
 def decode_seconds_by_case(compute: torch.device, dtype, cases: dict, repeats: int = 3,
                            offload_dir: str | None = None) -> dict:
     """{name: (seconds per layer, {layers: seconds per step})} for each case ``name: (policy,
@@ -33,12 +44,9 @@ def decode_seconds_by_case(compute: torch.device, dtype, cases: dict, repeats: i
     differences of each other, and drift in the machine (clocks, caches, other processes) then
     falls on all of them alike instead of on the ones timed last."""
     from .models.config import ModelConfig
-    from .runtime.batch import Sequence
     from .runtime.engine import Engine
-    from .runtime.sampling import SamplingParams
     from .weights.dummy import DummyWeights
 
-    params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
     engines, sequences = {}, {}
     try:
         for name, (policy, fields, count) in cases.items():
@@ -49,8 +57,7 @@ def decode_seconds_by_case(compute: torch.device, dtype, cases: dict, repeats: i
         best = {key: float("inf") for key in engines}
         for round_ in range(repeats + 1):  # the first round warms up
             for key, engine in engines.items():
-                seqs = [Sequence(i, [5] * 8, params, 0) for i in range(sequences[key])]
-                seconds = engine.generate_block(seqs).decode_time / STEPS
+                seconds = engine.generate_block(probe_sequences(sequences[key])).decode_time / STEPS
                 if round_:
                     best[key] = min(best[key], seconds)
     finally:
