@@ -238,25 +238,27 @@ class HostWorker:
         """Run ``fn()`` on the worker once the event ``ready`` has passed (None: no wait needed)."""
         while self._jobs and (self._jobs[0].done() or len(self._jobs) >= self.MAX_IN_FLIGHT):
             self._jobs.popleft().result()  # a failed job's error surfaces here, on the main thread
-        future = self._pool.submit(self._run, fn, ready)
+        future = self._pool.submit(self._run, [fn], ready)
         self._jobs.append(future)
         return future
 
     def read(self, fn) -> Future:
         """Run ``fn()`` on a reader thread (reads run side by side)."""
-        return self._track(self._reader.submit(self._run, fn, None))
+        return self._track(self._reader.submit(self._run, [fn], None))
 
     def after(self, first: Future, fn) -> Future:
         """Run ``fn()`` as soon as ``first`` is done: on the thread that finishes it, or here if it
         already has. A hand-over to another thread would cost each read a wake-up and a turn at
         the interpreter, which the main thread needs to keep the GPU fed."""
         future: Future = Future()
+        job = [fn]
 
         def run(done: Future) -> None:
             try:
                 done.result()
-                future.set_result(self._run(fn, None))
+                future.set_result(self._run(job, None))
             except BaseException as exc:  # noqa: BLE001 - handed to whoever waits for the future
+                job.clear()
                 future.set_exception(exc)
 
         first.add_done_callback(run)
@@ -268,7 +270,11 @@ class HostWorker:
         self._reads.append(future)
         return future
 
-    def _run(self, fn, ready):
+    def _run(self, job: list, ready):
+        """Run the one function in ``job``, taken out of it first. A pool's thread (and ``first``'s
+        callbacks, for ``after``) hold the job past its future's end, and a job's closure holds its
+        block's cache: taken out, the function goes as it returns, and the cache with the block."""
+        fn = job.pop()
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
         with device, self.streams.on(self.streams.store):
             self.streams.wait(self.streams.store, ready)

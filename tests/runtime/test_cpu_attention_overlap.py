@@ -5,6 +5,7 @@ the batches' prompt lengths, cache tiers and compression, and when a batch stops
 import random
 from functools import partial
 import threading
+import weakref
 
 import pytest
 import torch
@@ -210,6 +211,37 @@ def test_worker_errors_reach_the_caller():
     with pytest.raises(ValueError, match="host job failed"):
         worker.drain()
     worker.close()
+
+
+def _job_holding_a_tensor(gate: threading.Event):
+    """A job whose closure holds a tensor, and runs once ``gate`` is set; and a weak reference to
+    that tensor."""
+    held = torch.empty(1)
+    return (lambda: gate.wait() and held.numel()), weakref.ref(held)
+
+
+@pytest.mark.parametrize("how", ["submit", "read", "after"])
+def test_a_done_job_holds_nothing_of_its_work(how):
+    """By the time a job's future is done, the worker's threads have let go of the job's function:
+    its closure holds a block's cache, which must go with the block, not when a thread next wakes."""
+    worker = HostWorker(torch.device("cpu"), Streams(torch.device("cpu"), True), pin=False)
+    gate = threading.Event()
+    job, gone = _job_holding_a_tensor(gate)
+    seen = []
+    if how == "submit":
+        future = worker.submit(job, None)
+    elif how == "read":
+        future = worker.read(job)
+    else:
+        future = worker.after(worker.read(gate.wait), job)  # on the reader, once the gate is set
+    # A done callback runs on the thread that finishes the job, before that thread moves on.
+    future.add_done_callback(lambda f: seen.append(gone() is None))
+    del job  # the worker's is now the only one
+    gate.set()
+    assert future.result() == 1
+    worker.drain()
+    worker.close()
+    assert seen == [True]
 
 
 # The same on CUDA, where the worker copies on the store stream, through pinned chunks, while the
