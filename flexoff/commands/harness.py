@@ -14,6 +14,7 @@ from ..errors import FlexoffError, OutputError
 from ..progress import TOKEN_BAR_FORMAT
 from .args import COUNT, SEED, add_model_args, add_parallel_args, add_policy_args, add_sampling_args, integer, job_from_args
 from .llm import job_ranks, make_llm
+from .paths import check_outputs
 from .report import format_summary, format_table
 
 
@@ -81,6 +82,7 @@ def run_batch(args) -> int:
 
     if not args.model:
         raise FlexoffError("batch needs --model (a registry name with --dummy, or a checkpoint directory)")
+    check_outputs(args, {"--output": args.output})
     job = job_from_args(args)
     ranks = job_ranks(job)
     # In a parallel job rank 0 holds the output and speaks; every process runs the same prompts.
@@ -119,12 +121,14 @@ def run_batch(args) -> int:
 
 
 def run_bench(args) -> int:
-    from ..harness.bench import open_bench
+    from ..harness.bench import bench_output_dir, open_bench
 
     job = job_from_args(args)
     if not args.model:
         raise FlexoffError("bench needs --model (a checkpoint directory with a tokenizer)")
-    bench = open_bench(job, args.scenario, args.data, args.output_dir, max_instances=args.max_instances,
+    output_dir = bench_output_dir(args.scenario, args.output_dir)
+    check_outputs(args, {}, {"--output-dir": output_dir})
+    bench = open_bench(job, args.scenario, args.data, output_dir, max_instances=args.max_instances,
                        num_in_context=args.num_in_context, subject=args.subject)
     try:
         _dropped(bench.store)

@@ -19,6 +19,7 @@ from . import harness, search
 from .args import COUNT, Parser, add_model_args, add_parallel_args, add_policy_args, add_sampling_args, job_from_args
 from .launch import check_before_launch, launch, needs_launch
 from .llm import make_llm
+from .paths import check_outputs
 from .report import format_summary
 
 def cmd_run(args) -> int:
@@ -27,6 +28,7 @@ def cmd_run(args) -> int:
     from ..records import Block
 
     # Destinations first: a path that cannot be written should fail now, not after generating.
+    check_outputs(args, {"--output": args.output, "--metrics-json": args.metrics_json})
     for path, flag in ((args.output, "--output"), (args.metrics_json, "--metrics-json")):
         if path:
             check_destination(path, flag)

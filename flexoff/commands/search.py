@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ..errors import ConfigError, PolicyError
+from ..fileio import check_destination
 from ..models import resolve_model_config
 from ..planner.cost_model import Workload
 from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
@@ -13,6 +14,7 @@ from ..planner.search import pareto_frontier, search_policy
 from ..policy import CHOICES
 from ..units import parse_size
 from .args import COUNT, SIZE, SIZES, add_compress_arg, number
+from .paths import check_outputs
 from .report import (describe_hardware, format_frontier, format_pipeline_plan, format_prediction, frontier_title,
                      plot_frontier, write_frontier_csv)
 
@@ -78,6 +80,11 @@ def register(subparsers) -> None:
 
 def run_search(args) -> int:
     # The flags' types (SIZE, SIZES) have already checked them.
+    outputs = {"--output": args.output, "--pareto-csv": args.pareto_csv, "--pareto-plot": args.pareto_plot}
+    check_outputs(args, outputs)
+    for flag, path in outputs.items():
+        if path:
+            check_destination(path, flag)
     if args.pipeline_parallel > 1 or args.data_parallel > 1 or "," in (args.gpu_mem or ""):
         return _search_pipeline(args)
     sizes = [parse_size(size) if size else None for size in (args.gpu_mem, args.cpu_mem, args.disk_mem)]
@@ -165,10 +172,12 @@ def run_profile(args) -> int:
     from ..profiler import profile_machine  # imports torch; keep `flexoff search` light
 
     device = None if args.device == "auto" else args.device
+    output = args.output or default_profile_path()
+    check_outputs(args, {"--output": output})
+    check_destination(output, "--output")  # before minutes of measuring, not after
     started = time.perf_counter()
     profile = profile_machine(quick=args.quick, disk_dir=args.disk_dir, device=device,
                               log=lambda message: print(f"  {message}", flush=True))
-    output = args.output or default_profile_path()
     try:
         profile.save(output)
     except OSError as exc:

@@ -182,7 +182,7 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
 
     started = time.perf_counter()
     scenario = get_scenario(scenario_name)
-    output_dir = _check_output_dir(Path(output_dir or Path("flexoff-bench") / scenario.name))
+    output_dir = _check_output_dir(bench_output_dir(scenario_name, output_dir))
     if max_instances is not None and max_instances < 1:
         raise FlexoffError(f"--max-instances must be >= 1, got {max_instances}")
     drawn = False
@@ -205,6 +205,11 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
     store = ResultStore.open(output_dir / "results.jsonl", header, fresh_hint="choose another --output-dir",
                              flag="--output-dir")
     return BenchRun(job, scenario, output_dir, evaluated, examples, subject, store, started)
+
+
+def bench_output_dir(scenario_name: str, output_dir: str | Path | None) -> Path:
+    """The folder a bench run writes into: ``output_dir``, else flexoff-bench/SCENARIO."""
+    return Path(output_dir) if output_dir else Path("flexoff-bench") / get_scenario(scenario_name).name
 
 
 def _check_output_dir(output_dir: Path) -> Path:
