@@ -1,6 +1,7 @@
 """Writing files safely: atomic writes, strict JSON, destinations checked before any work, and a
 place to keep results when their destination fails at the end."""
 
+import errno
 import json
 import math
 import os
@@ -14,19 +15,37 @@ from .errors import OutputError, PolicyError
 def write_text_atomic(path: str | Path, text: str) -> None:
     """Write UTF-8 through a temporary file in the same folder, then rename it into place, so a
     reader sees the old file or the whole new one, never half of it."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """As write_text_atomic, for bytes (an image). A failed write (a full disk) leaves no
+    temporary file and the old file, if any, as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``, in as many writes as the system takes. Every file flexoff
+    writes goes through here, so a full disk is met in one place."""
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written == 0:  # a file system that takes nothing and reports no error: never retry forever
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[written:]
 
 
 def _finite(value):
@@ -67,12 +86,18 @@ def check_folder(folder: str | Path, flag: str, target: str | Path | None = None
         existing = existing.parent
     if not existing.is_dir():
         raise OutputError(f"{flag} {target}: {existing} is a file, not a directory")
-    try:  # a real probe: permissions, read-only mounts and root all answer the same way
+    probe = None
+    try:  # a real probe: permissions, read-only mounts, root and a full disk all answer the same way
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".flexoff-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            write_all(fd, b"\n")  # an empty file takes no space: a byte finds a full disk
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise OutputError(f"{flag} {target}: cannot write in {existing} ({exc.strerror or exc})") from None
+    finally:
+        if probe is not None:
+            Path(probe).unlink(missing_ok=True)
     return folder
 
 
@@ -90,8 +115,10 @@ def write_or_keep(path: str | Path, text: str, what: str) -> str | None:
         kept = None
         try:
             fd, kept = tempfile.mkstemp(dir=folder, prefix=f"flexoff-{path.stem}-", suffix=path.suffix)
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
+            try:
+                write_all(fd, text.encode("utf-8"))
+            finally:
+                os.close(fd)
             return f"{problem}; {what} are kept in {kept}"
         except OSError as exc:
             last = exc.strerror or str(exc)

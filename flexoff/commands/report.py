@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..fileio import write_bytes_atomic, write_text_atomic
 from ..layout.pipeline import range_layers
 from ..planner.cost_model import Prediction
 from ..planner.hardware import HardwareProfile
@@ -91,21 +93,28 @@ def format_frontier(predictions: list[Prediction]) -> str:
 
 
 def write_frontier_csv(predictions: list[Prediction], path: str | Path) -> None:
+    """The frontier as CSV, written whole or not at all (a full disk leaves no empty file)."""
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=FRONTIER_COLUMNS)
+    writer.writeheader()
+    writer.writerows(frontier_rows(predictions))
     try:
-        with open(path, "w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=FRONTIER_COLUMNS)
-            writer.writeheader()
-            writer.writerows(frontier_rows(predictions))
+        write_text_atomic(path, text.getvalue())
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def plot_frontier(predictions: list[Prediction], path: str | Path, title: str = "") -> None:
-    """Save the latency-throughput frontier as an image (matplotlib is imported only here)."""
+    """Save the latency-throughput frontier as an image (matplotlib is imported only here), whole
+    or not at all; its format is the file's extension, PNG without one."""
     fig = frontier_figure(predictions, title)
+    image = io.BytesIO()
     try:
-        fig.savefig(path)
-    except (OSError, ValueError) as exc:
+        fig.savefig(image, format=Path(path).suffix[1:] or "png")
+        write_bytes_atomic(path, image.getvalue())
+    except OSError as exc:
+        raise ConfigError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a format matplotlib does not write
         raise ConfigError(f"cannot write plot {path}: {exc}") from None
     finally:
         import matplotlib.pyplot as plt

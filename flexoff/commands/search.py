@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 import time
 
 from ..errors import ConfigError, PolicyError
@@ -176,8 +177,13 @@ def run_profile(args) -> int:
     check_outputs(args, {"--output": output})
     check_destination(output, "--output")  # before minutes of measuring, not after
     started = time.perf_counter()
-    profile = profile_machine(quick=args.quick, disk_dir=args.disk_dir, device=device,
-                              log=lambda message: print(f"  {message}", flush=True))
+    try:
+        profile = profile_machine(quick=args.quick, disk_dir=args.disk_dir, device=device,
+                                  log=lambda message: print(f"  {message}", flush=True))
+    except OSError as exc:  # the disk is measured by writing files under --disk-dir: it may fill up meanwhile
+        where = args.disk_dir or tempfile.gettempdir()
+        raise ConfigError(f"cannot measure the disk under {where} ({exc.strerror or exc}); free some space, or "
+                          "pass --disk-dir on another disk") from None
     try:
         profile.save(output)
     except OSError as exc:

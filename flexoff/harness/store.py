@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import OutputError
-from ..fileio import check_destination, json_text, write_text_atomic
+from ..fileio import check_destination, json_text, write_all, write_text_atomic
 from ..records import record_line
 from .errors import JobMismatchError, ResultsFileError
 
@@ -75,7 +75,7 @@ class _Lock:
 
     def __init__(self, path: Path, results: Path, fresh_hint: str):
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _open_lock(path, results, fresh_hint)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -84,6 +84,9 @@ class _Lock:
                 who = f" (process {holder})" if holder.isdigit() else ""
                 raise ResultsFileError(f"{results} is being written by another flexoff job{who}; wait for it "
                                        f"to finish, or {fresh_hint}") from None
+            except OSError as exc:  # a file system without locks
+                os.close(fd)
+                raise ResultsFileError(f"cannot lock {path} for {results} ({exc.strerror or exc})") from None
             try:
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -91,9 +94,14 @@ class _Lock:
             if same:  # else its holder removed it just before we locked it: take the new one
                 break
             os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
         self.path, self.fd = path, fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())  # a few bytes: written whole or not at all
+        except OSError as exc:  # a full disk: the lock goes, and the results file was not touched
+            self.release()
+            raise OutputError(f"cannot write {path} ({exc.strerror or exc}); {results} is as it was: rerun the "
+                              "same command once there is room") from None
 
     def release(self) -> None:
         if self.fd is not None:
@@ -101,6 +109,16 @@ class _Lock:
             self.path.unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = None
+
+
+def _open_lock(path: Path, results: Path, fresh_hint: str) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except IsADirectoryError:
+        raise ResultsFileError(f"cannot lock {results}: its lock file {path} is a directory; move it away, "
+                               f"or {fresh_hint}") from None
+    except OSError as exc:
+        raise ResultsFileError(f"cannot lock {results}: cannot create {path} ({exc.strerror or exc})") from None
 
 
 class ResultStore:
@@ -115,13 +133,17 @@ class ResultStore:
         # The job file is written with the first block, so a run that fails before finishing one
         # leaves nothing behind.
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND) if done else None
+        self._made_file = not path.exists()  # what a first block that fails removes again
 
     @classmethod
     def open(cls, path: str | Path, header: dict, *, fresh_hint: str = "choose another output",
              flag: str = "results file") -> "ResultStore":
         """``flag`` names the destination in errors (e.g. "--output")."""
         path = check_destination(path, flag)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"cannot create {path.parent} ({exc.strerror or exc})") from None
         lock = _Lock(_lock_path(path), path, fresh_hint)
         try:
             # A run killed while writing the job file or moving an old file leaves a temporary copy.
@@ -152,14 +174,19 @@ class ResultStore:
         done, keep = _parse_records(path, data, start)
         if "policy" in job:  # the policy its results were generated with, which this run must not contradict
             header.setdefault("policy", job["policy"])
+        kept = f"its {len(done)} results are as they were: rerun the same command once there is room"
         if old_header is not None:  # move to the current layout: job file first, then the bare records
-            write_text_atomic(job_path(path), json_text(old_header, indent=2) + "\n")
-            write_text_atomic(path, data[start:keep].decode("utf-8"))
+            # Until the second write, the file still starts with its job: a failure between them is resumed again.
+            _write_job(job_path(path), old_header, kept)
+            _write_or_say(path, lambda: write_text_atomic(path, data[start:keep].decode("utf-8")), kept)
         elif keep < len(data):
-            with open(path, "r+b") as handle:
-                handle.truncate(keep)
-                handle.flush()
-                os.fsync(handle.fileno())
+            def cut() -> None:
+                with open(path, "r+b") as handle:
+                    handle.truncate(keep)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+
+            _write_or_say(path, cut, kept)
         return done, len(data) - keep
 
     def record_policy(self, policy: dict) -> None:
@@ -172,9 +199,12 @@ class ResultStore:
                 f"{self.path} holds results generated with {_describe_lossy(earlier)}, but this run has "
                 f"{_describe_lossy(policy)}; compressed and lossless tokens differ, so they do not mix: rerun "
                 "with the compression of the first run, or choose another --output")
+        if earlier == policy:
+            return  # a resumed job under the same policy: nothing to rewrite (on a full disk, nothing to fail)
         self.header["policy"] = policy
         if self._fd is not None:  # resumed: the job file is already there
-            write_text_atomic(job_path(self.path), json_text(self.header, indent=2) + "\n")
+            _write_job(job_path(self.path), self.header,
+                       f"the {len(self.done)} results in {self.path} are kept: rerun the same command to finish")
 
     def append(self, records: list[dict]) -> None:
         """Write whole records durably: one write, then fsync. If the write fails (a full disk), the
@@ -182,9 +212,12 @@ class ResultStore:
         if not records:
             return
         payload = "".join(record_line(r) + "\n" for r in records).encode("utf-8")
+        first = self._fd is None
+        failing = job_path(self.path) if first else self.path  # the file a failure names
         try:
-            if self._fd is None:
-                write_text_atomic(job_path(self.path), json_text(self.header, indent=2) + "\n")
+            if first:
+                write_text_atomic(failing, json_text(self.header, indent=2) + "\n")
+                failing = self.path
                 self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_TRUNC, 0o644)
             size = os.fstat(self._fd).st_size
             try:
@@ -194,10 +227,25 @@ class ResultStore:
                 os.ftruncate(self._fd, size)
                 raise
         except OSError as exc:
-            raise OutputError(f"cannot write {self.path} ({exc.strerror or exc}); the {len(self.done)} results "
-                              "before this block are kept in it: rerun the same command to finish") from None
+            if first:  # nothing of this job was kept, so nothing of it stays
+                self._unstart(wrote_job=failing == self.path)
+                kept = "no results were written: rerun the same command once there is room"
+            else:
+                kept = (f"the {len(self.done)} results before this block are kept in it: rerun the same command "
+                        "to finish")
+            raise OutputError(f"cannot write {failing} ({exc.strerror or exc}); {kept}") from None
         for record in records:
             self.done[id_key(record["id"])] = record
+
+    def _unstart(self, wrote_job: bool) -> None:
+        """Undo a first block's files: the job file it wrote, and the results file if it made it."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if wrote_job:
+            job_path(self.path).unlink(missing_ok=True)
+        if self._made_file:
+            self.path.unlink(missing_ok=True)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -232,10 +280,20 @@ class PeerStore:
         pass
 
 
+def _write_or_say(path: Path, write, kept: str) -> None:
+    """Run ``write``, which writes ``path``; a failure (a full disk) is one line naming it and what is kept."""
+    try:
+        write()
+    except OSError as exc:
+        raise OutputError(f"cannot write {path} ({exc.strerror or exc}); {kept}") from None
+
+
+def _write_job(path: Path, header: dict, kept: str) -> None:
+    _write_or_say(path, lambda: write_text_atomic(path, json_text(header, indent=2) + "\n"), kept)
+
+
 def _write_all(fd: int, payload: bytes) -> None:
-    view = memoryview(payload)
-    while view:
-        view = view[os.write(fd, view):]
+    write_all(fd, payload)
 
 
 def _read_bytes(path: Path) -> bytes:
