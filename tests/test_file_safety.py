@@ -9,6 +9,7 @@ import pytest
 
 from flexoff.commands import main as main_module
 from flexoff.commands import search as search_module
+from flexoff.commands.llm import make_llm
 from flexoff.commands.main import main
 from flexoff.commands.paths import check_outputs
 from flexoff.errors import OutputError
@@ -152,3 +153,42 @@ def test_outputs_that_overlap_are_refused(tmp_path):
     check_outputs(nested, {}, {"--output-dir": str(folder)})
     with pytest.raises(OutputError, match="--output-dir .* holds --data"):
         check_outputs(namespace(data=str(folder.parent)), {}, {"--output-dir": str(tmp_path)})
+
+
+DEAD_PID = 2 ** 22 + 7  # above Linux's largest pid_max: no process ever has it
+
+
+def dead_owners_folder(base):
+    """An offload folder as a disk run killed outright leaves it: marked by an owner that is gone."""
+    import json
+
+    from flexoff.runtime.offload_dir import OWNER_FILE, PREFIX, owner_of
+
+    folder = base / (PREFIX + "killed")
+    folder.mkdir(parents=True)
+    (folder / "weights").write_bytes(b"x" * 4096)
+    (folder / OWNER_FILE).write_text(json.dumps({**owner_of(os.getpid()), "pid": DEAD_PID}))
+    return folder
+
+
+def test_a_run_that_puts_nothing_on_disk_removes_dead_owners_offload_folders(tiny_model_dir, tmp_path):
+    from flexoff import LLM
+    from flexoff.runtime.offload_dir import PREFIX
+
+    path, _ = tiny_model_dir("opt-pre")
+    base = tmp_path / "offload"
+    killed = dead_owners_folder(base)
+    live = base / (PREFIX + "live")  # unmarked: maybe being made right now, so kept
+    live.mkdir()
+    with LLM(str(path), device="cpu", dtype="float32", offload_dir=str(base)) as llm:
+        assert not llm.policy.uses_disk
+        assert not killed.exists() and live.is_dir()
+
+
+def test_the_run_command_sweeps_its_offload_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(main_module, "make_llm", make_llm)  # this run goes on: the model loads
+    base = tmp_path / "offload"
+    killed = dead_owners_folder(base)
+    assert main(["run", "--quiet", "--num-prompts", "1", "--prompt-len", "4", "--gen-len", "1",
+                 "--offload-dir", str(base)]) == 0
+    assert not killed.exists() and list(base.iterdir()) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -20,6 +21,7 @@ from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, check_fits, job_bytes, logprob_positions, owned_layers, pins_host_memory, weight_bytes
 from .memory import grow_segments_in_place
 from .metrics import MemoryMeter, Metrics
+from .offload_dir import remove_dead_folders
 from .pipeline import PipelineLink
 from ..policy import Policy
 from .sampling import SamplingParams
@@ -74,7 +76,10 @@ class Engine:
             if offload_dir is None:
                 raise PolicyError("the policy puts data on disk, but no offload directory was given "
                                   "(--offload-dir DIR, or FLEXOFF_OFFLOAD_DIR)")
-            self.disk = DiskTier(offload_dir)
+            self.disk = DiskTier(offload_dir)  # which removes dead owners' folders first
+        elif offload_dir is not None:
+            # Also when this run puts nothing on disk: a killed disk run's folder may be gigabytes.
+            remove_dead_folders(Path(offload_dir))
         try:
             self.weights = TieredWeights(cfg, source, policy, device, dtype, self.streams, self.disk, self.owned)
         except BaseException:
