@@ -159,8 +159,9 @@ def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> N
                        help=f"bits per cache value with --compress-cache (2, 3, 4 or 8; default {DEFAULT_BITS})")
     group.add_argument("--cache-group", type=integer(2),
                        help=f"group size for cache compression (>= 2; default {DEFAULT_GROUP})")
-    group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR); "
-                                             "flexoff makes a private folder inside it and removes it on exit")
+    group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR, else the "
+                                             "system's temporary folder); flexoff makes a private folder inside it "
+                                             "and removes it on exit")
     group.add_argument("--gpu-mem", metavar="SIZE", type=SIZES,
                        help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card); with --pipeline-parallel, "
                             "one size for every GPU or one per stage, e.g. 16GiB,24GiB")
@@ -236,8 +237,8 @@ def unused_flags(args, llm) -> list[str]:
                      "experts); --percent places its weights")
     planned = flag("policy") == "auto" or (llm.plan is not None and llm.plan.search is not None)
     if flag("compress") in ("auto", "on") and not planned:
-        placed = any(flag(name) is not None for name in ("percent", "expert_percent", "compress_weight", "compress_cache",
-                                                     *POLICY_FLAGS))
+        placing = ("percent", "expert_percent", "compress_weight", "compress_cache", *POLICY_FLAGS)
+        placed = any(flag(name) is not None for name in placing)
         given = (f"the policy comes from {args.policy}" if flag("policy") else
                  "the policy flags set the policy" if placed else "the job fits the device as it is")
         lines.append(f"--compress {args.compress} has no effect: it applies to planning, and nothing was planned "
