@@ -343,7 +343,11 @@ def test_cpu_example_runs_at_a_tiny_model_size(example, workspace):
 def test_gpu_example_runs_as_written(example, workspace):
     import torch
 
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+    words = flexoff_argv(example.text)
+    gpus = 1
+    for flag in ("--pipeline-parallel", "--data-parallel"):
+        gpus *= int(words[words.index(flag) + 1]) if flag in words else 1
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA devices")
     _needs(example, workspace)
     run_example(example, workspace)
