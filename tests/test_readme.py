@@ -348,6 +348,6 @@ def test_gpu_example_runs_as_written(example, workspace):
     for flag in ("--pipeline-parallel", "--data-parallel"):
         gpus *= int(words[words.index(flag) + 1]) if flag in words else 1
     if torch.cuda.device_count() < gpus:
-        pytest.skip(f"needs {gpus} CUDA devices")
+        pytest.skip(f"needs {gpus} CUDA device{'s' * (gpus > 1)}")
     _needs(example, workspace)
     run_example(example, workspace)
