@@ -7,7 +7,6 @@ from dataclasses import dataclass, replace
 import math
 import os
 import sys
-import tempfile
 
 import torch
 
@@ -15,6 +14,7 @@ from .chat import chat_prompt, conversation_list
 from .checks import check_bool
 from .errors import (ArgumentTypeError, ClosedError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
+from .fileio import offload_root
 from .generation_config import read_generation_config
 from .llm_args import check_llm_args, one_of, resolve_device, resolve_dtype, unwrap_prompt
 from .models import ModelConfig, resolve_model, stage_specs, stages
@@ -92,9 +92,9 @@ class LLM:
                                     device)
         if self.ranks is not None:
             self.device = self.ranks.device
-        self.dtype = resolve_dtype(dtype, self.device, self.config)
-        self.seed = seed
         searched = policy == "auto"
+        self.dtype = resolve_dtype(dtype, self.device, self.config, planned=searched)
+        self.seed = seed
         if searched and workload is None:
             raise FlexoffError("policy 'auto' plans for a job: pass workload=Workload(prompt_len, gen_len, "
                                "num_prompts) too, or pass the policy flexoff.planner.search_policy(config, "
@@ -108,7 +108,7 @@ class LLM:
             self.config = self.config.replace(eos_token_ids=self.config.eos_token_ids + more_eos)
         source = DummyWeights(seed) if dummy else CheckpointWeights(checkpoint)
         source.check({stage.name: stage_specs(self.config, stage) for stage in stages(self.config)})
-        offload_dir = offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
+        offload_dir = offload_root(offload_dir)  # used only where a policy puts data on disk
         caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]
         capacity = self._capacity(caps, offload_dir if self.policy.uses_disk else None)
         self.plan = None
@@ -118,7 +118,7 @@ class LLM:
             from .profiler import saved_or_measured_profile
 
             if hardware is None:
-                disk_dir, device = offload_dir or tempfile.gettempdir(), self.device
+                disk_dir, device = offload_dir, self.device
 
                 def hardware():
                     return saved_or_measured_profile(device, disk_dir, lambda message: print(message, file=sys.stderr))
@@ -135,7 +135,6 @@ class LLM:
             self.plan = plan() if self.ranks is None else self.ranks.on_rank0(plan)
             self.policy = self.plan.policy
             if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
-                offload_dir = offload_dir or self.plan.offload_dir
                 capacity = self._capacity(caps, offload_dir)
         if gpu_mem and self.device.type == "cuda":
             # Emulate a smaller card: the allocator refuses anything past the cap.

@@ -191,6 +191,21 @@ def nothing_at(path: str | Path) -> bool:
     return False
 
 
+def offload_root(given: str | os.PathLike | None) -> str:
+    """The folder the disk tier goes in: ``given``, else $FLEXOFF_OFFLOAD_DIR, else the system's
+    temporary folder ($TMPDIR, else /tmp), so that a policy with data on disk runs without naming
+    one. flexoff makes a private folder inside it and removes it on exit."""
+    return os.fspath(given) if given else os.environ.get("FLEXOFF_OFFLOAD_DIR") or tempfile.gettempdir()
+
+
+def check_offload_dir(path: str | os.PathLike | None) -> None:
+    """Refuse an offload directory that is a file: it can never hold the disk tier, whatever the
+    policy, so it is named now rather than once a plan puts data on disk."""
+    if path is not None and os.path.isfile(path):
+        raise PolicyError(f"offload directory {os.fspath(path)} is a file; give a directory (flexoff makes a "
+                          "private folder inside it, created if needed)")
+
+
 def usable_offload_dir(path: str | Path) -> Path:
     """The offload directory, created if needed; refused unless it can be written."""
     directory = Path(path)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from .checks import check_bool, check_device_name, check_int, check_real, check_seed, check_size
 from .errors import ConfigError, PolicyError
+from .fileio import check_offload_dir, offload_root
 from .policy import CompressionConfig, TierFractions, check_choice, experts_from_percent, placement_from_percent
 
 DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
@@ -138,6 +139,7 @@ class Job:
                 check_int(getattr(self, name), name, ConfigError, 1)
         if self.parallel_timeout is not None:
             check_real(self.parallel_timeout, "parallel_timeout", ConfigError, above=0)
+        check_offload_dir(self.offload_dir)
         for name, value in self.policy.overrides:
             if name in ("weights", "cache", "activations", "experts") and not isinstance(value, TierFractions):
                 raise PolicyError(f"policy {name} must be TierFractions, got {value!r}")
@@ -149,11 +151,9 @@ class Job:
         return stage_sizes(self.gpu_mem, stages)[stage]
 
     @property
-    def offload_root(self) -> str | None:
-        """The folder the disk tier goes in: the job's, else $FLEXOFF_OFFLOAD_DIR."""
-        import os
-
-        return self.offload_dir or os.environ.get("FLEXOFF_OFFLOAD_DIR")
+    def offload_root(self) -> str:
+        """The folder the disk tier goes in (see fileio.offload_root)."""
+        return offload_root(self.offload_dir)
 
     def sampling(self, max_new_tokens: int, stop: tuple[str, ...] = (), seed: int | None = None):
         """The job's sampling defaults for one prompt: its budget, and stop strings added to the job's."""

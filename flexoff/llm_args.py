@@ -9,6 +9,7 @@ import torch
 
 from .checks import check_bool, check_device_name, check_optional_path, check_seed, check_size
 from .errors import ArgumentTypeError, ConfigError, FlexoffError, PromptError
+from .fileio import check_offload_dir
 from .models import ModelConfig
 from .policy import Policy, check_choice
 
@@ -45,9 +46,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig | None = None,
+                  planned: bool = False) -> torch.dtype:
     """The compute dtype a name asks for. "auto" is fp32 on the CPU, which computes it fastest and
-    most exactly; on a GPU the model's own 16-bit format (``config.native_dtype``; fp16 without a
+    most exactly; on a GPU, or for a policy the planner searches (``planned``: it plans 16-bit
+    weights and cache), the model's own 16-bit format (``config.native_dtype``; fp16 without a
     config)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
@@ -56,7 +59,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelC
     if not isinstance(dtype, str):
         raise ArgumentTypeError(f"dtype must be a string or a torch.dtype, got {type(dtype).__name__}")
     if dtype == "auto":
-        if device.type != "cuda":
+        if device.type != "cuda" and not planned:
             return torch.float32
         return torch.bfloat16 if config is not None and config.native_dtype == "bfloat16" else torch.float16
     if dtype not in _DTYPES:
@@ -76,6 +79,7 @@ def check_llm_args(*, dummy, policy, dtype, device, seed, tokenizer, offload_dir
     check_seed(seed, "seed", ConfigError)
     check_optional_path(tokenizer, "tokenizer")
     check_optional_path(offload_dir, "offload_dir")
+    check_offload_dir(offload_dir)
     for name, value in (("gpu_mem", gpu_mem), ("cpu_mem", cpu_mem)):
         if value is not None:
             check_size(value, name)

@@ -12,7 +12,7 @@ import math
 
 from ..checks import MAX_SEED, check_device_name, check_size, in_range, requirement
 from ..errors import FlexoffError
-from ..job import DEFAULT_MODEL, Job, PolicySource, check_dtype_name
+from ..job import DEFAULT_MODEL, POLICY_FLAGS, Job, PolicySource, check_dtype_name
 from ..policy import CHOICES, SUPPORTED_BITS, CompressionConfig
 
 
@@ -84,6 +84,7 @@ def _text(text: str) -> str:
     return text
 
 
+DEFAULT_BITS, DEFAULT_GROUP = 4, 64  # --weight-bits/--cache-bits and their group sizes, when not given
 COUNT = integer(1)  # a positive count: prompts, tokens, batch sizes, instances
 SEED = integer(0, MAX_SEED)
 SIZE = _checked(_size)
@@ -147,16 +148,20 @@ def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> N
         add_compress_arg(group, None)  # None: not given, so --compress-weight alone does not contradict it
     group.add_argument("--compress-weight", action="store_true", default=None,
                        help="store weights 4-bit group-quantized on every tier (dequantized on the GPU before use)")
-    group.add_argument("--weight-bits", type=int, default=4, choices=SUPPORTED_BITS,
-                       help="bits per weight when compressed (2, 3, 4 or 8)")
-    group.add_argument("--weight-group", type=integer(2), default=64, help="group size for weight compression (>= 2)")
+    # The compression settings default to None, so that one given without its --compress-* flag is told apart.
+    group.add_argument("--weight-bits", type=int, choices=SUPPORTED_BITS,
+                       help=f"bits per weight with --compress-weight (2, 3, 4 or 8; default {DEFAULT_BITS})")
+    group.add_argument("--weight-group", type=integer(2),
+                       help=f"group size for weight compression (>= 2; default {DEFAULT_GROUP})")
     group.add_argument("--compress-cache", action="store_true", default=None,
                        help="store the KV cache group-quantized on every tier")
-    group.add_argument("--cache-bits", type=int, default=4, choices=SUPPORTED_BITS,
-                       help="bits per cache value when compressed (2, 3, 4 or 8)")
-    group.add_argument("--cache-group", type=integer(2), default=64, help="group size for cache compression (>= 2)")
-    group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR); "
-                                             "flexoff makes a private folder inside it and removes it on exit")
+    group.add_argument("--cache-bits", type=int, choices=SUPPORTED_BITS,
+                       help=f"bits per cache value with --compress-cache (2, 3, 4 or 8; default {DEFAULT_BITS})")
+    group.add_argument("--cache-group", type=integer(2),
+                       help=f"group size for cache compression (>= 2; default {DEFAULT_GROUP})")
+    group.add_argument("--offload-dir", help="directory for the disk tier (default: $FLEXOFF_OFFLOAD_DIR, else the "
+                                             "system's temporary folder); flexoff makes a private folder inside it "
+                                             "and removes it on exit")
     group.add_argument("--gpu-mem", metavar="SIZE", type=SIZES,
                        help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card); with --pipeline-parallel, "
                             "one size for every GPU or one per stage, e.g. 16GiB,24GiB")
@@ -178,6 +183,12 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                        help="how long a process waits for its peers before the job ends (default 600)")
 
 
+def add_quiet_arg(group) -> None:
+    """``--quiet``, the same on every command that shows a progress bar (``--no-progress`` is its
+    older spelling on ``batch`` and ``bench``, kept for the scripts that use it)."""
+    group.add_argument("--quiet", "--no-progress", dest="quiet", action="store_true", help="no progress bar on stderr")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--temperature", type=number(0), default=0.0, help="0 (default) is greedy")
@@ -190,6 +201,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
+def _compression(args, part: str) -> CompressionConfig | None:
+    """--compress-weight or --compress-cache with its bits and group size; None when not given."""
+    if not getattr(args, f"compress_{part}", None):
+        return None
+    bits, group = getattr(args, f"{part}_bits"), getattr(args, f"{part}_group")
+    return CompressionConfig(DEFAULT_BITS if bits is None else bits, DEFAULT_GROUP if group is None else group)
+
+
 def job_from_args(args) -> Job:
     """The job the model, policy and sampling flags describe (those a command lacks keep Job's defaults).
     Without --model the job runs the default model with dummy weights."""
@@ -197,8 +216,7 @@ def job_from_args(args) -> Job:
     flag = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     policy = PolicySource.build(
         flag("policy"), flag("hardware"), percent=flag("percent"), expert_percent=flag("expert_percent"),
-        compress_weight=CompressionConfig(args.weight_bits, args.weight_group) if flag("compress_weight") else None,
-        compress_cache=CompressionConfig(args.cache_bits, args.cache_group) if flag("compress_cache") else None,
+        compress_weight=_compression(args, "weight"), compress_cache=_compression(args, "cache"),
         compress=flag("compress"), gpu_batch_size=flag("gpu_batch_size"), num_gpu_batches=flag("num_gpu_batches"),
         cpu_attention=flag("cpu_attention"), overlap=flag("overlap"), pin_cpu_memory=flag("pin_cpu_memory"))
     return Job(model=model, dummy=dummy, dtype=args.dtype, device=args.device, tokenizer=args.tokenizer,
@@ -207,3 +225,30 @@ def job_from_args(args) -> Job:
                offload_dir=flag("offload_dir"), gpu_mem=flag("gpu_mem"), cpu_mem=flag("cpu_mem"),
                pipeline_parallel=flag("pipeline_parallel"), data_parallel=flag("data_parallel"),
                parallel_timeout=flag("parallel_timeout"))
+
+
+def unused_flags(args, llm) -> list[str]:
+    """One line for each flag given that has no effect on this job, which runs as it would without
+    it: the user meant something by it, so it is named rather than dropped in silence."""
+    flag = lambda name: getattr(args, name, None)  # noqa: E731
+    lines = []
+    if flag("expert_percent") and not llm.config.num_experts:
+        lines.append(f"--expert-percent has no effect: {llm.config.name} has no experts (it is not a mixture of "
+                     "experts); --percent places its weights")
+    planned = flag("policy") == "auto" or (llm.plan is not None and llm.plan.search is not None)
+    if flag("compress") in ("auto", "on") and not planned:
+        placing = ("percent", "expert_percent", "compress_weight", "compress_cache", *POLICY_FLAGS)
+        placed = any(flag(name) is not None for name in placing)
+        given = (f"the policy comes from {args.policy}" if flag("policy") else
+                 "the policy flags set the policy" if placed else "the job fits the device as it is")
+        lines.append(f"--compress {args.compress} has no effect: it applies to planning, and nothing was planned "
+                     f"({given}); --compress-weight and --compress-cache compress any policy")
+    for part in ("weight", "cache"):
+        given = [f"--{part}-{what}" for what in ("bits", "group") if flag(f"{part}_{what}") is not None]
+        if given and not flag(f"compress_{part}"):
+            lines.append(f"{' and '.join(given)} {'have' if len(given) > 1 else 'has'} no effect without "
+                         f"--compress-{part}")
+    if flag("parallel_timeout") is not None and llm.ranks is None:
+        lines.append("--parallel-timeout has no effect: this job runs in one process (see --pipeline-parallel "
+                     "and --data-parallel)")
+    return lines

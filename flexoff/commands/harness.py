@@ -12,7 +12,8 @@ import time
 
 from ..errors import FlexoffError, OutputError
 from ..progress import TOKEN_BAR_FORMAT
-from .args import COUNT, SEED, add_model_args, add_parallel_args, add_policy_args, add_sampling_args, integer, job_from_args
+from .args import (COUNT, SEED, add_model_args, add_parallel_args, add_policy_args, add_quiet_arg, add_sampling_args,
+                   integer, job_from_args)
 from .llm import job_ranks, make_llm
 from .paths import check_outputs
 from .report import format_summary, format_table
@@ -97,10 +98,10 @@ def run_batch(args) -> int:
             print(f"all {total} prompts are already in {args.output}; nothing to do")
             return _failures(batch.failures(), batch.store.path)
         started = time.perf_counter()
-        llm = make_llm(batch.job, batch.workload)
+        llm = make_llm(batch.job, batch.workload, args)
         try:
             try:
-                metrics = batch.run(llm, TqdmProgress(not args.no_progress and speaks))
+                metrics = batch.run(llm, TqdmProgress(not args.quiet and speaks))
             except KeyboardInterrupt:
                 if speaks:
                     print(f"interrupted: {batch.done} of {total} prompts are in {args.output}; "
@@ -132,9 +133,9 @@ def run_bench(args) -> int:
                        num_in_context=args.num_in_context, subject=args.subject)
     try:
         _dropped(bench.store)
-        llm = make_llm(job)
+        llm = make_llm(job, args=args)
         try:
-            metrics = bench.run(llm, TqdmProgress(not args.no_progress))
+            metrics = bench.run(llm, TqdmProgress(not args.quiet))
         except KeyboardInterrupt:
             print(f"interrupted: results so far are in {bench.store.path}; rerun the same command to finish",
                   file=sys.stderr)
@@ -179,7 +180,7 @@ def register(subparsers) -> None:
     add_sampling_args(batch)
     batch.add_argument("--max-new-tokens", type=COUNT, default=32, metavar="N",
                        help="tokens to generate per prompt, unless its line says otherwise (default 32)")
-    batch.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_quiet_arg(batch)
     batch.set_defaults(handler=run_batch)
 
     bench = subparsers.add_parser(
@@ -202,7 +203,7 @@ def register(subparsers) -> None:
     bench.add_argument("--seed", type=SEED, default=0,
                        help="seed for example choice, sampling, generated data and dummy weights (default 0)")
     bench.add_argument("--output-dir", metavar="DIR", help="where results go (default flexoff-bench/NAME)")
-    bench.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_quiet_arg(bench)
     add_model_args(bench)
     add_policy_args(bench, planning=False)  # bench runs the policy it is given: it plans nothing
     bench.set_defaults(handler=run_bench)

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import FlexoffError, PolicyError, TokenizerError
 from ..job import Job
+from .args import unused_flags
+from .report import warning_line
 
 if TYPE_CHECKING:
     from ..planner.cost_model import Workload
@@ -60,8 +62,9 @@ def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=N
         raise FlexoffError("--policy auto works with `flexoff run` and `flexoff batch`, not `flexoff bench`: "
                            "save a policy with `flexoff search --output FILE` and pass --policy FILE")
     device = resolve_device(job.device)
-    if resolve_dtype(job.dtype, device).itemsize != 2:
-        raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16")
+    if resolve_dtype(job.dtype, device, planned=True).itemsize != 2:
+        raise FlexoffError("--policy auto plans 16-bit weights and cache; pass --dtype float16 or bfloat16 "
+                           "(or auto, the model's own 16-bit format)")
     config = resolve_model_config(job.model)
     stages, replicas = (1, 1) if ranks is None else (ranks.parallel.pipeline, ranks.parallel.data)
     gpu_caps = [parse_size(gpu) if (gpu := job.stage_gpu_mem(stage, stages)) else None for stage in range(stages)]
@@ -74,6 +77,19 @@ def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=N
         _log(f"searched   {where}{policy_summary(stage.policy)} for prompt {wanted.prompt_len}, generate "
              f"{wanted.gen_len} on {stage.hardware.name}: {stage.prediction.total_throughput:.4g} token/s predicted")
     return plan.policies, (plan.layer_counts if stages > 1 else None)
+
+
+def job_dtype(job: Job):
+    """The dtype the job runs in: its own; "auto" with --policy auto is the model's 16-bit format
+    on every device, the CPU included, since that is what the planner plans for."""
+    if not (job.policy.searched and job.dtype == "auto"):
+        return job.dtype
+    import torch
+
+    from ..llm_args import resolve_dtype
+    from ..models import resolve_model_config
+
+    return resolve_dtype(job.dtype, torch.device("cpu"), resolve_model_config(job.model), planned=True)
 
 
 def hardware_profile(job: Job, device):
@@ -99,10 +115,11 @@ def job_ranks(job: Job):
     return parallel_ranks(parallel, resolve_model_config(job.model), job.device)
 
 
-def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
+def make_llm(job: Job, workload: Callable[[], Workload] | None = None, args=None):
     """The LLM the job describes. ``workload`` (a callable giving the planner's Workload) serves
     --policy auto, lets a job that cannot fit be refused before anything is allocated, and, with no
-    policy given, plans a policy when the job does not fit the device (the plan is printed)."""
+    policy given, plans a policy when the job does not fit the device (the plan is printed).
+    ``args``: the command's flags, each one that has no effect on the job named in a warning."""
     from ..api import LLM
     from ..llm_args import resolve_device
 
@@ -125,13 +142,16 @@ def make_llm(job: Job, workload: Callable[[], Workload] | None = None):
         except TokenizerError:  # text without a tokenizer: the prompts' own check names the line at fault
             return None
 
-    llm = LLM(job.model, dummy=job.dummy, policy=policy, dtype=job.dtype, device=job.device,
+    llm = LLM(job.model, dummy=job.dummy, policy=policy, dtype=job_dtype(job), device=job.device,
               seed=job.seed, tokenizer=job.tokenizer, offload_dir=job.offload_root,
               gpu_mem=gpu_mem, cpu_mem=job.cpu_mem, compress=job.policy.planning_compress,
               workload=measured_workload if workload is not None else None,
               hardware=lambda: hardware_profile(job, resolve_device(job.device)),
               pipeline_parallel_size=job.pipeline_parallel, data_parallel_size=job.data_parallel,
               pipeline_layers=layers)
-    if llm.plan is not None and llm.plan.message and (ranks is None or ranks.rank == 0):
-        _log(llm.plan.message)
+    if ranks is None or ranks.rank == 0:
+        if llm.plan is not None and llm.plan.message:
+            _log(llm.plan.message)
+        for line in unused_flags(args, llm) if args is not None else ():
+            _log(warning_line(line))
     return llm

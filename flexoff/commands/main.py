@@ -16,7 +16,8 @@ from ..errors import FlexoffError, OutputError, error_line
 from ..fileio import check_destination, json_text, write_or_keep
 from ..job import DEFAULT_MODEL
 from . import harness, search
-from .args import COUNT, Parser, add_model_args, add_parallel_args, add_policy_args, add_sampling_args, job_from_args
+from .args import (COUNT, Parser, add_model_args, add_parallel_args, add_policy_args, add_quiet_arg, add_sampling_args,
+                   job_from_args)
 from .launch import check_before_launch, launch, needs_launch
 from .llm import make_llm
 from .paths import check_outputs
@@ -45,7 +46,7 @@ def cmd_run(args) -> int:
         return prompt_workload([line.prompt if line.messages is None else line.messages for line in lines],
                                [line.max_new_tokens or args.gen_len for line in lines], job.model, job.tokenizer)
 
-    llm = make_llm(job, workload)
+    llm = make_llm(job, workload, args)
     blocks: dict[int, Block] = {}  # each output's block, for its record
 
     def on_block(outputs, metrics) -> None:
@@ -136,7 +137,7 @@ def register_run(subparsers) -> None:
     out = parser.add_argument_group("output")
     out.add_argument("--output", metavar="FILE.jsonl", help="write one JSON result per prompt (atomically)")
     out.add_argument("--metrics-json", metavar="FILE", help="write the metrics record as JSON")
-    out.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_quiet_arg(out)
     out.add_argument("--warmup", action="store_true",
                      help="run a short untimed pass first (for benchmarks: keeps one-time costs out of the figures)")
     parser.set_defaults(handler=cmd_run)

@@ -17,6 +17,11 @@ from ..policy import TIERS, Policy
 from ..units import format_size
 
 
+def warning_line(text: str) -> str:
+    """A warning as every command prints it on stderr (errors are ``flexoff: error: ...``)."""
+    return f"flexoff: warning: {text}"
+
+
 def _percent(fractions) -> str:
     return " / ".join(f"{100 * v:.4g}%" for v in fractions.as_tuple())
 

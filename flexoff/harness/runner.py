@@ -69,7 +69,7 @@ class ScoreItem:
 
 
 def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, progress: Progress | None = None,
-                   desc: str = "prompts", make_record: Callable[[GenerationItem, object, Block], dict] | None = None
+                   desc: str = "generating", make_record: Callable[[GenerationItem, object, Block], dict] | None = None
                    ) -> Metrics | None:
     """Generate for every item not yet in ``store``; None when there was nothing left to do.
     ``make_record(item, output, block)`` builds a result line (default: flexoff's record)."""
@@ -92,7 +92,7 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
                            generation_record(out, block, index=item.index, id=item.id, prompt=item.text,
                                              extra=item.extra))
         store.append(records)
-        tracker.prompts_done += len(outputs)
+        tracker.finished(len(outputs))
 
     try:
         result = llm.generate([item.prompt for item in pending], [item.params for item in pending],
@@ -111,6 +111,12 @@ class _ProgressTracker(TokenTracker):
 
     def show(self, advance: int) -> None:
         self.bar.advance(advance, f"{self.progress.note()}, {self.prompts_done}/{self.prompts} prompts")
+
+    def finished(self, prompts: int) -> None:
+        """A block's prompts are written: the block's last tokens were shown before they were, so
+        the note is shown again (else the last block's prompts never appear in it)."""
+        self.prompts_done += prompts
+        self.show(0)
 
 
 def run_scoring(llm, store: ResultStore, items: list[ScoreItem], *, chunk_size: int = 256,

@@ -275,6 +275,7 @@ def test_the_progress_bar_moves_with_tokens_and_tells_the_time_left(tiny_opt, tm
 
         def start(self, desc, unit, total, done):
             calls.append(("start", unit, total, done))
+            assert desc == "generating"  # as flexoff run's bar, and the README, say
 
         def advance(self, count, note=""):
             calls.append(("advance", count, note))
@@ -288,6 +289,8 @@ def test_the_progress_bar_moves_with_tokens_and_tells_the_time_left(tiny_opt, tm
                            "--ignore-eos")) == 0
     assert calls[0] == ("start", "tok", 20, 0) and calls[-1] == ("finish",)
     advances = [c for c in calls if c[0] == "advance"]
+    # The bar's last note counts every prompt, the last block's included.
+    assert advances[-1][2].endswith(", 4/4 prompts")
     assert sum(c[1] for c in advances) == 20
     # Tokens move the bar before the first block is written, and the time left is known by then.
     before_first_block = [c for c in advances if "0/4 prompts" in c[2]]
