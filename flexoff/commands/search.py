@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from ..errors import ConfigError, PolicyError
+from ..fileio import check_destination
 from ..models import resolve_model_config
 from ..planner.cost_model import Workload
 from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
@@ -165,10 +166,11 @@ def run_profile(args) -> int:
     from ..profiler import profile_machine  # imports torch; keep `flexoff search` light
 
     device = None if args.device == "auto" else args.device
+    output = args.output or default_profile_path()
+    check_destination(output, "--output")  # before the minutes of measuring, not after them
     started = time.perf_counter()
     profile = profile_machine(quick=args.quick, disk_dir=args.disk_dir, device=device,
                               log=lambda message: print(f"  {message}", flush=True))
-    output = args.output or default_profile_path()
     try:
         profile.save(output)
     except OSError as exc:
