@@ -123,7 +123,7 @@ def test_without_a_saved_profile_a_quick_one_is_measured_once_and_saved(tiny, tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     calls = []
 
-    def measure(quick=False, disk_dir=None, device=None, log=None):
+    def measure(quick=False, disk_dir=None, device=None, log=None, progress=None):
         calls.append((quick, device))
         return H100
 
