@@ -26,50 +26,59 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
     return decode_seconds_by_case(compute, dtype, {None: (policy, fields, sequences)}, repeats, offload_dir)[None]
 
 
-def probe_sequences(count: int) -> list:
+def probe_sequences(count: int, steps: int = STEPS) -> list:
     """The ``count`` sequences a timed block runs: prompts of PROMPT_LEN tokens, each generating
-    STEPS + 1 tokens (the prefill's, then STEPS decode steps)."""
+    ``steps`` + 1 tokens (the prefill's, then ``steps`` decode steps)."""
     from .runtime.batch import Sequence
     from .runtime.sampling import SamplingParams
 
-    params = SamplingParams(max_new_tokens=STEPS + 1, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     return [Sequence(i, [5] * PROMPT_LEN, params, 0) for i in range(count)]
 
 
 def decode_seconds_by_case(compute: torch.device, dtype, cases: dict, repeats: int = 3,
-                           offload_dir: str | None = None) -> dict:
+                           offload_dir: str | None = None, deadline=None, steps: int = STEPS,
+                           depths: tuple[int, int] = DEPTHS) -> dict:
     """{name: (seconds per layer, {layers: seconds per step})} for each case ``name: (policy,
     fields, sequences)``, as ``decode_seconds_per_layer`` times one. Every engine is built first,
     then timed in rounds, one run of each a round, each keeping its best: the cases' figures are
     differences of each other, and drift in the machine (clocks, caches, other processes) then
-    falls on all of them alike instead of on the ones timed last."""
+    falls on all of them alike instead of on the ones timed last. The warm-up round runs one decode
+    step (each runs the same kernels). Once ``deadline`` (a ``profile_kernels.Deadline``) has
+    passed, no round starts after the first timed one. ``steps``: decode steps a timed run;
+    ``depths``: the two layer counts, for DEPTHS."""
     from .models.config import ModelConfig
     from .runtime.engine import Engine
     from .weights.dummy import DummyWeights
 
     engines, sequences = {}, {}
+    weights = DummyWeights(0)  # one pool of random values for all: each engine would draw its own
     try:
         for name, (policy, fields, count) in cases.items():
-            for layers in DEPTHS:
+            for layers in depths:
                 config = ModelConfig(name=f"host-overhead-{layers}", num_layers=layers, **fields)
-                engines[name, layers] = Engine(config, DummyWeights(0), policy, compute, dtype, offload_dir=offload_dir)
+                engines[name, layers] = Engine(config, weights, policy, compute, dtype, offload_dir=offload_dir)
                 sequences[name, layers] = count
         best = {key: float("inf") for key in engines}
-        for round_ in range(repeats + 1):  # the first round warms up
+        for key, engine in engines.items():  # warm-up
+            engine.generate_block(probe_sequences(sequences[key], 1))
+        for round_ in range(repeats):
+            if round_ and deadline is not None and deadline.passed():
+                break
             for key, engine in engines.items():
-                seconds = engine.generate_block(probe_sequences(sequences[key])).decode_time / STEPS
-                if round_:
-                    best[key] = min(best[key], seconds)
+                seconds = engine.generate_block(probe_sequences(sequences[key], steps)).decode_time / steps
+                best[key] = min(best[key], seconds)
     finally:
         for engine in engines.values():
             engine.close()
-    low, high = DEPTHS
-    return {name: ((best[name, high] - best[name, low]) / (high - low), {layers: best[name, layers] for layers in DEPTHS})
+        weights.close()
+    low, high = depths
+    return {name: ((best[name, high] - best[name, low]) / (high - low), {layers: best[name, layers] for layers in depths})
             for name in cases}
 
 
 def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: str | None = None,
-                  batches: int = 1):
+                  batches: int = 1, deadline=None, steps: int = STEPS, depths: tuple[int, int] = DEPTHS):
     """The runtime's host time per decoder layer and GPU batch, and per decode step of a batch, apart
     from the work itself: decode of ``batches`` GPU batches of one sequence each through models too
     narrow (hidden 128) to keep the device busy, at two depths. The slope over depth per batch is per
@@ -79,7 +88,8 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: s
     one, and of a sparse MLP (8 experts, 2 a token) over a dense gated one; and of compressed
     weights per pass over them (several batches make one). A GPU's policies run many batches a layer,
     and a lone batch misses host work each of them adds (it priced a 20-batch decode a fifth under
-    its host's time); where the CPU is the compute device, it runs one."""
+    its host's time); where the CPU is the compute device, it runs one. ``deadline``, ``steps`` and
+    ``depths``: as ``decode_seconds_by_case`` takes them."""
     from dataclasses import replace
 
     from .policy import CompressionConfig, Policy, TierFractions
@@ -106,13 +116,14 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: s
         variants[disk_reference] = (several, OPT_FIELDS)
     measured = decode_seconds_by_case(
         compute, dtype, {name: (policy, fields, policy.gpu_batch_size * policy.num_gpu_batches)
-                         for name, (policy, fields) in variants.items()}, repeats, offload_dir)
+                         for name, (policy, fields) in variants.items()}, repeats, offload_dir, deadline, steps,
+        depths)
     # per layer and GPU batch
     slope = {name: per_layer / variants[name][0].num_gpu_batches for name, (per_layer, _) in measured.items()}
     seconds = {name: per_step for name, (_, per_step) in measured.items()}
     # A profile holds positive figures: noise that hides one leaves it a nanosecond.
     per_layer = max(1e-9, slope["on the device"])
-    step = max(1e-9, seconds["on the device"][DEPTHS[0]] / batches - DEPTHS[0] * per_layer)
+    step = max(1e-9, seconds["on the device"][depths[0]] / batches - depths[0] * per_layer)
     extras = {
         "host_seconds_per_travelling_layer": slope["cache travels"] - slope["on the device"],
         "host_seconds_per_compressed_cache_layer": slope["compressed cache travels"] - slope["cache travels"],
@@ -123,5 +134,5 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: s
         "host_seconds_per_sparse_layer": slope["sparse"] - slope["llama"],
     }
     record = {"decode_seconds_per_step": {name: {str(k): v for k, v in t.items()} for name, t in seconds.items()},
-              "hidden": 128, "sequences": 1, "gpu_batches": batches, "steps": STEPS}
+              "hidden": 128, "sequences": 1, "gpu_batches": batches, "steps": steps, "depths": list(depths)}
     return per_layer, step, {key: max(1e-9, value) for key, value in extras.items()}, record

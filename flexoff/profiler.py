@@ -23,8 +23,8 @@ import torch
 
 from .errors import ConfigError
 from .host_overhead import DISK_BATCHES, GPU_BATCHES, host_overhead
-from .profile_kernels import (ProfileSizes, attention_rates, best_seconds, cpu_attention_rate, cpu_attention_seconds,
-                              dequant_rate, kv_quant_rate, matmul_curve)
+from .profile_kernels import (Budget, Deadline, ProfileSizes, attention_rates, best_seconds, cpu_attention_rate,
+                              cpu_attention_seconds, dequant_rate, kv_quant_rate, matmul_curve)
 from .sparse_kernel import measure_sparse_rates
 from .planner.hardware import HardwareProfile, default_profile_path
 
@@ -36,14 +36,19 @@ STAGE_BYTES = 256 * MiB  # about one decoder layer's disk share
 CPU_ONLY_GPU_BUDGET = 0.25
 
 
+# A quick profile, measured the first time a job plans without a saved one, keeps to a budget: each
+# measurement repeats until its share of it has passed (a timing past it runs once), and the host
+# probe runs shorter and shallower. The budget leaves room under the 30 s a first plan may take on
+# a 2-core machine for what runs however late it is: each timing's first call and one more.
 QUICK = ProfileSizes((16 * MiB, 64 * MiB, 256 * MiB), 256 * MiB, (1, 8, 32, 128, 512, 2048),
-                     2048, 4096, 4, 16 * MiB, 0.1, 64 * MiB)
+                     2048, 4096, 4, 16 * MiB, 0.1, 64 * MiB, budget_seconds=20.0)
+QUICK_HOST_PROBE = {"steps": 6, "depths": (2, 6)}
 FULL = ProfileSizes((64 * MiB, 256 * MiB, 1 * GiB), 4 * GiB, (1, 8, 32, 128, 512, 4096),
                     7168, 28672, 16, 256 * MiB, 0.5, 512 * MiB)
 # A quick profile of a GPU still times its kernels at full shapes (a second or two there): at small
 # shapes they are launch-bound, and priced a full card's decode at under a third of what it ran at.
 QUICK_GPU = replace(QUICK, matmul_rows=FULL.matmul_rows, matmul_inner=FULL.matmul_inner, matmul_outer=FULL.matmul_outer,
-                    attention_batch=FULL.attention_batch, dequant_elements=FULL.dequant_elements)
+                    attention_batch=FULL.attention_batch, dequant_elements=FULL.dequant_elements, budget_seconds=10.0)
 
 
 def fit_bandwidth(sizes, seconds) -> tuple[float, float]:
@@ -57,7 +62,7 @@ def fit_bandwidth(sizes, seconds) -> tuple[float, float]:
     return float(1.0 / slope), float(max(intercept, 0.0))
 
 
-def _copy_bandwidth(src_device, dst_device, sizes: ProfileSizes, pinned: bool):
+def _copy_bandwidth(src_device, dst_device, sizes: ProfileSizes, pinned: bool, deadline: Deadline | None = None):
     seconds = []
     for nbytes in sizes.copy_bytes:
         src = torch.empty(nbytes, dtype=torch.uint8, device=src_device)
@@ -66,10 +71,10 @@ def _copy_bandwidth(src_device, dst_device, sizes: ProfileSizes, pinned: bool):
         dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_device)
         if pinned and dst_device.type == "cpu":
             dst = dst.pin_memory()
-        src.random_(0, 255)
+        src.fill_(0x5A)  # touched, so no page is first faulted in while timed; values do not change a copy
         sync_device = dst_device if dst_device.type == "cuda" else src_device
         seconds.append(best_seconds(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True), sync_device,
-                             sizes.min_seconds))
+                                    sizes.min_seconds, deadline=deadline))
         del src, dst  # free this size's buffers before allocating the next
     bandwidth, latency = fit_bandwidth(sizes.copy_bytes, seconds)
     raw = {"bytes": list(sizes.copy_bytes), "seconds": seconds, "fit_latency_s": latency}
@@ -141,7 +146,7 @@ def _disk_bandwidth(directory: str, nbytes: int):
     return nbytes / read_seconds, nbytes / write_seconds, raw
 
 
-def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
+def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2, deadline: Deadline | None = None):
     """Read back, through the disk tier's own reads, a file just written: what a disk tier that
     fits in the free host memory sees, since the page cache keeps its pages. Stages are read into
     pinned staging a stage at a time on the disk tier's threads, ``streams`` at once: the weight
@@ -166,7 +171,7 @@ def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2):
             for read in in_flight:
                 read.result()
 
-        seconds = best_seconds(read_all, torch.device("cpu"), 0.0, max_repeats=3)
+        seconds = best_seconds(read_all, torch.device("cpu"), 0.0, max_repeats=3, deadline=deadline)
     finally:
         disk.close()
     return len(offsets) * stage / seconds, {"bytes": len(offsets) * stage, "seconds": seconds,
@@ -204,19 +209,36 @@ def copies_streaming(compute: torch.device, nbytes: int):
         worker.join()
 
 
-def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device, rows: int, alone: float):
+def _cpu_attention_share_under_copy(sizes: ProfileSizes, compute: torch.device, rows: int, alone: float,
+                                    deadline: Deadline | None = None):
     """CPU attention's speed over ``rows`` sequences while pinned host-to-GPU copies stream, as a
     share of its speed without them (``alone`` seconds)."""
     nbytes = max(sizes.copy_bytes)
     with copies_streaming(compute, nbytes):
-        together = cpu_attention_seconds(rows, sizes)
+        together = cpu_attention_seconds(rows, sizes, deadline=deadline)
     share = min(1.0, alone / together)
     return share, {"rows": rows, "alone_seconds": alone, "under_copy_seconds": together, "copy_bytes": nbytes}
 
 
+def _step_weights(use_cuda: bool, quick: bool, gpu_count: int) -> dict[str, float]:
+    """A profile's measurements in order, each with its share of the time budget (about its share of
+    an unhurried profile's time)."""
+    weights = {"copies": 0.05, "copies to all GPUs": 0.02, "disk": 0.05, "matmuls": 0.08, "attention": 0.08,
+               "dequantization": 0.1, "host time": 0.5, "routed experts": 0.3, "CPU attention under copies": 0.03}
+    if gpu_count < 2:
+        del weights["copies to all GPUs"]
+    if not use_cuda or quick:
+        del weights["routed experts"]
+    if not use_cuda:
+        del weights["CPU attention under copies"]
+    return weights
+
+
 def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
-                    log=lambda message: None) -> HardwareProfile:
-    """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice."""
+                    log=lambda message: None, progress=None) -> HardwareProfile:
+    """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice. A quick
+    profile keeps to its sizes' time budget; ``progress(fraction, step)`` hears each measurement
+    start (``Budget`` says how), and the end."""
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     sizes = (QUICK_GPU if use_cuda else QUICK) if quick else FULL
     if use_cuda and not torch.cuda.is_available():
@@ -232,17 +254,21 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     free_disk_needed = sizes.disk_bytes + DISK_BLOCK
     if disk_free < free_disk_needed:
         raise ConfigError(f"--disk-dir {disk_dir}: needs {free_disk_needed} free bytes to profile, has {disk_free}")
+    gpu_count = torch.cuda.device_count() if use_cuda else 1
+    budget = Budget(sizes.budget_seconds, _step_weights(use_cuda, quick, gpu_count), progress)
 
+    deadline = budget.start("copies")
     if use_cuda:
         properties = torch.cuda.get_device_properties(compute)
         gpu_memory, cpu_memory = properties.total_memory, ram
         device_name = f"{properties.name}, {os.cpu_count()} cores"
         log(f"profiling {properties.name} with pinned copies")
-        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, compute, sizes, pinned=True)
-        to_cpu, measurements["gpu_to_cpu"] = _copy_bandwidth(compute, cpu, sizes, pinned=True)
+        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, compute, sizes, pinned=True, deadline=deadline)
+        to_cpu, measurements["gpu_to_cpu"] = _copy_bandwidth(compute, cpu, sizes, pinned=True, deadline=deadline)
         notes["bandwidth_bytes_per_s"] = "measured: pinned copies at several sizes, fit to latency + bytes / bandwidth"
-        gpu_count, to_all = torch.cuda.device_count(), None
+        to_all = None
         if gpu_count > 1:
+            budget.start("copies to all GPUs")
             log(f"copying to all {gpu_count} GPUs at once")
             to_all = measurements["cpu_to_all_gpus"] = all_gpus_bandwidth(gpu_count, sizes.copy_bytes[-1])
         dtype = torch.float16
@@ -251,39 +277,52 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
         cpu_memory = ram - gpu_memory
         device_name = f"CPU only ({os.cpu_count()} cores); the gpu tier is a RAM budget"
         log("no CUDA: profiling the CPU as the compute device")
-        gpu_count, to_all = 1, None
-        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, cpu, sizes, pinned=False)
+        to_all = None
+        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, cpu, sizes, pinned=False, deadline=deadline)
         to_cpu, measurements["gpu_to_cpu"] = to_gpu, measurements["cpu_to_gpu"]
         notes["memory_bytes"] = f"no CUDA: the gpu tier is {CPU_ONLY_GPU_BUDGET:.0%} of RAM, the cpu tier the rest"
         notes["bandwidth_bytes_per_s"] = ("measured: RAM-to-RAM copies (both 'PCIe' directions), fit to "
                                           "latency + bytes / bandwidth; disk measured")
         dtype = torch.float32
+    deadline = budget.start("disk")
     log(f"disk: {sizes.disk_bytes // MiB} MiB in {DISK_BLOCK // MiB} MiB blocks under {disk_dir}")
     disk_read, disk_write, measurements["disk"] = _disk_bandwidth(disk_dir, sizes.disk_bytes)
-    cached_read, measurements["disk_cached_read"] = cached_read_bandwidth(disk_dir, sizes.disk_bytes // 2)
+    cached_read, measurements["disk_cached_read"] = cached_read_bandwidth(disk_dir, sizes.disk_bytes // 2,
+                                                                          deadline=deadline)
     if use_cuda:
         # Weights read from disk then cross to the GPU, so the reads share host memory with pinned
         # copies of the stage before: time them that way, and keep the lone figure beside it.
         with copies_streaming(compute, max(sizes.copy_bytes)):
             cached_read, measurements["disk_cached_read_under_copy"] = cached_read_bandwidth(
-                disk_dir, sizes.disk_bytes // 2)
+                disk_dir, sizes.disk_bytes // 2, deadline=deadline)
+    deadline = budget.start("matmuls")
     log("matmuls at several row counts")
-    curve, measurements["matmul"] = matmul_curve(compute, dtype, sizes)
+    curve, measurements["matmul"] = matmul_curve(compute, dtype, sizes, deadline)
     notes["matmul_flop_per_s"] = (f"measured: {str(dtype).replace('torch.', '')} [m x {sizes.matmul_inner}] . "
                                   f"[{sizes.matmul_inner} x {sizes.matmul_outer}]; fit: running maximum over m, "
                                   "interpolated log-log between the points")
+    deadline = budget.start("attention")
     log("attention and dequantization")
-    attention = attention_rates(compute, dtype, sizes)
+    attention = attention_rates(compute, dtype, sizes, deadline=deadline)
     measurements["attention"] = attention.pop("raw")
-    cpu_attention, cpu_attention_call, measurements["cpu_attention"] = cpu_attention_rate(sizes)
-    gpu_dequant, measurements["gpu_dequant"] = dequant_rate(compute, sizes)
-    kv_dequant, measurements["gpu_kv_dequant"] = dequant_rate(compute, sizes, shape=(32, 8, 128))
-    kv_quant, measurements["gpu_kv_quant"] = kv_quant_rate(compute, dtype, sizes)
+    cpu_attention, cpu_attention_call, measurements["cpu_attention"] = cpu_attention_rate(sizes, deadline=deadline)
+    deadline = budget.start("dequantization")
+    gpu_dequant, measurements["gpu_dequant"] = dequant_rate(compute, sizes, deadline=deadline)
+    kv_dequant, measurements["gpu_kv_dequant"] = dequant_rate(compute, sizes, shape=(32, 8, 128), deadline=deadline)
+    kv_quant, measurements["gpu_kv_quant"] = kv_quant_rate(compute, dtype, sizes, deadline=deadline)
+    if use_cuda:
+        # a quick profile's CPU sizes: quantizing a GPU's (256 Mi elements) on the CPU takes seconds
+        cpu_dequant, measurements["cpu_dequant"] = dequant_rate(cpu, QUICK if quick else sizes, deadline=deadline)
+    else:
+        cpu_dequant = gpu_dequant
+    deadline = budget.start("host time")
     log("the runtime's host time per layer")
     host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(
-        compute, dtype, offload_dir=disk_dir, batches=GPU_BATCHES if use_cuda else 1)
+        compute, dtype, offload_dir=disk_dir, batches=GPU_BATCHES if use_cuda else 1, deadline=deadline,
+        **(QUICK_HOST_PROBE if quick else {}))
     sparse = ()
     if use_cuda and not quick:
+        budget.start("routed experts")
         log("the routed experts of each mixture-of-experts shape")
         # bfloat16: the mixtures' own dtype, which dtype auto runs them in on a GPU.
         sparse, measurements["sparse_mlp"] = measure_sparse_rates(
@@ -294,14 +333,12 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
                                           "is routed to, by tokens routed together")
     share_under_copy = 1.0
     if use_cuda:
+        deadline = budget.start("CPU attention under copies")
         log("CPU attention while pinned copies stream")
         timed = measurements["cpu_attention"]
         share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(
-            sizes, compute, timed["rows"][-1], timed["seconds"][-1])
-    if use_cuda:
-        cpu_dequant, measurements["cpu_dequant"] = dequant_rate(cpu, sizes)
-    else:
-        cpu_dequant = gpu_dequant
+            sizes, compute, timed["rows"][-1], timed["seconds"][-1], deadline)
+    budget.finish()
     notes["compute"] = ("measured: the runtime's attention (32 heads x 128; prefill of 512 with a causal and padding "
                         "mask, decode with softmax and bmm over 544 keys), the runtime's CPU attention over an fp16 "
                         "cache, alone and while pinned copies to the GPU stream, 4-bit group-64 dequantization of "
@@ -310,9 +347,9 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     notes["disk_to_cpu_cached"] = ("measured: the disk tier's reads of a file it has just written (page cache), two "
                                    "stages in flight as the weight store keeps them, while pinned copies to the GPU "
                                    "stream (the figure without them is kept in measurements)")
-    batches = measurements["host_overhead"]["gpu_batches"]
+    batches, (low, high) = measurements["host_overhead"]["gpu_batches"], measurements["host_overhead"]["depths"]
     notes["host_seconds"] = (f"measured: decode of {batches} GPU batch(es) of one sequence through the runtime on "
-                             "128-wide OPT models of 2 and 10 layers, all on the device, with the cache travelling "
+                             f"128-wide OPT models of {low} and {high} layers, all on the device, with the cache travelling "
                              f"(plain and 4-bit, and 4-bit on disk over {DISK_BATCHES} batches), and with 4-bit weights; and on "
                              "Llama-family models alike, dense and with 8 experts (2 a token); fit: the slope per "
                              "batch is per layer and batch, the intercept per batch and step, the extras are "
@@ -341,15 +378,16 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     )
 
 
-def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: Callable[[str], None]
-                              ) -> HardwareProfile:
-    """This machine's saved profile; measured quickly and saved there first when there is none."""
+def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: Callable[[str], None],
+                              progress: Callable[[float, str | None], None] | None = None) -> HardwareProfile:
+    """This machine's saved profile; measured quickly and saved there first when there is none
+    (``progress``: as ``profile_machine`` takes it)."""
     path = default_profile_path()
     if path.is_file():
         return HardwareProfile.load(path)
     log(f"no hardware profile saved at {path}: measuring a quick one (`flexoff profile` measures a full one)")
     started = time.perf_counter()
-    profile = profile_machine(quick=True, disk_dir=disk_dir, device=device.type)
+    profile = profile_machine(quick=True, disk_dir=disk_dir, device=device.type, progress=progress)
     try:
         profile.save(path)
     except OSError as exc:

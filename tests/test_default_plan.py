@@ -123,8 +123,11 @@ def test_without_a_saved_profile_a_quick_one_is_measured_once_and_saved(tiny, tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     calls = []
 
-    def measure(quick=False, disk_dir=None, device=None, log=None):
+    def measure(quick=False, disk_dir=None, device=None, log=None, progress=None):
         calls.append((quick, device))
+        progress(0.0, "copies")
+        progress(0.5, "host time")
+        progress(1.0, None)
         return H100
 
     from flexoff import profiler
@@ -137,6 +140,9 @@ def test_without_a_saved_profile_a_quick_one_is_measured_once_and_saved(tiny, tm
     assert calls == [(True, "cpu")]
     assert json.loads(default_profile_path().read_text())["name"] == H100.name
     assert str(default_profile_path()) in first.err and _printed_plan(first.err)
+    # the user hears that it is measuring, and how far it is (stderr is no terminal here: a line each)
+    assert ("profile    measuring   0%  copies\nprofile    measuring  50%  host time\n"
+            "profile    measuring 100%\n") in first.err
     second, _ = _run(path, work, capsys, "--gpu-mem", cap)
     assert calls == [(True, "cpu")]  # read back, not measured again
     assert _printed_plan(second.err) == _printed_plan(first.err) and "measuring" not in second.err

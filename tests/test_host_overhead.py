@@ -21,7 +21,7 @@ def layer_seconds(policy, fields):
     return policy.num_gpu_batches * batch + (WEIGHT_PASS if policy.compress_weight else 0)
 
 
-def fake_cases(compute, dtype, cases, repeats, offload_dir):
+def fake_cases(compute, dtype, cases, repeats, offload_dir, *timing):
     timed = {}
     for name, (policy, fields, sequences) in cases.items():
         assert sequences == policy.num_gpu_batches * policy.gpu_batch_size
@@ -47,7 +47,7 @@ def test_host_figures_are_per_layer_and_batch_whatever_batches_ran(monkeypatch, 
 
 
 def test_a_host_figure_hidden_by_noise_is_left_positive(monkeypatch):
-    def noisy(compute, dtype, cases, repeats, offload_dir):
+    def noisy(compute, dtype, cases, repeats, offload_dir, *timing):
         timed = fake_cases(compute, dtype, cases, repeats, offload_dir)
         # travelling timed no slower than on the device: the travelling extra reads as nothing
         return {name: timed["on the device"] if name == "cache travels" else value for name, value in timed.items()}

@@ -91,3 +91,31 @@ def test_generate_tells_its_tracker_each_blocks_prefill_and_tokens():
         assert block.count(("prefilled",)) == 1 and sum(e[1] for e in block if e[0] == "tokens") == 6
     assert sum(e[1] for e in events if e[0] == "block") == 10
     assert result.metrics.generated_tokens == 12
+
+
+class _Stream:
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_progress_line_is_rewritten_on_a_terminal_and_a_line_each_elsewhere():
+    from flexoff.commands.report import ProgressLine
+
+    for tty, expected in ((False, "measuring   0%  copies\nmeasuring  40%  host time\nmeasuring 100%\n"),
+                          (True, "\r\x1b[Kmeasuring   0%  copies\r\x1b[Kmeasuring  40%  host time"
+                                 "\r\x1b[Kmeasuring 100%\n")):
+        stream = _Stream(tty)
+        line = ProgressLine("measuring", stream)
+        line(0.0, "copies")
+        line(0.4, "host time")
+        line(1.0, None)
+        assert stream.text == expected

@@ -97,10 +97,12 @@ def hardware_profile(job: Job, device):
     saved) the first time."""
     from ..profiler import saved_or_measured_profile
     from ..planner.hardware import resolve_hardware
+    from .report import ProgressLine
 
     if job.policy.hardware:
         return resolve_hardware(job.policy.hardware)
-    return saved_or_measured_profile(device, job.offload_root, lambda message: _log(f"profile    {message}"))
+    return saved_or_measured_profile(device, job.offload_root, lambda message: _log(f"profile    {message}"),
+                                     ProgressLine("profile    measuring"))
 
 
 def job_ranks(job: Job):

@@ -1,10 +1,12 @@
-"""What the commands show: predictions as tables, CSV and a frontier plot, and a run's summary."""
+"""What the commands show: predictions as tables, CSV and a frontier plot, a run's summary, and the
+progress of a hardware profile being measured."""
 
 from __future__ import annotations
 
 import csv
 import io
 import math
+import sys
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -320,3 +322,21 @@ def format_table(summary: dict) -> str:
                      f"generated {gen['total_throughput']:.1f} token/s")
     lines.append(f"wall time   {summary['wall_seconds']:.1f} s")
     return "\n".join(lines)
+
+
+class ProgressLine:
+    """A long step's progress on stderr, as a profiler's ``progress(fraction, step)`` reports it (step
+    None: done): one line rewritten in place on a terminal, else a line per report (a log keeps each)."""
+
+    def __init__(self, prefix: str, stream=None):
+        self.prefix, self.stream = prefix, stream or sys.stderr
+        self.live = self.stream.isatty()
+
+    def __call__(self, fraction: float, step: str | None) -> None:
+        text = f"{self.prefix} {fraction:4.0%}" + (f"  {step}" if step else "")
+        if self.live:  # \r and erase to the end of the line: the new text replaces the old
+            text = "\r\x1b[K" + text + ("\n" if step is None else "")
+        else:
+            text += "\n"
+        self.stream.write(text)
+        self.stream.flush()

@@ -71,7 +71,9 @@ def register(subparsers) -> None:
     profile.add_argument("--output", "-o", default=None, metavar="FILE",
                          help=f"where to save the profile (default {default_profile_path()}, "
                               "which `flexoff search` reads)")
-    profile.add_argument("--quick", action="store_true", help="smaller transfers and matmuls (tens of seconds)")
+    profile.add_argument("--quick", action="store_true",
+                         help="smaller transfers and matmuls, each timed within its share of a budget of about 20 s "
+                              "(10 s with CUDA)")
     profile.add_argument("--disk-dir", default=None, metavar="DIR",
                          help="directory on the disk that will hold offloaded tensors (default: the temp dir)")
     profile.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",

@@ -163,3 +163,20 @@ def test_the_frontier_plots_tick_labels_do_not_overlap_and_its_title_names_workl
         assert fig.axes[0].get_legend() is not None
     finally:
         plt.close(fig)
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_profile_refuses_an_output_it_cannot_write_before_measuring(capsys, tmp_path, monkeypatch, where):
+    from flexoff import profiler
+
+    def measure(**kwargs):
+        raise AssertionError("measured before the output was checked")
+
+    monkeypatch.setattr(profiler, "profile_machine", measure)
+    output = tmp_path
+    if where == "under a file":
+        (tmp_path / "notes.txt").write_text("kept\n")
+        output = tmp_path / "notes.txt" / "hw.json"
+    code, out, err = run(["profile", "--output", str(output)], capsys)
+    assert code == 2 and str(output) in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "notes.txt").read_text() == "kept\n" if where == "under a file" else output.is_dir()
