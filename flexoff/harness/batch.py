@@ -39,7 +39,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import PromptError, TokenizerError
+from ..errors import FlexoffError, PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..job import Job
 from ..generation_config import read_generation_config
@@ -120,16 +120,21 @@ def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, see
     sampling fields override the job's."""
     items = []
     for line in lines:
-        where = f"{source} line {line.line} (id {line.id!r})"
+        request = requests[id_key(line.id)] if requests is not None else None
+        # An OpenAI request is named by its custom_id; its line's id is derived from that.
+        named = f"id {line.id!r}" if request is None else f"custom_id {request.custom_id!r}"
+        where = f"{source} line {line.line} ({named})"
         ids, text = line_prompt(line, f"{where}: the prompt", llm.config, llm.tokenizer)
         budget = line.max_new_tokens or defaults.max_new_tokens
         check_room(ids, budget, f"{where}: the prompt", llm.config)
         stop = tuple(dict.fromkeys(defaults.stop + line.stop))
         if stop and llm.tokenizer is None:
             raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
-        request = requests[id_key(line.id)] if requests is not None else None
         sampling = request.sampling if request is not None else {}
-        params = replace(defaults, max_new_tokens=budget, stop=stop, **sampling)
+        try:
+            params = replace(defaults, max_new_tokens=budget, stop=stop, **sampling)
+        except FlexoffError as exc:  # a request's field against the job's flags (min_tokens past --max-new-tokens)
+            raise PromptError(f"{where}: {exc}") from None
         if "seed" not in sampling:
             params = replace(params, seed=request_seed(seed, line.id) if not params.greedy else None)
         items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {},

@@ -7,10 +7,15 @@ Input, one request a line (a file whose first line has ``custom_id`` is read thi
     {"custom_id": "r2", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}}
 
-- ``url``: ``/v1/completions`` (``prompt``: text or token ids) or ``/v1/chat/completions``
-  (``messages``, through the chat template as ``LLM.chat`` does).
+- ``url``: ``/v1/completions`` (``prompt``: text or token ids, or a list of one of them; a list of
+  several, which OpenAI answers with every prompt's choices in one response, is refused: one prompt
+  a line) or ``/v1/chat/completions`` (``messages``, through the chat template as ``LLM.chat`` does).
 - ``model`` is not checked: every request runs on the job's ``--model``, which the response names.
-  ``user`` is accepted and not used.
+  ``user`` is accepted and not used. A field set to null is taken as left out, as OpenAI takes it.
+- Fields OpenAI documents whose default changes nothing here are accepted at it (NEUTRAL_FIELDS:
+  ``"stream": false``, ``"echo": false``, ``"logit_bias": {}``, ``"suffix": ""``, ``"tools": []``,
+  ``"response_format": {"type": "text"}``, ..., and ``best_of`` equal to ``n``); any other value of
+  them is refused by name.
 - ``max_tokens`` (or ``max_completion_tokens``), ``stop`` and the sampling fields override the
   job's flags for that request; fields left out take the flags' values (flexoff's defaults: greedy,
   32 tokens; OpenAI's are temperature 1 and 16 tokens for completions). The sampling fields are
@@ -19,8 +24,8 @@ Input, one request a line (a file whose first line has ``custom_id`` is read thi
 - ``logprobs``: the sampled tokens' log-probabilities (completions: ``logprobs: K``; chat:
   ``logprobs: true`` with ``top_logprobs: K``), each with the K likeliest alternatives, for every
   one of the ``n`` choices.
-- Any other field, an unknown ``url`` or a method other than POST is refused, naming the line and
-  field, before anything runs.
+- Any other field, an unknown ``url`` or a method other than POST is refused, naming the line, its
+  ``custom_id`` and the field, before anything runs.
 
 Output, one line a request: ``{"id", "custom_id", "response": {"status_code": 200, "request_id",
 "body": a text_completion or chat.completion object with choices and usage}, "error": null}``; a
@@ -31,6 +36,8 @@ so a resumed job writes what an uninterrupted one would (all but ``created``, th
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +55,15 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "n", "stop_token_ids
                    "frequency_penalty", "repetition_penalty", "min_p", "min_tokens", "include_stop_str_in_output")
 _COMMON = ("model", "max_tokens", "max_completion_tokens", "stop", "user", "logprobs") + SAMPLING_FIELDS
 BODY_FIELDS = {"completion": _COMMON + ("prompt",), "chat": _COMMON + ("messages", "top_logprobs")}
+# Fields OpenAI documents whose default (or null) changes nothing flexoff does, by endpoint: accepted
+# at those values, refused by name at any other. best_of is neutral at n, checked apart.
+_NEUTRAL_COMMON = {"stream": [False], "stream_options": [], "logit_bias": [{}]}
+NEUTRAL_FIELDS = {
+    "completion": {**_NEUTRAL_COMMON, "echo": [False], "suffix": [""], "best_of": []},
+    "chat": {**_NEUTRAL_COMMON, "store": [False], "tools": [[]], "tool_choice": ["none"], "functions": [[]],
+             "function_call": ["none"], "parallel_tool_calls": [True], "response_format": [{"type": "text"}],
+             "modalities": [["text"]], "audio": [], "prediction": []},
+}
 
 
 def is_openai_line(obj: dict) -> bool:
@@ -70,32 +86,33 @@ def output_id(custom_id: str) -> str:
 
 
 def read_request(obj: dict, where: str, number: int) -> OpenAIRequest:
-    """One line of an OpenAI batch file, checked field by field."""
+    """One line of an OpenAI batch file, checked field by field; an error names the line and, once
+    it is known, the custom_id."""
+    custom_id = obj.get("custom_id")
+    if "custom_id" not in obj:
+        raise PromptError(f"{where}: missing field 'custom_id'")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise PromptError(f"{where}: field 'custom_id' must be non-empty text, got {custom_id!r}")
+    where = f"{where} (custom_id {custom_id!r})"
     for key in obj:
         if key not in LINE_FIELDS:
             raise PromptError(f"{where}: unknown field {key!r}; a request line has {', '.join(LINE_FIELDS)}")
     for key in LINE_FIELDS:
         if key not in obj:
             raise PromptError(f"{where}: missing field {key!r}")
-    custom_id = obj["custom_id"]
-    if not isinstance(custom_id, str) or not custom_id:
-        raise PromptError(f"{where}: field 'custom_id' must be non-empty text, got {custom_id!r}")
     if obj["method"] != "POST":
         raise PromptError(f"{where}: field 'method' must be \"POST\", got {obj['method']!r}")
     kind = URLS.get(obj["url"])
     if kind is None:
         raise PromptError(f"{where}: url {obj['url']!r} is not supported; use {' or '.join(URLS)}")
-    body = obj["body"]
-    if not isinstance(body, dict):
+    if not isinstance(obj["body"], dict):
         raise PromptError(f"{where}: field 'body' must be a JSON object")
-    for key in body:
-        if key not in BODY_FIELDS[kind]:
-            raise PromptError(f"{where}: body field {key!r} is not supported for {obj['url']}")
+    body = _body(obj["body"], kind, obj["url"], where)
     prompt = messages = None
     if kind == "completion":
         if "prompt" not in body:
             raise PromptError(f"{where}: body field 'prompt' is missing")
-        prompt = check_prompt(body["prompt"], f"{where}: body field 'prompt'")
+        prompt = _prompt(body["prompt"], f"{where}: body field 'prompt'")
     else:
         if "messages" not in body:
             raise PromptError(f"{where}: body field 'messages' is missing")
@@ -108,8 +125,8 @@ def read_request(obj: dict, where: str, number: int) -> OpenAIRequest:
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise PromptError(f"{where}: body field 'stop' must be a string or a list of non-empty strings")
     sampling = {key: body[key] for key in SAMPLING_FIELDS if key in body}
-    try:
-        SamplingParams(**sampling)
+    try:  # under the body's budget, or one no min_tokens exceeds: the job's is checked with the job's flags
+        SamplingParams(**sampling, max_new_tokens=budget or sys.maxsize)
     except FlexoffError as exc:  # its message names the field
         raise PromptError(f"{where}: body: {exc}") from None
     logprobs = _logprobs(body, kind, where)
@@ -117,6 +134,40 @@ def read_request(obj: dict, where: str, number: int) -> OpenAIRequest:
         sampling["logprobs"] = logprobs
     line = PromptLine(prompt, output_id(custom_id), budget, tuple(stop), None, number, messages)
     return OpenAIRequest(line, custom_id, kind, sampling)
+
+
+def _body(body: dict, kind: str, url: str, where: str) -> dict:
+    """The body's fields that say something: null is OpenAI's "not given", and a neutral field at its
+    neutral value is dropped; any other field is refused by name."""
+    neutral = NEUTRAL_FIELDS[kind]
+    for key, value in body.items():
+        if key not in BODY_FIELDS[kind] and key not in neutral:
+            raise PromptError(f"{where}: body field {key!r} is not supported for {url}")
+        if key == "best_of":
+            if value is not None and not (is_int(value) and value == (body.get("n") or 1)):
+                raise PromptError(f"{where}: body field 'best_of' must equal n (default 1): flexoff returns "
+                                  f"every choice it generates; got {value!r}")
+        elif key in neutral and value is not None and not any(_same(value, v) for v in neutral[key]):
+            allowed = " or ".join(json.dumps(v) for v in [*neutral[key], None])
+            raise PromptError(f"{where}: body field {key!r} is not supported for {url} except as {allowed}, "
+                              f"got {json.dumps(value)}")
+    return {key: value for key, value in body.items() if value is not None and key not in neutral}
+
+
+def _same(value, neutral) -> bool:
+    """JSON equality, where true is not 1 and false is not 0 (as Python's == has it)."""
+    return type(value) is type(neutral) and value == neutral
+
+
+def _prompt(prompt, what: str) -> str | list[int]:
+    """A completion's prompt: text or token ids, or a list holding one of them (a list of several is
+    several prompts, whose choices OpenAI returns in one response; flexoff runs one a line)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise PromptError(f"{what} is a list of {len(prompt)} prompts; flexoff runs one prompt a request: "
+                              "give each its own line and custom_id")
+        return check_prompt(prompt[0], f"{what}, prompt 0")
+    return check_prompt(prompt, what)
 
 
 def _budget(body: dict, where: str) -> int | None:
