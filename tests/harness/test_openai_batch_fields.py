@@ -35,7 +35,8 @@ def same_request(a, b) -> bool:
 def test_fields_at_their_default_values_read_as_if_left_out():
     assert same_request(read(completion("a", "the cat", max_tokens=3, **NEUTRAL_COMPLETION)),
                         read(completion("a", "the cat", max_tokens=3)))
-    assert same_request(read(chat("h", CHATS[0], max_tokens=3, **NEUTRAL_CHAT)), read(chat("h", CHATS[0], max_tokens=3)))
+    assert same_request(read(chat("h", CHATS[0], max_tokens=3, **NEUTRAL_CHAT)),
+                        read(chat("h", CHATS[0], max_tokens=3)))
     # best_of is neutral at n: every choice generated is returned.
     assert same_request(read(completion("a", "x", n=2, best_of=2)), read(completion("a", "x", n=2)))
 
