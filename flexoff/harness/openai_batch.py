@@ -7,9 +7,10 @@ Input, one request a line (a file whose first line has ``custom_id`` is read thi
     {"custom_id": "r2", "method": "POST", "url": "/v1/chat/completions",
      "body": {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7, "seed": 3}}
 
-- ``url``: ``/v1/completions`` (``prompt``: text or token ids, or a list of one of them; a list of
-  several, which OpenAI answers with every prompt's choices in one response, is refused: one prompt
-  a line) or ``/v1/chat/completions`` (``messages``, through the chat template as ``LLM.chat`` does).
+- ``url``: ``/v1/completions`` (``prompt``: text or token ids, or a list of several, which run as
+  sequences of their own and are answered, as OpenAI answers them, in one response whose choices
+  are the first prompt's ``n``, then the second's, ...) or ``/v1/chat/completions`` (``messages``,
+  through the chat template as ``LLM.chat`` does).
 - ``model`` is not checked: every request runs on the job's ``--model``, which the response names.
   ``user`` is accepted and not used. A field set to null is taken as left out, as OpenAI takes it.
 - Fields OpenAI documents whose default changes nothing here are accepted at it (NEUTRAL_FIELDS:
@@ -79,6 +80,9 @@ class OpenAIRequest:
     kind: str  # "completion" or "chat"
     # SamplingParams fields the body sets; "logprobs" (alternatives per token) when it asks for them
     sampling: dict = field(default_factory=dict)
+    # A completion's prompts where its body lists several (the line's prompt is the first): each
+    # runs as its own sequence, and the response holds all their choices, prompt by prompt.
+    prompts: tuple = ()
 
 
 def output_id(custom_id: str) -> str:
@@ -109,10 +113,12 @@ def read_request(obj: dict, where: str, number: int) -> OpenAIRequest:
         raise PromptError(f"{where}: field 'body' must be a JSON object")
     body = _body(obj["body"], kind, obj["url"], where)
     prompt = messages = None
+    prompts = ()
     if kind == "completion":
         if "prompt" not in body:
             raise PromptError(f"{where}: body field 'prompt' is missing")
-        prompt = _prompt(body["prompt"], f"{where}: body field 'prompt'")
+        prompts = _prompts(body["prompt"], f"{where}: body field 'prompt'")
+        prompt, prompts = prompts[0], prompts if len(prompts) > 1 else ()
     else:
         if "messages" not in body:
             raise PromptError(f"{where}: body field 'messages' is missing")
@@ -133,7 +139,7 @@ def read_request(obj: dict, where: str, number: int) -> OpenAIRequest:
     if logprobs is not None:
         sampling["logprobs"] = logprobs
     line = PromptLine(prompt, output_id(custom_id), budget, tuple(stop), None, number, messages)
-    return OpenAIRequest(line, custom_id, kind, sampling)
+    return OpenAIRequest(line, custom_id, kind, sampling, prompts)
 
 
 def _body(body: dict, kind: str, url: str, where: str) -> dict:
@@ -159,15 +165,12 @@ def _same(value, neutral) -> bool:
     return type(value) is type(neutral) and value == neutral
 
 
-def _prompt(prompt, what: str) -> str | list[int]:
-    """A completion's prompt: text or token ids, or a list holding one of them (a list of several is
-    several prompts, whose choices OpenAI returns in one response; flexoff runs one a line)."""
+def _prompts(prompt, what: str) -> tuple:
+    """A completion's prompts: text or token ids, or a list of several of them (OpenAI's batched
+    prompt, which it answers with every prompt's choices in one response)."""
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > 1:
-            raise PromptError(f"{what} is a list of {len(prompt)} prompts; flexoff runs one prompt a request: "
-                              "give each its own line and custom_id")
-        return check_prompt(prompt[0], f"{what}, prompt 0")
-    return check_prompt(prompt, what)
+        return tuple(check_prompt(p, f"{what}, prompt {i}") for i, p in enumerate(prompt))
+    return (check_prompt(prompt, what),)
 
 
 def _budget(body: dict, where: str) -> int | None:
@@ -198,32 +201,56 @@ def _logprobs(body: dict, kind: str, where: str) -> int | None:
     return (top or 0) if value else None
 
 
-def response_record(request: OpenAIRequest, out, model: str, decode) -> dict:
-    """The output line of one request: OpenAI's batch output, with a completion or chat.completion
-    body. ``decode`` turns one token id into its text (for logprobs), or is None."""
+class Responses:
+    """``make_record`` for run_generation: a request's output line once the outputs of all its
+    prompts are in (None until then, so that a request is written whole or not at all)."""
+
+    def __init__(self, model: str, decode):
+        self.model, self.decode = model, decode
+        self.waiting: dict[str, dict[int, object]] = {}
+
+    def record(self, item, out, block) -> dict | None:
+        request = item.request
+        got = self.waiting.setdefault(request.custom_id, {})
+        got[item.part] = out
+        if len(got) < max(1, len(request.prompts)):
+            return None
+        del self.waiting[request.custom_id]
+        return response_record(request, [got[part] for part in sorted(got)], self.model, self.decode)
+
+
+def response_record(request: OpenAIRequest, outs: list, model: str, decode) -> dict:
+    """The output line of one request from the outputs of its prompts: OpenAI's batch output, with
+    a completion or chat.completion body (choices numbered prompt by prompt, as OpenAI numbers a
+    batched prompt's). ``decode`` turns one token id into its text (for logprobs), or is None."""
     digest = request.line.id.removeprefix("batch_req_")
     record = {"id": request.line.id, "custom_id": request.custom_id}
-    if out.finish_reason == "error":
+    failed = next((out for out in outs if out.finish_reason == "error"), None)
+    if failed is not None:
         return {**record, "response": {"status_code": 500, "request_id": f"flexoff-{digest}", "body": None},
-                "error": {"code": "generation_failed", "message": out.error}}
+                "error": {"code": "generation_failed", "message": failed.error}}
     chat = request.kind == "chat"
     top = request.sampling.get("logprobs")
     choices = []
-    for choice in out.outputs:
-        logprobs = None if top is None else _choice_logprobs(choice, top, decode, chat)
-        if chat:
-            choices.append({"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                            "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                            "stop_reason": choice.stop_reason})
-        else:
-            choices.append({"index": choice.index, "text": choice.text, "logprobs": logprobs,
-                            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
-    generated = sum(len(choice.token_ids) for choice in out.outputs)
+    for out in outs:
+        offset = len(choices)
+        for choice in out.outputs:
+            logprobs = None if top is None else _choice_logprobs(choice, top, decode, chat)
+            index = offset + choice.index
+            if chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                                "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                                "stop_reason": choice.stop_reason})
+            else:
+                choices.append({"index": index, "text": choice.text, "logprobs": logprobs,
+                                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason})
+    prompt_tokens = sum(len(out.prompt_token_ids) for out in outs)
+    generated = sum(len(choice.token_ids) for out in outs for choice in out.outputs)
     body = {"id": ("chatcmpl-" if chat else "cmpl-") + digest,
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices,
-            "usage": {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": generated,
-                      "total_tokens": len(out.prompt_token_ids) + generated}}
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": generated,
+                      "total_tokens": prompt_tokens + generated}}
     return {**record, "response": {"status_code": 200, "request_id": f"flexoff-{digest}", "body": body}, "error": None}
 
 

@@ -41,9 +41,11 @@ def test_fields_at_their_default_values_read_as_if_left_out():
     assert same_request(read(completion("a", "x", n=2, best_of=2)), read(completion("a", "x", n=2)))
 
 
-def test_a_prompt_list_of_one_is_that_prompt():
-    assert read(completion("a", ["the cat"])).line == read(completion("a", "the cat")).line
-    assert read(completion("a", [[5, 6, 7]])).line == read(completion("a", [5, 6, 7])).line
+def test_a_prompt_list_of_one_is_that_prompt_and_of_several_is_each_of_them():
+    assert same_request(read(completion("a", ["the cat"])), read(completion("a", "the cat")))
+    assert same_request(read(completion("a", [[5, 6, 7]])), read(completion("a", [5, 6, 7])))
+    several = read(completion("a", ["the cat", [5, 6], "the dog"]))
+    assert several.prompts == ("the cat", [5, 6], "the dog") and several.line.prompt == "the cat"
 
 
 @pytest.mark.parametrize("row, says", [
@@ -57,7 +59,7 @@ def test_a_prompt_list_of_one_is_that_prompt():
     (chat("a", CHATS[0], tools=[{"type": "function", "function": {"name": "f"}}]), "body field 'tools'"),
     (chat("a", CHATS[0], response_format={"type": "json_object"}), "body field 'response_format'"),
     (chat("a", CHATS[0], echo=False), "body field 'echo' is not supported for /v1/chat/completions"),
-    (completion("a", ["the cat", "the dog"]), "body field 'prompt' is a list of 2 prompts"),
+    (completion("a", ["the cat", ""]), "body field 'prompt', prompt 1 is empty"),
 ])
 def test_a_value_flexoff_cannot_honour_is_refused_naming_the_field_line_and_custom_id(row, says):
     with pytest.raises(PromptError, match=r"^in\.jsonl line 4 \(custom_id 'a'\): ") as refused:
@@ -102,3 +104,40 @@ def test_a_file_with_default_fields_runs_as_one_without_them(chat_opt, tmp_path)
         got.append({key: {**row, "response": {**row["response"], "body": {**row["response"]["body"], "created": 0}}}
                     for key, row in responses(output).items()})
     assert got[0] == got[1]
+
+
+def test_a_list_of_prompts_is_answered_in_one_response_with_each_prompts_choices_in_turn(chat_opt, tmp_path):
+    """As OpenAI answers a batched prompt: one response, the first prompt's n choices, then the
+    second's, ..., and usage summed; each prompt runs as the same request with that prompt alone
+    would (here seeded, so that the draws are the same), in blocks of its own."""
+    prompts = ["the cat sat", [5, 6, 7], "the dog ran to"]
+    body = {"max_tokens": 3, "n": 2, "temperature": 0.8, "seed": 7}
+    rows = [completion("many", prompts, **body)] + [completion(f"one{i}", p, **body) for i, p in enumerate(prompts)]
+    output = tmp_path / "out.jsonl"
+    assert main(batch_args(chat_opt[0], write_jsonl(tmp_path / "in.jsonl", rows), output)) == 0
+    got = {key: row["response"]["body"] for key, row in responses(output).items()}
+    alone = [got[f"one{i}"] for i in range(len(prompts))]
+    expected = [{**choice, "index": index}
+                for index, choice in enumerate(c for body in alone for c in body["choices"])]
+    assert got["many"]["choices"] == expected and len(expected) == 6
+    assert got["many"]["usage"] == {key: sum(body["usage"][key] for body in alone) for key in got["many"]["usage"]}
+
+
+def test_a_prompt_of_a_list_too_long_for_the_model_is_named_by_its_place(chat_opt, tmp_path, capsys):
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("m", ["the cat", "the dog " * 600], max_tokens=2)])
+    assert main(batch_args(chat_opt[0], source, tmp_path / "out.jsonl")) == 2
+    assert capsys.readouterr().err.startswith(f"flexoff: error: {source} line 1 (custom_id 'm'): the prompt 1 has ")
+
+
+def test_the_planners_workload_counts_every_prompt_of_a_list(chat_opt, tmp_path):
+    from flexoff.harness.batch import open_batch
+    from flexoff.job import Job
+
+    source = write_jsonl(tmp_path / "in.jsonl", [completion("m", [[5] * 9, [5, 6]], max_tokens=4),
+                                                 completion("o", [5, 6, 7], max_tokens=2)])
+    batch = open_batch(Job(model=str(chat_opt[0]), device="cpu"), source, tmp_path / "out.jsonl", 32)
+    try:
+        workload = batch.workload()
+    finally:
+        batch.close()
+    assert (workload.prompt_len, workload.gen_len, workload.num_prompts) == (9, 4, 3)
