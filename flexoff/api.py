@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .chat import chat_prompt, conversation_list
+from .chat import chat_prompt, check_template_args, conversation_list
 from .checks import check_bool
 from .errors import (ArgumentTypeError, ClosedError, FlexoffError, NonFiniteError, PromptError,
                      SamplingError, TokenizerError)
@@ -395,6 +395,7 @@ class LLM:
         an output's ``prompt`` is the templated text."""
         self._check_open()
         check_bool(add_generation_prompt, "add_generation_prompt")
+        check_template_args(chat_template, chat_template_kwargs)
         conversations = conversation_list(messages)
         prompts = []
         for i, conversation in enumerate(conversations):

@@ -58,6 +58,29 @@ def _check_message(message, what: str) -> dict:
     return {**message, "content": content}
 
 
+# Arguments of the template call that chat_prompt sets itself; LLM.chat takes the first two by name.
+_TEMPLATE_ARGS = ("add_generation_prompt", "chat_template", "conversation", "tokenize")
+
+
+def check_template_args(chat_template, chat_template_kwargs) -> None:
+    """LLM.chat's template arguments by type: a Jinja string or None, and a dict of the template's
+    own variables (by name, none of those the call sets itself) or None."""
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise ArgumentTypeError(f"chat_template must be a Jinja template string or None, got "
+                                f"{type(chat_template).__name__}")
+    if chat_template_kwargs is None:
+        return
+    if not isinstance(chat_template_kwargs, dict):
+        raise ArgumentTypeError(f"chat_template_kwargs must be a dict of the template's variables or None, got "
+                                f"{type(chat_template_kwargs).__name__}")
+    for key in chat_template_kwargs:
+        if not isinstance(key, str):
+            raise ArgumentTypeError(f"chat_template_kwargs keys must be names (str), got {key!r}")
+        if key in _TEMPLATE_ARGS:
+            raise ArgumentTypeError(f"chat_template_kwargs key {key!r} is set by LLM.chat itself"
+                                    + (f"; pass {key}= to LLM.chat" if key in _TEMPLATE_ARGS[:2] else ""))
+
+
 def chat_prompt(tokenizer, conversation: list[dict], *, add_generation_prompt: bool = True,
                 chat_template: str | None = None, chat_template_kwargs: dict | None = None
                 ) -> tuple[str, list[int]]:

@@ -15,6 +15,9 @@ from .fileio import check_offload_dir, offload_root
 from .policy import CompressionConfig, TierFractions, check_choice, experts_from_percent, placement_from_percent
 
 DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
+# The longest wait for a parallel job's peers: torch.distributed's clocks count it in nanoseconds
+# from now, and its rendezvous times out at once past about 9.2e9 s (timedelta holds 8.6e13 s).
+MAX_PARALLEL_TIMEOUT_S = 10**9
 # The names the API resolves (flexoff.llm_args.resolve_dtype); checked here so that a job is refused
 # before torch is imported.
 DTYPES = ("auto", "float16", "fp16", "half", "bfloat16", "bf16", "float32", "fp32")
@@ -138,7 +141,7 @@ class Job:
             if getattr(self, name) is not None:
                 check_int(getattr(self, name), name, ConfigError, 1)
         if self.parallel_timeout is not None:
-            check_real(self.parallel_timeout, "parallel_timeout", ConfigError, above=0)
+            check_real(self.parallel_timeout, "parallel_timeout", ConfigError, above=0, maximum=MAX_PARALLEL_TIMEOUT_S)
         check_offload_dir(self.offload_dir)
         for name, value in self.policy.overrides:
             if name in ("weights", "cache", "activations", "experts") and not isinstance(value, TierFractions):

@@ -12,7 +12,7 @@ import math
 
 from ..checks import MAX_SEED, check_device_name, check_size, in_range, requirement
 from ..errors import FlexoffError
-from ..job import DEFAULT_MODEL, POLICY_FLAGS, Job, PolicySource, check_dtype_name
+from ..job import DEFAULT_MODEL, MAX_PARALLEL_TIMEOUT_S, POLICY_FLAGS, Job, PolicySource, check_dtype_name
 from ..policy import CHOICES, SUPPORTED_BITS, CompressionConfig
 
 
@@ -179,7 +179,7 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-parallel", type=COUNT, metavar="M",
                        help="M replicas of the pipeline, each generating its share of the blocks (default 1)")
     parser.set_defaults(launches=True)  # the command starts a parallel job's processes when alone
-    group.add_argument("--parallel-timeout", type=number(above=0), metavar="SECONDS",
+    group.add_argument("--parallel-timeout", type=number(above=0, maximum=MAX_PARALLEL_TIMEOUT_S), metavar="SECONDS",
                        help="how long a process waits for its peers before the job ends (default 600)")
 
 

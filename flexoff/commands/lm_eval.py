@@ -9,6 +9,8 @@ Every argument goes to lm_eval's parser unchanged, so its flags and help are lm_
 from __future__ import annotations
 
 import sys
+from importlib.util import find_spec
+from pathlib import Path
 
 from ..errors import FlexoffError, error_line
 
@@ -32,9 +34,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except SystemExit as exc:  # lm_eval's --help, or a usage error its parser printed
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    except (ValueError, TypeError, OSError) as exc:
+        if not _from_lm_evals_config(exc):
+            raise
+        print(error_line(FlexoffError(f"lm_eval: {exc}")), file=sys.stderr)
+        return 2
     finally:
         sys.argv = saved
     return 0
+
+
+def _from_lm_evals_config(exc: BaseException) -> bool:
+    """Whether lm_eval's checks of its own arguments raised ``exc`` (an unknown task, a missing
+    --output_path, a config file that is not there): a user's error, not a failure of the run."""
+    config = Path(find_spec("lm_eval.config").origin).parent
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return Path(tb.tb_frame.f_code.co_filename).is_relative_to(config)
 
 
 if __name__ == "__main__":

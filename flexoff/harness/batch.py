@@ -39,7 +39,7 @@ import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import PromptError, TokenizerError
+from ..errors import FlexoffError, PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..job import Job
 from ..generation_config import read_generation_config
@@ -47,7 +47,7 @@ from ..models import config_from_dir, model_directory
 from ..prompts import PromptLine, check_room, line_prompt, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
-from .openai_batch import OpenAIRequest, is_openai_line, read_request, response_failures, response_record
+from .openai_batch import OpenAIRequest, Responses, is_openai_line, read_request, response_failures
 from .runner import GenerationItem, Progress, request_seed, run_generation
 from .store import PeerStore, ResultStore, id_key, make_header
 
@@ -120,21 +120,37 @@ def generation_items(llm, lines: list[PromptLine], defaults: SamplingParams, see
     sampling fields override the job's."""
     items = []
     for line in lines:
-        where = f"{source} line {line.line} (id {line.id!r})"
-        ids, text = line_prompt(line, f"{where}: the prompt", llm.config, llm.tokenizer)
-        budget = line.max_new_tokens or defaults.max_new_tokens
-        check_room(ids, budget, f"{where}: the prompt", llm.config)
-        stop = tuple(dict.fromkeys(defaults.stop + line.stop))
-        if stop and llm.tokenizer is None:
-            raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
         request = requests[id_key(line.id)] if requests is not None else None
-        sampling = request.sampling if request is not None else {}
-        params = replace(defaults, max_new_tokens=budget, stop=stop, **sampling)
-        if "seed" not in sampling:
-            params = replace(params, seed=request_seed(seed, line.id) if not params.greedy else None)
-        items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {},
-                                    text=text, request=request))
+        # An OpenAI request is named by its custom_id; its line's id is derived from that.
+        named = f"id {line.id!r}" if request is None else f"custom_id {request.custom_id!r}"
+        where = f"{source} line {line.line} ({named})"
+        params = _line_params(line, request, defaults, where, llm)
+        # A request's prompts, where it lists several, run as sequences of their own under its id.
+        several = request.prompts if request is not None else ()
+        parts = [replace(line, prompt=prompt) for prompt in several] or [line]
+        for part, prompt_line in enumerate(parts):
+            what = f"{where}: the prompt" + (f" {part}" if len(parts) > 1 else "")
+            ids, text = line_prompt(prompt_line, what, llm.config, llm.tokenizer)
+            check_room(ids, params.max_new_tokens, what, llm.config)
+            if request is None or "seed" not in request.sampling:
+                params = replace(params, seed=request_seed(seed, line.id, part) if not params.greedy else None)
+            items.append(GenerationItem(line.id, ids, params, {"meta": line.meta} if line.meta is not None else {},
+                                        text=text, request=request, part=part))
     return items
+
+
+def _line_params(line: PromptLine, request: OpenAIRequest | None, defaults: SamplingParams, where: str,
+                 llm) -> SamplingParams:
+    """A line's sampling parameters: the job's, with the line's budget and stop strings and an
+    OpenAI request's sampling fields over them."""
+    stop = tuple(dict.fromkeys(defaults.stop + line.stop))
+    if stop and llm.tokenizer is None:
+        raise TokenizerError(f"{where}: stop strings need a tokenizer, and model {llm.config.name!r} has none")
+    try:
+        return replace(defaults, max_new_tokens=line.max_new_tokens or defaults.max_new_tokens, stop=stop,
+                       **(request.sampling if request is not None else {}))
+    except FlexoffError as exc:  # a request's field against the job's flags (min_tokens past --max-new-tokens)
+        raise PromptError(f"{where}: {exc}") from None
 
 
 @dataclass
@@ -164,10 +180,14 @@ class BatchJob:
         """The planner's workload of the prompts still to run (for a policy searched for them)."""
         from ..prompts import prompt_workload
 
-        pending = self.pending
-        return prompt_workload([line.prompt if line.messages is None else line.messages for line in pending],
-                               [line.max_new_tokens or self.defaults.max_new_tokens for line in pending],
-                               self.job.model, self.job.tokenizer)
+        prompts, budgets = [], []
+        for line in self.pending:
+            request = self.requests[id_key(line.id)] if self.requests is not None else None
+            parts = request.prompts if request is not None and request.prompts else [
+                line.prompt if line.messages is None else line.messages]
+            prompts.extend(parts)
+            budgets.extend([line.max_new_tokens or self.defaults.max_new_tokens] * len(parts))
+        return prompt_workload(prompts, budgets, self.job.model, self.job.tokenizer)
 
     def run(self, llm, progress: Progress | None = None):
         """Generate every prompt not yet in the output; the run's Metrics, or None if none was left."""
@@ -177,10 +197,8 @@ class BatchJob:
             return run_generation(llm, self.store, items, progress=progress)
         decode = llm.tokenizer.decode if llm.tokenizer is not None else None
 
-        def openai_record(item, out, block):  # OpenAI's output format
-            return response_record(item.request, out, self.job.model, decode)
-
-        return run_generation(llm, self.store, items, progress=progress, make_record=openai_record)
+        responses = Responses(self.job.model, decode)  # OpenAI's output format
+        return run_generation(llm, self.store, items, progress=progress, make_record=responses.record)
 
     def failures(self) -> str | None:
         """'N of M sequences failed', or None when no result is an error."""

@@ -14,8 +14,10 @@ request, on ``hardware``, a packaged profile's name or a profile file, by defaul
 saved profile), ``dtype``, ``device``, ``seed``, ``tokenizer``, ``gpu_mem``, ``cpu_mem``,
 ``offload_dir``, ``compress`` (as the command line's flags), and ``greedy_check`` (default true:
 loglikelihood's is-greedy flag costs one greedy generation of the continuation's length; false
-reports it as false and skips that work). lm_eval's ``batch_size`` is accepted and ignored: the
-policy sets the batch sizes.
+reports it as false and skips that work). lm_eval's ``--device`` is taken where model_args names
+no ``device`` (model_args' wins: lm_eval's own defaults to cuda:0, asked for or not). lm_eval's
+``batch_size`` is accepted and ignored (the policy sets the batch sizes), and so is
+``trust_remote_code`` (flexoff runs no checkpoint's code).
 
 Request types: ``loglikelihood`` (scored in one prefill pass by ``LLM.score``),
 ``loglikelihood_rolling`` (disjoint windows of the model's context, each token predicted once)
@@ -34,18 +36,22 @@ import warnings
 from tqdm import tqdm
 
 from ..checks import MAX_SEED, is_int
-from ..errors import ConfigError, FlexoffError, SamplingError
+from ..errors import ConfigError, FlexoffError, PolicyError, SamplingError
 
 try:
     import lm_eval.models  # noqa: F401  (register lm_eval's own models before ours; see get_model)
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ImportError:  # pragma: no cover - exercised only without the optional package
     raise FlexoffError("the lm_eval adapter needs lm-evaluation-harness: pip install 'flexoff[lm-eval]'") from None
 
-_IGNORED_ARGS = ("batch_size", "max_batch_size")
-_LLM_ARGS = ("dtype", "device", "seed", "tokenizer", "gpu_mem", "cpu_mem", "offload_dir", "compress")
+_IGNORED_ARGS = ("batch_size", "max_batch_size", "trust_remote_code")
+_KNOWN_ARGS = ("pretrained", "policy", "dummy", "dtype", "device", "seed", "tokenizer", "greedy_check", "hardware",
+               "gpu_mem", "cpu_mem", "offload_dir", "compress")
+# LLM's arguments at their defaults: check_llm_args is called with one model_args value at a time.
+_LLM_DEFAULTS = dict(dummy=False, policy=None, dtype="auto", device="auto", seed=0, tokenizer=None, gpu_mem=None,
+                     cpu_mem=None, offload_dir=None, compress="off")
 
 # lm_eval's generation settings (in HF's and vLLM's spellings, as tasks write them) -> the
 # SamplingParams field that means the same. A setting whose field SamplingParams lacks, or whose
@@ -79,6 +85,28 @@ def _seed(value) -> int:
     if not is_int(number) or not 0 <= number <= MAX_SEED:
         raise ConfigError(f"flexoff model_args seed={value!r}: use an integer in [0, {MAX_SEED}]")
     return number
+
+
+def _check_llm_values(values: dict) -> None:
+    """LLM's arguments by type and range, each checked alone so that a refusal names its key."""
+    from ..llm_args import check_llm_args
+
+    for key, value in values.items():
+        try:
+            check_llm_args(**{**_LLM_DEFAULTS, key: value})
+        except FlexoffError as exc:
+            raise type(exc)(f"flexoff model_args {key}={value!r}: {exc}") from None
+
+
+def _check_auto_dtype(dtype, device) -> None:
+    """policy=auto plans 16-bit weights and cache; say so in model_args' words, before anything loads."""
+    from ..llm_args import resolve_device, resolve_dtype
+
+    resolved = resolve_dtype(dtype, resolve_device(device), planned=True)  # auto: the 16-bit format it plans
+    if resolved.itemsize != 2:
+        raise PolicyError(f"flexoff model_args policy=auto plans 16-bit weights and cache, and dtype={dtype} computes "
+                          f"in {str(resolved).removeprefix('torch.')} here: add dtype=bfloat16 or dtype=float16 to "
+                          "--model_args, or give a policy file (policy=FILE)")
 
 
 def sampling_fields(gen_kwargs: dict) -> tuple[dict, bool]:
@@ -123,19 +151,30 @@ def _sampling_params():
 
 @register_model("flexoff")
 class FlexoffLM(LM):
-    def __init__(self, pretrained: str, policy: str | None = None, dummy=False, dtype: str = "auto",
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> FlexoffLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> FlexoffLM:
+        """model_args with lm_eval's own --device and --batch_size, which it hands over beside them:
+        model_args' value wins where both name one."""
+        given = {key: value for key, value in (additional_config or {}).items() if value is not None}
+        return cls(**{**given, **arg_dict})
+
+    def __init__(self, pretrained: str | None = None, policy: str | None = None, dummy=False, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, tokenizer: str | None = None, greedy_check=True,
                  hardware: str | None = None, gpu_mem: str | None = None, cpu_mem: str | None = None,
                  offload_dir: str | None = None, compress: str = "off", **kwargs):
         super().__init__()
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS))
         if unknown:
-            raise FlexoffError(f"unknown flexoff model_args {unknown}; known: pretrained, policy, dummy, dtype, "
-                               "device, seed, tokenizer, greedy_check, hardware, gpu_mem, cpu_mem, offload_dir, "
-                               "compress")
+            raise FlexoffError(f"unknown flexoff model_args {unknown}; known: {', '.join(_KNOWN_ARGS)}")
+        if pretrained is None or not str(pretrained).strip():
+            raise FlexoffError("flexoff model_args need pretrained=DIR: a checkpoint directory, a Hugging Face Hub "
+                               "id, or a registry name with dummy=true")
         import torch
 
-        from ..llm_args import check_llm_args
         from ..models import resolve_model
         from ..tokenizer import Tokenizer
 
@@ -150,7 +189,9 @@ class FlexoffLM(LM):
         self._llm_args = dict(model=str(pretrained), dummy=dummy, dtype=dtype, device=device or "auto", seed=seed,
                               tokenizer=tokenizer, gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir,
                               compress=compress)
-        check_llm_args(policy=policy, **{k: v for k, v in self._llm_args.items() if k != "model"})
+        _check_llm_values({"policy": policy, **{k: v for k, v in self._llm_args.items() if k != "model"}})
+        if self.auto:
+            _check_auto_dtype(dtype, self._llm_args["device"])
         self._hardware = hardware
         self._planned = None  # (prompt_len, gen_len) the auto policy was planned for
         self.llm = None

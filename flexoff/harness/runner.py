@@ -56,6 +56,7 @@ class GenerationItem:
     index: int | None = None  # the record's index; by default the item's place in the list
     text: str | None = None  # the prompt's text for the record, where ``prompt`` holds its token ids
     request: object = None  # what a record builder other than flexoff's needs (an OpenAI batch request)
+    part: int = 0  # which of its request's prompts (an OpenAI completion may list several under one id)
 
 
 @dataclass
@@ -72,7 +73,8 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
                    desc: str = "generating", make_record: Callable[[GenerationItem, object, Block], dict] | None = None
                    ) -> Metrics | None:
     """Generate for every item not yet in ``store``; None when there was nothing left to do.
-    ``make_record(item, output, block)`` builds a result line (default: flexoff's record)."""
+    ``make_record(item, output, block)`` builds a result line (default: flexoff's record), or None
+    while the item's request waits for more of its parts."""
     pending = [item if item.index is not None else replace(item, index=i)
                for i, item in enumerate(items) if id_key(item.id) not in store.done]
     if not pending:
@@ -91,7 +93,7 @@ def run_generation(llm, store: ResultStore, items: list[GenerationItem], *, prog
             records.append(make_record(item, out, block) if make_record is not None else
                            generation_record(out, block, index=item.index, id=item.id, prompt=item.text,
                                              extra=item.extra))
-        store.append(records)
+        store.append([record for record in records if record is not None])  # None: the request has more parts
         tracker.finished(len(outputs))
 
     try:

@@ -74,12 +74,21 @@ class CheckpointWeights:
             return tuple(handle[key].shape)
         return tuple(handle.get_slice(key).get_shape())
 
+    def _dtype_of(self, key: str) -> tuple[str, bool]:
+        """(the stored dtype's name, whether it is floating point), without reading the tensor."""
+        handle = self._open(self._key_file[key])
+        if isinstance(handle, dict):
+            dtype = handle[key].dtype
+            return str(dtype).removeprefix("torch."), dtype.is_floating_point
+        name = handle.get_slice(key).get_dtype()  # safetensors' names: F16, BF16, F32, F8_E4M3, I32, BOOL, ...
+        return name, name.startswith(("F", "BF"))
+
     def _resolve(self, stage: str, spec: WeightSpec) -> str | tuple[tuple[str, ...], ...]:
         """The key holding the tensor, or the keys of its rows where the checkpoint stores it in
         pieces (see WeightSpec.stacked), each checked for shape."""
         key = next((k for k in spec.checkpoint_keys if k in self._key_file), None)
         if key is not None:
-            self._check_shape(key, spec.shape)
+            self._check_tensor(key, spec.shape)
             return key
         # The stored layout is the one whose first piece is present; a later piece missing is named.
         pieces = next((rows for rows in spec.stacked if rows[0][0] in self._key_file), None)
@@ -92,15 +101,22 @@ class CheckpointWeights:
             for part in parts:
                 if part not in self._key_file:
                     raise CheckpointError(f"{self.path}: tensor {part!r} (for {stage}) is not in the checkpoint")
-                self._check_shape(part, part_shape)
+                self._check_tensor(part, part_shape)
         return pieces
 
-    def _check_shape(self, key: str, shape: tuple[int, ...]) -> None:
+    def _check_tensor(self, key: str, shape: tuple[int, ...]) -> None:
+        """A weight's shape, and that it holds floating-point values: integers would be cast and run
+        as if they were weights. (Only the tensors read as weights are checked: a checkpoint's
+        integer buffers, such as position_ids, are never read.)"""
         found = self._shape_of(key)
         if found != shape:
             raise CheckpointError(
                 f"{self._key_file[key]}: tensor {key!r} has shape {list(found)}, but the config needs {list(shape)}"
             )
+        dtype, floating = self._dtype_of(key)
+        if not floating:
+            raise CheckpointError(f"{self._key_file[key]}: tensor {key!r} holds {dtype} values, but a weight must be "
+                                  "floating point (float16, bfloat16 or float32)")
 
     def check(self, stages: dict[str, list[WeightSpec]]) -> None:
         """Fail before any large allocation if a tensor is missing or of the wrong shape."""
