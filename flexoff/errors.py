@@ -58,6 +58,10 @@ class NonFiniteError(FlexoffError):
     """A model that computes NaN or infinity: non-finite weights, or an overflow in its dtype."""
 
 
+class MissingSolverError(FlexoffError, ImportError):
+    """No LP solver that the planner can run is installed."""
+
+
 class ClosedError(FlexoffError, RuntimeError):
     """A call on an LLM after its close()."""
 

@@ -9,12 +9,12 @@ the cache's split is fixed, and are read again at it (``FrameProblem.terms_for``
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pulp
 
 from .cost_model import PHASES, STREAM_TERMS, CostModel, Placement, PolicyFrame
+from .lp_solver import affine, solved, variable
 from ..policy import TIERS
 
 FRACTION_NAMES = Placement._fields
@@ -139,8 +139,8 @@ class FrameProblem:
         Returns (problem, fractions, phase seconds)."""
         self.lps_solved += 1
         prob = pulp.LpProblem("placement", pulp.LpMinimize)
-        x = [_variable(prob, name, fixed.get(i, 0), fixed.get(i, 1)) for i, name in enumerate(FRACTION_NAMES)]
-        t = {phase: _variable(prob, f"t_{phase}", 0, None) for phase in PHASES}
+        x = [variable(prob, name, fixed.get(i, 0), fixed.get(i, 1)) for i, name in enumerate(FRACTION_NAMES)]
+        t = {phase: variable(prob, f"t_{phase}", 0, None) for phase in PHASES}
         time_terms = self.terms_for(fixed)
         for phase in PHASES:
             for values in time_terms[phase]:
@@ -186,7 +186,7 @@ class FrameProblem:
         """Best placement as (fractions, block latency), or None if no placement fits."""
         prob, x, t = self._problem(margin, fixed or {})
         prob += self._latency(t)
-        if not _solved(prob):
+        if not solved(prob):
             return None
         return _fractions(x), float(pulp.value(prob.objective))
 
@@ -203,7 +203,7 @@ class FrameProblem:
         weights = {"prefill": layers, "decode": layers * max(n - 1, 0)}
         time_terms = self.terms_for(fixed or {})
         prob += pulp.lpSum(weights[phase] * _affine(values, x) for phase in PHASES for values in time_terms[phase])
-        if not _solved(prob):
+        if not solved(prob):
             return None
         return _fractions(x), float(pulp.value(self._latency(t)))
 
@@ -211,7 +211,13 @@ class FrameProblem:
         """The best placement whose cache and activations split whole rows of a GPU batch, given
         the LP's best ``fractions`` and ``latency``: (fixed fractions, block latency), or None.
         Each of the two triples is tried at the row counts around the LP's; of equally fast ones,
-        the nearest to the LP's answer is kept."""
+        the nearest to the LP's answer is kept. That answer is the tidy one (``solve_tidy``): the
+        latency LP is degenerate, and which of its equally fast vertices a solver returns differs
+        between PuLP releases (the cache of OPT-30B 4-bit on the T4 machine split 14 rows to 6 on
+        one, 15 to 5 on the other); the one moving the least data is the same on every release."""
+        tidy = self.solve_tidy(latency)
+        if tidy is not None:
+            fractions = tidy[0]
         options = [row_splits(fractions[first:first + 3], self.frame.gpu_batch_size) for first in ROW_SPLIT]
         if not self.frame.cpu_attention:
             options[0] = sorted({whole for split in options[0] for whole in _unsplit_cache(split)})
@@ -229,21 +235,6 @@ class FrameProblem:
         return best
 
 
-def _variable(prob: pulp.LpProblem, name: str, low, high) -> pulp.LpVariable:
-    if hasattr(prob, "add_variable"):  # PuLP >= 3.3 attaches variables to their problem
-        return prob.add_variable(name, lowBound=low, upBound=high)
-    return pulp.LpVariable(name, lowBound=low, upBound=high)
-
-
-def _solved(prob: pulp.LpProblem) -> bool:
-    # PuLP 3.3 deprecates the bundled CBC in favour of a separately installed one; the bundled
-    # binary is what a plain `pip install pulp` provides, so keep using it quietly.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        prob.solve(pulp.PULP_CBC_CMD(msg=False))
-    return pulp.LpStatus[prob.status] == "Optimal"
-
-
 def _fractions(x) -> np.ndarray:
     return np.clip([v.value() or 0.0 for v in x], 0.0, 1.0)
 
@@ -254,9 +245,9 @@ def _full(values) -> np.ndarray:
 
 
 def _affine(values: np.ndarray, x) -> pulp.LpAffineExpression:
+    """The affine term through ``values`` at the origin and the nine unit vectors."""
     constant = float(values[0])
-    coefficients = values[1:10] - constant
-    return pulp.LpAffineExpression([(v, float(c)) for v, c in zip(x, coefficients) if c != 0.0], constant=constant)
+    return affine(constant, values[1:10] - constant, x)
 
 
 def round_fractions(fractions, decimals: int = 4) -> list[float]:

@@ -224,11 +224,12 @@ def _searcher(config, workload, hardware, compress, cpu_attention, gpu_batch_siz
 
 
 def search_policy(config: ModelConfig, workload: Workload, hardware: HardwareProfile, *,
-                  compress: str = "auto", cpu_attention: str = "auto", max_latency: float | None = None,
+                  compress: str = "off", cpu_attention: str = "auto", max_latency: float | None = None,
                   gpu_batch_sizes=None, num_gpu_batches=None, overlap: bool = True) -> SearchResult:
     """The policy with the highest predicted throughput, optionally within a block latency.
 
-    ``compress`` and ``cpu_attention`` are "auto" (try both), "on" or "off".
+    ``compress`` and ``cpu_attention`` are "auto" (try both), "on" or "off". Compression changes
+    the outputs, so the default is lossless, as the command line's ``--compress`` is.
     Raises PolicyError when the model fits no placement, or no policy meets ``max_latency``
     (the message then names the lowest latency possible).
     """
@@ -251,9 +252,10 @@ def search_policy(config: ModelConfig, workload: Workload, hardware: HardwarePro
 
 
 def pareto_frontier(config: ModelConfig, workload: Workload, hardware: HardwareProfile, *,
-                    compress: str = "auto", cpu_attention: str = "auto", gpu_batch_sizes=None,
+                    compress: str = "off", cpu_attention: str = "auto", gpu_batch_sizes=None,
                     num_gpu_batches=None, overlap: bool = True) -> list[SearchResult]:
-    """Policies no other policy beats in both block latency and throughput, fastest first."""
+    """Policies no other policy beats in both block latency and throughput, fastest first; lossless
+    unless ``compress`` says otherwise, as ``search_policy``."""
     searcher = _searcher(config, workload, hardware, compress, cpu_attention, gpu_batch_sizes,
                          num_gpu_batches, overlap)
     frontier = searcher.frontier()

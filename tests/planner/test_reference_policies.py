@@ -20,7 +20,7 @@ def test_checked_in_policy_matches_a_fresh_search(spec):
     fresh = run_reference_search(spec).policy
     stored_dict, fresh_dict = stored.to_dict(), fresh.to_dict()
     for what in ("weights", "cache", "activations"):
-        # the LP may pick another vertex of equal cost on another CBC build: allow a sliver
+        # the LP may pick another vertex of equal cost on another solver build: allow a sliver
         for tier, value in stored_dict.pop(what).items():
             assert fresh_dict[what][tier] == pytest.approx(value, abs=0.01), f"{spec.filename}: {REGENERATE}"
         fresh_dict.pop(what)
