@@ -59,6 +59,7 @@ class LLM:
     """A model ready to generate: weights from a checkpoint directory, or seeded dummy weights."""
 
     _closed = False  # set by close()
+    _capped = None  # the CUDA device whose allocator this LLM capped at gpu_mem
     ranks = None  # this process's place in a parallel job (flexoff.parallel)
 
     def __init__(self, model: str, *, dummy: bool = False, policy: Policy | str | None = None,
@@ -140,6 +141,7 @@ class LLM:
             # Emulate a smaller card: the allocator refuses anything past the cap.
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, capacity.gpu / total), self.device)
+            self._capped = self.device  # the cap is the process's: close() lifts it
         link = None
         if self.ranks is not None and self.ranks.parallel.pipeline > 1:
             from .runtime.pipeline import PipelineLink
@@ -161,6 +163,9 @@ class LLM:
         self._closed = True
         if getattr(self, "engine", None) is not None:
             self.engine.close()
+        if self._capped is not None:  # else the next LLM of this process, capped or not, inherits the cap
+            torch.cuda.set_per_process_memory_fraction(1.0, self._capped)
+            self._capped = None
 
     def _check_open(self) -> None:
         if self._closed:
