@@ -244,7 +244,7 @@ def test_policy_auto_plans_once_for_the_calls_longest_request(tiny_opt, tmp_path
 
 
 def test_import_flexoff_registers_the_model_by_path_without_loading_it():
-    import subprocess
+    from tests import processes
 
     from .conftest import REPO
 
@@ -252,6 +252,6 @@ def test_import_flexoff_registers_the_model_by_path_without_loading_it():
             "from lm_eval.api.registry import get_model\n"
             "print('flexoff.harness.lm_eval_adapter' in sys.modules, 'torch' in sys.modules)\n"
             "print(get_model('flexoff').__module__)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = processes.run([sys.executable, "-c", code], cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["False False", "flexoff.harness.lm_eval_adapter"]
