@@ -107,6 +107,37 @@ def chat_opt(tiny_opt, tmp_path_factory):
     llm.close()
 
 
+@pytest.fixture(scope="session")
+def lm_eval_index_once():
+    """lm_eval indexes its own thousands of task files whenever a TaskManager is made (7 s of CPU,
+    and many reads); here that index is made once a session and copied, include paths still read
+    each time. Where lm_eval has no such index (other releases), nothing changes."""
+    try:
+        from lm_eval.tasks import _index
+    except ImportError:
+        yield
+        return
+    import copy
+
+    build, own, made = _index.TaskIndex.build, Path(_index.__file__).parent, {}
+
+    def build_own_once(paths, **kwargs):
+        index = {}
+        for root in paths:  # later paths override earlier ones, as in one build
+            if Path(root) != own:
+                index.update(build([root], **kwargs))
+                continue
+            key = tuple(sorted(kwargs.items()))
+            if key not in made:
+                made[key] = build([root], **kwargs)
+            index.update(copy.deepcopy(made[key]))
+        return index
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_index.TaskIndex, "build", staticmethod(build_own_once))
+        yield
+
+
 def run_cli(*args: str, timeout: float = processes.LIMIT_SECONDS, **popen) -> subprocess.CompletedProcess:
     """``python -m flexoff ARGS`` in a subprocess, from the repository root."""
     return processes.run_flexoff(*args, timeout=timeout, **popen)

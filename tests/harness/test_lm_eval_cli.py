@@ -17,6 +17,8 @@ from flexoff.commands.main import main  # noqa: E402
 
 from .conftest import write_lm_eval_tasks  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("lm_eval_index_once")
+
 DOCS = [
     {"question": "The cat sat on the", "choices": ["mat", "dog", "river"], "answer": 0},
     {"question": "Question: what is 2 + 2?\nAnswer:", "choices": ["4", "5"], "answer": 0},
