@@ -3,13 +3,13 @@
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from flexoff.commands.main import main
+from tests import processes
 from tests.conftest import PROMPTS, untimed_records
 
 DATA = Path(__file__).parent / "harness" / "data"
@@ -17,7 +17,7 @@ DATA = Path(__file__).parent / "harness" / "data"
 
 def run_cli(*argv):
     """Run flexoff in a subprocess, as a user would, and return (code, stdout, stderr)."""
-    proc = subprocess.run([sys.executable, "-m", "flexoff", *argv], capture_output=True, text=True, timeout=300)
+    proc = processes.run([sys.executable, "-m", "flexoff", *argv])
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -346,6 +346,6 @@ def test_output_piped_into_a_reader_that_stops_early_ends_quietly():
     BrokenPipeError's. `true` reads nothing, and exits long before the search has imported torch."""
     command = (f"{sys.executable} -m flexoff search --model opt-30b --hardware h100 --gpu-mem 16GiB"
                " | true; echo \"rc=${PIPESTATUS[0]}\"")
-    proc = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=300)
+    proc = processes.run(["bash", "-c", command])
     assert "Traceback" not in proc.stderr, proc.stderr
     assert proc.stdout.strip().endswith("rc=141"), proc.stdout

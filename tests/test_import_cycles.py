@@ -8,9 +8,10 @@ Imports under ``if TYPE_CHECKING:`` never run and are left out. An edge goes to 
 """
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import processes
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "flexoff"
@@ -123,12 +124,12 @@ def test_the_graph_sees_relative_deferred_and_package_imports(tmp_path):
 def test_import_flexoff_loads_no_torch():
     code = ("import sys, flexoff; from flexoff.job import Job; Job(); "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('flexoff.runtime')))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = processes.run([sys.executable, "-c", code], cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
 
 
 def test_the_top_level_names_still_import():
     code = "from flexoff import LLM, SamplingParams, Policy, FlexoffError, Metrics; print(LLM.__module__)"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = processes.run([sys.executable, "-c", code], cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "flexoff.api", proc.stderr

@@ -2,11 +2,11 @@
 the profiler that measures it, neither at module level nor inside a function."""
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
 import flexoff
+from tests import processes
 
 PACKAGE = Path(flexoff.__file__).parent
 
@@ -81,6 +81,6 @@ def test_importing_the_planner_loads_no_runtime_module_and_no_cuda_state():
     code = ("import sys, flexoff.planner, torch\n"
             "print(sorted(m for m in sys.modules if m.startswith(('flexoff.runtime', 'flexoff.profiler'))))\n"
             "print(torch.cuda.is_initialized())\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=PACKAGE.parent)
+    result = processes.run([sys.executable, "-c", code], cwd=PACKAGE.parent)
+    assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:2] == ["[]", "False"]

@@ -250,11 +250,12 @@ def test_lm_eval_adapter_checks_its_model_args(kwargs, words):
 
 def test_lm_eval_adapter_bad_path_is_one_line_and_exit_2(tmp_path):
     pytest.importorskip("lm_eval")
-    import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "flexoff.commands.lm_eval", "--model", "flexoff",
-                           "--model_args", f"pretrained={tmp_path / 'none'}", "--tasks", "hellaswag",
-                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    from tests import processes
+
+    proc = processes.run([sys.executable, "-m", "flexoff.commands.lm_eval", "--model", "flexoff",
+                          "--model_args", f"pretrained={tmp_path / 'none'}", "--tasks", "hellaswag",
+                          "--device", "cpu"])
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(f"flexoff: error: unknown model '{tmp_path / 'none'}'")

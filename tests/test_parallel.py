@@ -9,7 +9,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -19,6 +18,7 @@ from flexoff.commands.main import main
 from flexoff.errors import ConfigError, FlexoffError
 from flexoff.layout.pipeline import range_layers, stage_ranges
 from flexoff.parallel import Launch, Parallel, check_parallel, rounds
+from tests import processes
 from tests.conftest import build_model
 
 LAYERS = 4
@@ -48,8 +48,8 @@ def _records(path) -> list:
                    for r in map(json.loads, open(path, encoding="utf-8"))), key=lambda r: r[0])
 
 
-def _flexoff(*argv, timeout=240):
-    proc = subprocess.run([sys.executable, "-m", "flexoff", *argv], capture_output=True, text=True, timeout=timeout)
+def _flexoff(*argv):
+    proc = processes.run([sys.executable, "-m", "flexoff", *argv])
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -116,24 +116,22 @@ def _workers(proc) -> list:
 def test_a_rank_that_dies_ends_the_job_naming_it(tmp_path):
     """Kill one process mid-run: the others stop, the launcher names the rank in one line and exits
     non-zero, and no offload folder is left behind, the killed rank's included."""
-    proc = subprocess.Popen([sys.executable, "-m", "flexoff", "run", "--device", "cpu", "--quiet",
-                             "--num-prompts", "64", "--gen-len", "400", "--offload-dir", str(tmp_path),
-                             "--percent", "50", "30", "100", "0", "100", "0", "--pipeline-parallel", "2"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = processes.start([sys.executable, "-m", "flexoff", "run", "--device", "cpu", "--quiet",
+                            "--num-prompts", "64", "--gen-len", "400", "--offload-dir", str(tmp_path),
+                            "--percent", "50", "30", "100", "0", "100", "0", "--pipeline-parallel", "2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def rank_1_once_both_placed_their_weights():  # their offload folders are there then
+        workers = _workers(proc)
+        if len(workers) == 2 and len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2:
+            return next(p for p in workers if p.environ().get("RANK") == "1")
+
     try:
-        deadline = time.monotonic() + 120
-        victim = None
-        while victim is None and time.monotonic() < deadline:
-            workers = _workers(proc)
-            # Kill rank 1 once both processes hold their offload folders (their weights are placed).
-            if len(workers) == 2 and len([p for p in tmp_path.iterdir() if p.is_dir()]) == 2:
-                victim = next(p for p in workers if p.environ().get("RANK") == "1")
-            time.sleep(0.2)
-        assert victim is not None, "the job's two processes did not start"
+        victim = processes.wait_until(rank_1_once_both_placed_their_weights, "both ranks to place their weights", proc)
         victim.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
+        _, err = processes.communicate(proc, what="the job to stop")
     finally:
-        proc.kill()
+        processes.kill(proc)
     assert proc.returncode != 0
     assert "flexoff: rank 1 of 2 was killed by signal 9; the job stopped on every rank" in err
     assert "Traceback" not in err
@@ -197,16 +195,14 @@ def test_a_batch_job_of_two_replicas_resumes_after_a_rank_is_killed(deep_model, 
     assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
     out = tmp_path / "two.jsonl"
     argv = [sys.executable, "-m", "flexoff", *common, "--output", str(out), "--data-parallel", "2"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = processes.start(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (out.exists() and out.read_text().count("\n") >= 4):
-            time.sleep(0.05)
+        processes.wait_until(lambda: out.exists() and out.read_text().count("\n") >= 4, f"{out} to hold 4 lines", proc)
         victim = next(p for p in _workers(proc) if p.environ().get("RANK") == "1")
         victim.send_signal(signal.SIGKILL)
-        _, err = proc.communicate(timeout=120)
+        _, err = processes.communicate(proc, what="the job to stop")
     finally:
-        proc.kill()
+        processes.kill(proc)
     assert proc.returncode != 0 and "rank 1 of 2 was killed by signal 9" in err
     written = out.read_text().count("\n")
     assert 4 <= written < 160, "the job was not cut in the middle"
@@ -234,12 +230,12 @@ def test_two_launchers_make_one_job_as_two_hosts_would(deep_model, tmp_path, cap
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-hosts",
                 "-m", "flexoff", *common, "--output", str(tmp_path / "many.jsonl"), "--pipeline-parallel", "2"]
-    hosts = [subprocess.Popen(launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    hosts = [processes.start(launcher, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     try:
-        ended = [host.communicate(timeout=180) for host in hosts]
+        ended = [processes.communicate(host) for host in hosts]
     finally:
         for host in hosts:
-            host.kill()
+            processes.kill(host)
     assert [host.returncode for host in hosts] == [0, 0], [err for _, err in ended]
     assert _records(tmp_path / "many.jsonl") == _records(tmp_path / "one.jsonl")
     assert sum(out.count("wrote 14 results") for out, _ in ended) == 1
@@ -323,12 +319,10 @@ def test_logits_and_scores_over_pipeline_stages_are_one_process_s(deep_model, tm
     script = tmp_path / "scoring.py"
     script.write_text(SCORING)
     model = str(deep_model(kind))
-    alone = subprocess.run([sys.executable, str(script), model, str(tmp_path / "one.json"), str(tmp_path)],
-                           capture_output=True, text=True, timeout=120)
+    alone = processes.run([sys.executable, str(script), model, str(tmp_path / "one.json"), str(tmp_path)])
     assert alone.returncode == 0, alone.stderr
-    staged = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
-                             str(script), model, str(tmp_path / "three.json"), str(tmp_path), "3"],
-                            capture_output=True, text=True, timeout=180)
+    staged = processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3",
+                            str(script), model, str(tmp_path / "three.json"), str(tmp_path), "3"])
     assert staged.returncode == 0, staged.stderr
     assert json.loads((tmp_path / "three.json").read_text()) == json.loads((tmp_path / "one.json").read_text())
 
@@ -363,9 +357,8 @@ def test_the_bar_of_a_pipeline_moves_token_by_token_on_rank_0(deep_model, tmp_pa
     script = tmp_path / "progress.py"
     script.write_text(PROGRESS)
     output = tmp_path / "calls.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(script), str(deep_model("opt-pre")), str(output), str(tmp_path)],
-                          capture_output=True, text=True, timeout=180)
+    proc = processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script), str(deep_model("opt-pre")), str(output), str(tmp_path)])
     assert proc.returncode == 0, proc.stderr
     calls = json.loads((tmp_path / "calls.json.0").read_text())
     kinds = [call[0] for call in calls]
@@ -383,9 +376,8 @@ def test_the_bar_of_a_pipeline_moves_token_by_token_on_rank_0(deep_model, tmp_pa
 @pytest.mark.slow
 def test_under_torchrun_caps_that_do_not_fit_the_stages_are_refused_once():
     """Every process would refuse them; rank 0 says so, the others end without a word."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "flexoff", "run", "--device", "cpu", "--quiet", "--gpu-mem", "1GiB,2GiB,3GiB"],
-                          capture_output=True, text=True, timeout=180)
+    proc = processes.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "flexoff", "run", "--device", "cpu", "--quiet", "--gpu-mem", "1GiB,2GiB,3GiB"])
     assert proc.returncode != 0
     said = [line for line in proc.stderr.splitlines() if line.startswith("flexoff: error:")]
     assert said == ["flexoff: error: --gpu-mem gives 3 sizes for 2 pipeline stages: give one size for every GPU, "

@@ -1,13 +1,13 @@
 """A job over two GPUs (NCCL): a 2-stage pipeline and two replicas give one GPU's tokens."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from flexoff.commands.main import main
+from tests import processes
 from tests.conftest import build_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -31,8 +31,7 @@ def test_two_gpus_generate_what_one_does(tmp_path, kind, shape):
               "float32", "--quiet", "--gpu-batch-size", "2", "--num-gpu-batches", "2", "--percent", "30", "50", "50",
               "0", "100", "0", "--offload-dir", str(tmp_path), "--temperature", "0.8"]
     assert main([*common, "--output", str(tmp_path / "one.jsonl")]) == 0
-    proc = subprocess.run([sys.executable, "-m", "flexoff", *common, "--output", str(tmp_path / "two.jsonl"), *shape],
-                          capture_output=True, text=True, timeout=300)
+    proc = processes.run([sys.executable, "-m", "flexoff", *common, "--output", str(tmp_path / "two.jsonl"), *shape])
     assert proc.returncode == 0, proc.stderr
     assert _records(tmp_path / "two.jsonl") == _records(tmp_path / "one.jsonl")
 

@@ -2,7 +2,6 @@
 the layout's parts; on a GPU, a real run's steps each peak at or above what they began with."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import gpu_memory_timeline as timeline  # noqa: E402
+from tests import processes  # noqa: E402
 
 GiB = 1 << 30
 
@@ -45,9 +45,9 @@ def test_a_run_on_cuda_reports_every_step_of_both_phases(tmp_path):
               "cache": {"gpu": 0, "cpu": 1, "disk": 0}, "activations": {"gpu": 1, "cpu": 0, "disk": 0}}
     (tmp_path / "p.json").write_text(json.dumps(policy))
     out = tmp_path / "steps.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_memory_timeline.py"), "--model", "opt-125m",
-                           "--policy-file", str(tmp_path / "p.json"), "--prompt-len", "32", "--gen-len", "3",
-                           "--offload-dir", str(tmp_path), "--json", str(out)], capture_output=True, text=True)
+    done = processes.run([sys.executable, str(ROOT / "bench" / "gpu_memory_timeline.py"), "--model", "opt-125m",
+                          "--policy-file", str(tmp_path / "p.json"), "--prompt-len", "32", "--gen-len", "3",
+                          "--offload-dir", str(tmp_path), "--json", str(out)])
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert all(s["peak"] >= max(s["before"], s["after"]) for s in data["steps"])

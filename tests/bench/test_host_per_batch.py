@@ -10,18 +10,22 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import host_per_batch  # noqa: E402
-from flexoff.host_overhead import DEPTHS, STEPS  # noqa: E402
+from flexoff import host_overhead  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
 
 
-def test_a_cases_profile_counts_its_calls_per_layer_and_batch(tmp_path):
+def test_a_cases_profile_counts_its_calls_per_layer_and_batch(tmp_path, monkeypatch):
+    # A shallower model over fewer steps than the script's: the counts hold for any.
+    for module in (host_per_batch, host_overhead):
+        monkeypatch.setattr(module, "STEPS", 4)
+        monkeypatch.setattr(module, "DEPTHS", (2, 3))
     policy = Policy(2, 3, TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(1, 0, 0),
                     compress_cache=CompressionConfig(4, 64))
     path = tmp_path / "case.txt"
     host_per_batch.profile_calls(torch.device("cpu"), torch.float32, policy, str(tmp_path), path)
     text = path.read_text()
     calls, per, layer_batches = re.search(r"(\d+) calls, (\d+) per layer and batch \((\d+) layer-batches", text).groups()
-    assert int(layer_batches) == (STEPS + 1) * DEPTHS[1] * 3
+    assert int(layer_batches) == (4 + 1) * 3 * 3
     assert int(per) == round(int(calls) / int(layer_batches))
     # The travelling, compressed cache's work is in it: the rows' attention and the codec.
     assert "_attend_loaded" in text and "quantize" in text

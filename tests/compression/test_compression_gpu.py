@@ -5,7 +5,6 @@ Triton kernel on the CPU through Triton's interpreter where Triton is installed.
 """
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -15,6 +14,7 @@ import torch
 from flexoff.compression import CompressedTensor, dequantize, dequantize_chunks, quantize, triton_available
 from flexoff.compression.tensor import CompressionError
 from flexoff.runtime.kv_storage import SLOT_MAJOR
+from tests import processes
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # (shape, dim, group_size): KV-like, weight-like along either dimension, ragged groups, 1-D.
@@ -160,6 +160,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
     import torch
     from flexoff.compression import CompressedTensor, dequantize, quantize
     from flexoff.runtime.kv_storage import SLOT_MAJOR
+from tests import processes
     cases = [((3, 5, 100), 2, 7), ((64, 96), 0, 64), ((2, 3, 40, 128), -1, 64), ((300,), 0, 64)]
     # bf16 is left out: the interpreter truncates fp32 -> bf16 instead of rounding to nearest.
     for dtype in (torch.float16, torch.float32):
@@ -193,8 +194,6 @@ _INTERPRETER_CHECK = textwrap.dedent(
 @needs_triton
 def test_triton_kernel_logic_under_the_interpreter():
     environment = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-c", _INTERPRETER_CHECK], env=environment, capture_output=True, text=True, timeout=120
-    )
+    result = processes.run([sys.executable, "-c", _INTERPRETER_CHECK], env=environment)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "interpreter ok" in result.stdout

@@ -7,15 +7,14 @@ to few tokens and decode back to the same text.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests import processes
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]
@@ -108,11 +107,40 @@ def chat_opt(tiny_opt, tmp_path_factory):
     llm.close()
 
 
-def run_cli(*args: str, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="session")
+def lm_eval_index_once():
+    """lm_eval indexes its own thousands of task files whenever a TaskManager is made (7 s of CPU,
+    and many reads); here that index is made once a session and copied, include paths still read
+    each time. Where lm_eval has no such index (other releases), nothing changes."""
+    try:
+        from lm_eval.tasks import _index
+    except ImportError:
+        yield
+        return
+    import copy
+
+    build, own, made = _index.TaskIndex.build, Path(_index.__file__).parent, {}
+
+    def build_own_once(paths, **kwargs):
+        index = {}
+        for root in paths:  # later paths override earlier ones, as in one build
+            if Path(root) != own:
+                index.update(build([root], **kwargs))
+                continue
+            key = tuple(sorted(kwargs.items()))
+            if key not in made:
+                made[key] = build([root], **kwargs)
+            index.update(copy.deepcopy(made[key]))
+        return index
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_index.TaskIndex, "build", staticmethod(build_own_once))
+        yield
+
+
+def run_cli(*args: str, timeout: float = processes.LIMIT_SECONDS, **popen) -> subprocess.CompletedProcess:
     """``python -m flexoff ARGS`` in a subprocess, from the repository root."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
-    return subprocess.run([sys.executable, "-m", "flexoff", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout, **popen)
+    return processes.run_flexoff(*args, timeout=timeout, **popen)
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -155,16 +183,35 @@ def failing(monkeypatch, bad_prompt: str | list[int], reason: str = "logits turn
     monkeypatch.setattr(LLM, "generate", generate)
 
 
+# ``python -m flexoff ARGS`` that kills itself with SIGKILL right after the write that brings its
+# results file to LINES lines: the job is cut in the middle, however fast or loaded the machine.
+KILLED_AFTER_LINES = """
+import os, runpy, signal, sys
+from flexoff.harness.store import ResultStore
+
+lines, path = int(sys.argv[1]), sys.argv[2]
+append = ResultStore.append
+
+
+def append_then_die(self, records):
+    append(self, records)
+    with open(path, "rb") as written:
+        if written.read().count(b"\\n") >= lines:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+ResultStore.append = append_then_die
+sys.argv = ["flexoff", *sys.argv[3:]]
+runpy.run_module("flexoff", run_name="__main__", alter_sys=True)
+"""
+
+
 def kill_after_lines(argv: list[str], output: Path, lines: int, env: dict) -> int:
-    """Run ``argv`` in a child, kill it with SIGKILL once ``output`` holds ``lines`` lines, and
-    return how many it held then."""
-    job = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline and job.poll() is None:
-        if output.exists() and output.read_bytes().count(b"\n") >= lines:
-            break
-        time.sleep(0.005)
-    job.send_signal(signal.SIGKILL)
-    job.wait(timeout=30)
-    assert job.returncode == -signal.SIGKILL, "the job finished before it could be killed"
+    """Run ``argv`` (``python -m flexoff ...``) in a child killed with SIGKILL once ``output``
+    holds ``lines`` lines, and return how many it held then."""
+    assert list(argv[1:3]) == ["-m", "flexoff"], argv
+    job = processes.start([argv[0], "-c", KILLED_AFTER_LINES, str(lines), str(output), *argv[3:]], env=env,
+                          cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, err = processes.communicate(job, what=f"the job to be killed at {lines} lines of {output}")
+    assert job.returncode == -signal.SIGKILL, f"the job ended with code {job.returncode} before it was killed: {err}"
     return output.read_bytes().count(b"\n")

@@ -17,6 +17,8 @@ from flexoff.commands.main import main  # noqa: E402
 
 from .conftest import write_lm_eval_tasks  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("lm_eval_index_once")
+
 DOCS = [
     {"question": "The cat sat on the", "choices": ["mat", "dog", "river"], "answer": 0},
     {"question": "Question: what is 2 + 2?\nAnswer:", "choices": ["4", "5"], "answer": 0},
@@ -244,7 +246,7 @@ def test_policy_auto_plans_once_for_the_calls_longest_request(tiny_opt, tmp_path
 
 
 def test_import_flexoff_registers_the_model_by_path_without_loading_it():
-    import subprocess
+    from tests import processes
 
     from .conftest import REPO
 
@@ -252,6 +254,6 @@ def test_import_flexoff_registers_the_model_by_path_without_loading_it():
             "from lm_eval.api.registry import get_model\n"
             "print('flexoff.harness.lm_eval_adapter' in sys.modules, 'torch' in sys.modules)\n"
             "print(get_model('flexoff').__module__)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = processes.run([sys.executable, "-c", code], cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:2] == ["False False", "flexoff.harness.lm_eval_adapter"]

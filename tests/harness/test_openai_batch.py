@@ -4,7 +4,6 @@ runs; a killed job resumed equals an uninterrupted one."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from flexoff import SamplingParams
 from flexoff.commands.main import main
 from flexoff.harness.store import read_records
+from tests import processes
 
 from .conftest import REPO, kill_after_lines, write_jsonl
 from .test_chat_jobs import CHATS
@@ -129,8 +129,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(chat_opt, tmp_path):
     command = [sys.executable, "-m", "flexoff"]
     flags = ("--max-new-tokens", "16", "--seed", "5")
     reference = tmp_path / "reference.jsonl"
-    done = subprocess.run(command + batch_args(chat_opt[0], source, reference, *flags), env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    done = processes.run(command + batch_args(chat_opt[0], source, reference, *flags), env=env, cwd=REPO)
     assert done.returncode == 0, done.stderr
 
     output = tmp_path / "out.jsonl"
@@ -139,8 +138,7 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(chat_opt, tmp_path):
     with open(output, "ab") as handle:  # as if the kill had landed in the middle of a write
         handle.write(b'{"id": "batch_req_0", "custom_id": "r3", "resp')
 
-    again = subprocess.run(command + batch_args(chat_opt[0], source, output, *flags), env=env, cwd=REPO,
-                           capture_output=True, text=True, timeout=120)
+    again = processes.run(command + batch_args(chat_opt[0], source, output, *flags), env=env, cwd=REPO)
     assert again.returncode == 0, again.stderr
     assert f"({written} from an earlier run)" in again.stdout
 

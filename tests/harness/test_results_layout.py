@@ -3,13 +3,13 @@ line, that pandas and jq read as they are; ``index`` gives input order; UTF-8 st
 
 import json
 import shutil
-import subprocess
 
 import pandas
 import pytest
 
 from flexoff.commands.main import main
 from flexoff.records import RECORD_FIELDS
+from tests import processes
 
 from .conftest import DATA, write_jsonl
 
@@ -90,8 +90,8 @@ def test_bench_index_orders_each_instance_samples_then_score(outputs):
 
 @pytest.mark.skipif(shutil.which("jq") is None, reason="jq is not installed")
 def test_jq_reads_a_results_file_as_is(outputs):
-    done = subprocess.run(["jq", "-c", "[.index, .id, .generated_tokens]", str(outputs["batch"])],
-                          capture_output=True, text=True, check=True)
+    done = processes.run(["jq", "-c", "[.index, .id, .generated_tokens]", str(outputs["batch"])])
+    assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
     assert sorted(rows) == sorted([r["index"], r["id"], r["generated_tokens"]]
                                   for r in map(json.loads, outputs["batch"].read_text().splitlines()))

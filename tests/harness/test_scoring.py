@@ -9,6 +9,8 @@ from flexoff import SamplingParams
 
 from .conftest import write_lm_eval_tasks
 
+pytestmark = pytest.mark.usefixtures("lm_eval_index_once")
+
 PAIRS = [
     ("The cat sat on the", " mat"),
     ("Question: what is 2 + 2?\nAnswer:", " 4"),

@@ -13,6 +13,7 @@ from flexoff.errors import FlexoffError, OutputError
 from flexoff.harness import store as store_module
 from flexoff.harness.errors import JobMismatchError, ResultsFileError
 from flexoff.harness.store import HEADER_KEY, ResultStore, id_key, job_path, make_header, read_records
+from tests import processes
 
 from .conftest import REPO
 
@@ -146,18 +147,18 @@ def test_a_second_job_is_refused_while_the_first_holds_the_file(tmp_path):
 
 def test_the_lock_goes_with_a_killed_holder(tmp_path):
     path = tmp_path / "out.jsonl"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom flexoff.harness.store import ResultStore, make_header\n"
+    holder = processes.start(  # holds the file until it is killed: its stdin never ends
+        [sys.executable, "-c", "import sys\nfrom flexoff.harness.store import ResultStore, make_header\n"
          f"store = ResultStore.open({str(path)!r}, make_header('batch', {IDENTITY!r}))\n"
-         "print('held', flush=True)\ntime.sleep(120)\n"],
-        env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE, text=True)
+         "print('held', flush=True)\nsys.stdin.read()\n"],
+        env=dict(os.environ, PYTHONPATH=str(REPO)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert processes.read_line(holder, what="the file to be held").strip() == "held"
         with pytest.raises(ResultsFileError, match=f"another flexoff job \\(process {holder.pid}\\)"):
             ResultStore.open(path, make_header("batch", IDENTITY))
     finally:
         holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=30)
+        processes.wait(holder)
     with ResultStore.open(path, make_header("batch", IDENTITY)) as store:
         store.append(records("a"))
     assert read_records(path)[1] == records("a")

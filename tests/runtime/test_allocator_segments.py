@@ -2,7 +2,6 @@
 block freed and reused in part no longer blocks a later large block that fits the cap."""
 
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -10,6 +9,7 @@ import pytest
 import torch
 
 from flexoff.runtime.memory import grow_segments_in_place
+from tests import processes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -18,6 +18,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 PATTERN = textwrap.dedent("""
     import sys, torch
     from flexoff.runtime.memory import grow_segments_in_place
+from tests import processes
     GiB = 1 << 30
     torch.cuda.init()
     if sys.argv[1] == "grow":
@@ -42,7 +43,7 @@ PATTERN = textwrap.dedent("""
 
 def _pattern(mode: str) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    done = subprocess.run([sys.executable, "-c", PATTERN, mode], capture_output=True, text=True, env=env, timeout=120)
+    done = processes.run([sys.executable, "-c", PATTERN, mode], env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 

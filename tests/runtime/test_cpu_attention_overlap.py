@@ -19,6 +19,8 @@ from flexoff.policy import CompressionConfig
 from flexoff.runtime.tiers import HostWorker, Streams
 from tests.conftest import WORDS, assert_same_outputs, build_tokenizer, generate
 
+OVERLAP_WAIT_SECONDS = 120  # a CPU attention call waits for the main thread to compute on
+
 KINDS = ["opt-post-proj", "llama-gqa"]
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 FOUR_BIT = CompressionConfig(4, 4)
@@ -164,8 +166,11 @@ def test_cpu_attention_overlaps_the_next_batches_compute(tiny_model_dir, plain, 
         return submit(self, job, ready)
 
     def gated_attention(*args, **kwargs):
+        # With the main thread blocked, the wait ends only at its limit, which no load reaches
+        # otherwise. Once one has, the test has failed, and the other calls need not wait as long.
         with progress:
-            waits.append(progress.wait_for(lambda: computes[0] > job_start.computes, timeout=5))
+            waits.append(progress.wait_for(lambda: computes[0] > job_start.computes,
+                                           timeout=OVERLAP_WAIT_SECONDS if all(waits) else 0.1))
         return attend(*args, **kwargs)
 
     for kind in ("compute", "start_attention"):

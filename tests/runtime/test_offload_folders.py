@@ -11,23 +11,25 @@ import psutil
 
 from flexoff.runtime.offload_dir import OWNER_FILE, PREFIX, owner_of
 from flexoff.runtime.tiers import DiskTier
+from tests import processes
 
 DEAD_PID = 2 ** 22 + 7  # above Linux's largest pid_max: no process ever has it
-# Makes a disk tier holding data, prints its folder, then waits to be killed.
+# Makes a disk tier holding data, prints its folder, then waits to be killed: its stdin never ends.
 CHILD = """
-import sys, time, torch
+import sys, torch
 from flexoff.runtime.tiers import DiskTier
 tier = DiskTier(sys.argv[1])
 tier.allocate("weights", 1 << 20).write(torch.ones(1 << 18))
 print(tier.directory, flush=True)
-time.sleep(120)
+sys.stdin.read()
 """
 
 
 def start_child(base):
     env = {**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(base)], stdout=subprocess.PIPE, text=True, env=env)
-    line = child.stdout.readline().strip()
+    child = processes.start([sys.executable, "-c", CHILD, str(base)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env=env)
+    line = processes.read_line(child, what="its offload folder").strip()
     assert line, "the child made no offload folder"
     return child, line
 
@@ -48,7 +50,7 @@ def test_a_killed_process_folder_is_removed_by_the_next_start(tmp_path):
     try:
         assert os.path.getsize(os.path.join(killed_dir, "weights")) == 1 << 20
         killed.send_signal(signal.SIGKILL)
-        killed.wait(timeout=30)
+        processes.wait(killed)
         me = owner_of(os.getpid())
         elsewhere = marked_folder(base, PREFIX + "other-host", {**me, "host": "another-host", "pid": DEAD_PID})
         reused = marked_folder(base, PREFIX + "reused-pid", {**me, "started": me["started"] - 1000})
@@ -75,7 +77,7 @@ def test_a_killed_process_folder_is_removed_by_the_next_start(tmp_path):
         for child in (killed, live):
             if child.poll() is None:
                 child.kill()
-            child.wait(timeout=30)
+            processes.wait(child)
 
 
 def test_a_folder_is_marked_before_anyone_can_see_it_unmarked(tmp_path):

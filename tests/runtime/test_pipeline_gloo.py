@@ -17,6 +17,7 @@ from flexoff.runtime.engine import Engine
 from flexoff.runtime.pipeline import PipelineLink, PipelinePlace
 from flexoff.runtime.sampling import SamplingParams
 from flexoff.weights.checkpoint import CheckpointWeights
+from tests import processes
 
 POLICY = Policy(2, 2, weights=TierFractions(0.3, 0.5, 0.2), cache=TierFractions(0.5, 0, 0.5),
                 activations=TierFractions(0.5, 0.5, 0))
@@ -48,7 +49,7 @@ def _outputs(engine: Engine) -> list:
 
 def _device(rank, ranges, directory, tmp, world, rotate=False):
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+                            timeout=timedelta(seconds=processes.LIMIT_SECONDS))
     try:
         link = PipelineLink(PipelinePlace(rank, ranges), torch.device("cpu"), torch.float32)
         engine = _engine(directory, tmp / f"offload{rank}", link)
