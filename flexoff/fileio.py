@@ -119,7 +119,7 @@ def write_or_keep(path: str | Path, text: str, what: str) -> str | None:
                 write_all(fd, text.encode("utf-8"))
             finally:
                 os.close(fd)
-            return f"{problem}; {what} are kept in {kept}"
+            return f"{problem}; {what}: kept in {kept}"
         except OSError as exc:
             last = exc.strerror or str(exc)
             if kept is not None:  # half a copy is no copy

@@ -378,6 +378,14 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     )
 
 
+def disk_measure_error(disk_dir: str | None, exc: OSError) -> ConfigError:
+    """The one line for a disk that cannot be measured: it is measured by writing files under
+    ``disk_dir``, and the disk may fill up meanwhile."""
+    where = disk_dir or tempfile.gettempdir()
+    return ConfigError(f"cannot measure the disk under {where} ({exc.strerror or exc}); free some space, or "
+                       "pass --disk-dir on another disk")
+
+
 def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: Callable[[str], None],
                               progress: Callable[[float, str | None], None] | None = None) -> HardwareProfile:
     """This machine's saved profile; measured quickly and saved there first when there is none
@@ -387,7 +395,10 @@ def saved_or_measured_profile(device: torch.device, disk_dir: str | None, log: C
         return HardwareProfile.load(path)
     log(f"no hardware profile saved at {path}: measuring a quick one (`flexoff profile` measures a full one)")
     started = time.perf_counter()
-    profile = profile_machine(quick=True, disk_dir=disk_dir, device=device.type, progress=progress)
+    try:
+        profile = profile_machine(quick=True, disk_dir=disk_dir, device=device.type, progress=progress)
+    except OSError as exc:
+        raise disk_measure_error(disk_dir, exc) from None
     try:
         profile.save(path)
     except OSError as exc:

@@ -137,3 +137,18 @@ def test_a_quick_profile_reports_its_progress_and_measures_what_the_planner_read
         if field.name not in unmeasured and isinstance(value, float):
             assert value > 0, field.name
     assert profile.disk_to_cpu_cached_bandwidth and profile.matmul_flops
+
+
+def test_a_disk_that_fills_while_the_quick_profile_measures_it_is_one_error(monkeypatch, tmp_path):
+    import errno
+
+    from flexoff import profiler
+
+    def full(**_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "profile_machine", full)
+    with pytest.raises(ConfigError, match=f"^cannot measure the disk under {tmp_path} \\(No space left on device\\)"):
+        profiler.saved_or_measured_profile(torch.device("cpu"), str(tmp_path), lambda message: None)
+    assert not (tmp_path / "cache" / "flexoff" / "hardware.json").exists()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import tempfile
 import time
 
 from ..errors import ConfigError, PolicyError
@@ -172,7 +171,7 @@ def _against_one_gpu(throughput: float, config, workload: Workload, profile, gpu
 
 
 def run_profile(args) -> int:
-    from ..profiler import profile_machine  # imports torch; keep `flexoff search` light
+    from ..profiler import disk_measure_error, profile_machine  # imports torch; keep `flexoff search` light
 
     device = None if args.device == "auto" else args.device
     output = args.output or default_profile_path()
@@ -182,10 +181,8 @@ def run_profile(args) -> int:
     try:
         profile = profile_machine(quick=args.quick, disk_dir=args.disk_dir, device=device,
                                   log=lambda message: print(f"  {message}", flush=True))
-    except OSError as exc:  # the disk is measured by writing files under --disk-dir: it may fill up meanwhile
-        where = args.disk_dir or tempfile.gettempdir()
-        raise ConfigError(f"cannot measure the disk under {where} ({exc.strerror or exc}); free some space, or "
-                          "pass --disk-dir on another disk") from None
+    except OSError as exc:
+        raise disk_measure_error(args.disk_dir, exc) from None
     try:
         profile.save(output)
     except OSError as exc:
