@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from flexoff import LLM, CompressionConfig, Policy, TierFractions
+from flexoff import LLM, CompressionConfig, Policy, SamplingParams, TierFractions
 from flexoff.errors import PolicyError
 
 
@@ -32,10 +32,16 @@ def test_policy_json_round_trip_and_unknown_field(tmp_path):
         Policy.load(path)
 
 
-def test_disk_without_offload_dir(monkeypatch):
+def test_disk_without_offload_dir_goes_in_the_temporary_folder_and_leaves_nothing(monkeypatch, tmp_path):
+    import tempfile
+
     monkeypatch.delenv("FLEXOFF_OFFLOAD_DIR", raising=False)
-    with pytest.raises(PolicyError, match="offload directory"):
-        LLM("opt-125m", dummy=True, policy=Policy(weights=TierFractions(0, 0.5, 0.5)))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with LLM("opt-125m", dummy=True, policy=Policy(weights=TierFractions(0, 0.5, 0.5))) as llm:
+        assert any(tmp_path.iterdir()), "the disk tier's private folder is in the temporary folder"
+        out = llm.generate([[2, 100, 200]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        assert len(out[0].token_ids) == 2
+    assert not any(tmp_path.iterdir())
 
 
 def test_unwritable_offload_dir(tmp_path):
