@@ -97,7 +97,7 @@ class _Lock:
         self.path, self.fd = path, fd
         try:
             os.ftruncate(fd, 0)
-            os.write(fd, str(os.getpid()).encode())  # a few bytes: written whole or not at all
+            write_all(fd, str(os.getpid()).encode())
         except OSError as exc:  # a full disk: the lock goes, and the results file was not touched
             self.release()
             raise OutputError(f"cannot write {path} ({exc.strerror or exc}); {results} is as it was: rerun the "
