@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, UnsupportedModelError
+from ..policy import CompressionConfig
 
 FAMILIES = ("opt", "llama")
 
@@ -68,6 +69,8 @@ _MODEL_RULES = {
     "expert_intermediate_size": size_rule(minimum=0), "shared_expert_intermediate_size": size_rule(minimum=0),
     "norm_topk_prob": boolean_rule, "dense_layers": _layer_indices,
     "native_dtype": lambda value: None if value in NATIVE_DTYPES else "one of " + ", ".join(NATIVE_DTYPES),
+    "stored_compression": lambda value: None if value is None or isinstance(value, CompressionConfig)
+    else "a CompressionConfig or null",
 }
 ROPE_KINDS = ("default", "linear", "llama3")
 NATIVE_DTYPES = ("float16", "bfloat16")
@@ -199,6 +202,10 @@ class ModelConfig:
     # The 16-bit format the model was trained and published in, which dtype "auto" runs on a GPU:
     # bfloat16 models may overflow fp16's range.
     native_dtype: str = "float16"
+    # The group-wise format the checkpoint stores its matrices in (a GGUF's Q4_0/Q4_1 are 4 bits in
+    # groups of 32), None for floating-point weights. A policy reads such weights as stored, so its
+    # weight compression is this format (see planner.default.weights_as_stored).
+    stored_compression: CompressionConfig | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:

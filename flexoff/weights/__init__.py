@@ -22,6 +22,12 @@ class WeightSource(Protocol):
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor on ``device``, written into ``out`` (e.g. pinned memory) when given."""
 
+    def load_compressed(self, stage: str, spec: WeightSpec, compression, device: torch.device,
+                        meta_dtype: torch.dtype):
+        """The matrix as the source stores it, a ``CompressedTensor`` in ``compression``'s format
+        with its scales and minimums in ``meta_dtype``, or None where it is not stored so (the
+        store then quantizes ``load_tensor``'s values). Sources of floating-point weights return None."""
+
     def close(self) -> None:
         """Let go of open files and caches."""
 

@@ -146,5 +146,10 @@ class CheckpointWeights:
             return out.copy_(tensor)
         return tensor.to(device=device, dtype=dtype)
 
+    def load_compressed(self, stage: str, spec: WeightSpec, compression, device: torch.device,
+                        meta_dtype: torch.dtype) -> None:
+        """Floating-point weights: none is stored compressed."""
+        return None
+
     def close(self) -> None:
         self._handles.clear()

@@ -51,6 +51,11 @@ class DummyWeights:
         """The tensor on ``device``, written into ``out`` (e.g. pinned memory) when given."""
         return self.make(stage, spec, out.device if out is not None else device, dtype, out)
 
+    def load_compressed(self, stage: str, spec: WeightSpec, compression, device: torch.device,
+                        meta_dtype: torch.dtype) -> None:
+        """Floating-point weights: none is stored compressed."""
+        return None
+
     def check(self, stages: dict[str, list[WeightSpec]]) -> None:
         """Dummy weights always match their specs."""
 
