@@ -38,7 +38,7 @@ from flexoff.models import Stage, architecture, moe, resolve_model, stage_specs 
 from flexoff.models.common import attention, attention_mask  # noqa: E402
 from flexoff.planner.sizes import FP16_BYTES, bytes_per_element  # noqa: E402
 from flexoff.policy import CompressionConfig  # noqa: E402
-from flexoff.weights import CheckpointWeights, DummyWeights  # noqa: E402
+from flexoff.weights import DummyWeights, checkpoint_weights  # noqa: E402
 
 BLOCK_SIZES = tuple(2**i for i in range(11))  # 1 ... 1024 tokens
 HIDDEN = "independent random tokens: N(0, 1) times the layer's post-attention norm weight, not the model's activations"
@@ -131,7 +131,7 @@ def measure(args) -> dict:
     cfg, directory = resolve_model(args.model, dummy=True)
     if not cfg.num_experts:
         raise FlexoffError(f"{cfg.name} has no experts: the expert-touch curve needs a mixture of experts")
-    weights = DummyWeights(args.seed) if directory is None or args.dummy else CheckpointWeights(directory)
+    weights = DummyWeights(args.seed) if directory is None or args.dummy else checkpoint_weights(directory)
     source = "dummy" if isinstance(weights, DummyWeights) else str(directory)
     generator = torch.Generator().manual_seed(args.seed)
     compression = CompressionConfig(4, 64) if args.bits == 4 else None

@@ -31,7 +31,7 @@ from .policy import Policy
 from .runtime.sampling import SamplingParams
 from .tokenizer import Tokenizer
 from .units import parse_size
-from .weights import CheckpointWeights, DummyWeights
+from .weights import DummyWeights, checkpoint_weights
 
 # Everything on the compute device, in batches large enough to keep it busy.
 DEFAULT_POLICY = Policy(gpu_batch_size=32)
@@ -107,7 +107,7 @@ class LLM:
         more_eos = tuple(i for i in self.generation_config.eos_token_ids if i not in self.config.eos_token_ids)
         if more_eos:
             self.config = self.config.replace(eos_token_ids=self.config.eos_token_ids + more_eos)
-        source = DummyWeights(seed) if dummy else CheckpointWeights(checkpoint)
+        source = DummyWeights(seed) if dummy else checkpoint_weights(checkpoint)
         source.check({stage.name: stage_specs(self.config, stage) for stage in stages(self.config)})
         offload_dir = offload_root(offload_dir)  # used only where a policy puts data on disk
         caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]

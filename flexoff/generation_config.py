@@ -30,7 +30,8 @@ class GenerationDefaults:
 
 
 def read_generation_config(directory: str | Path | None) -> GenerationDefaults:
-    """The defaults in ``directory``'s generation_config.json; none when there is no such file."""
+    """The defaults in ``directory``'s generation_config.json; none when there is no such file, or
+    for a GGUF file (its end-of-sequence ids are in its metadata, which the model's config reads)."""
     if directory is None or not (Path(directory) / FILE).is_file():
         return GenerationDefaults()
     path = Path(directory) / FILE

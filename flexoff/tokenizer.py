@@ -1,4 +1,5 @@
-"""Tokenizers from a checkpoint directory, through transformers when present, else tokenizers."""
+"""Tokenizers from a checkpoint directory, through transformers when present, else tokenizers; a
+GGUF file's tokenizer and chat template from its metadata, as transformers reads them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 from .errors import PromptError, TokenizerError
 from .fileio import nothing_at
-from .models import config_from_dir, model_directory
+from .models import config_from_dir, gguf_path, model_directory
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
@@ -19,6 +20,10 @@ class Tokenizer:
         self.path = path
         self._hf = None
         self._raw = None
+        gguf = gguf_path(path)
+        if gguf is not None:
+            self._hf = _gguf_tokenizer(gguf)
+            return
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -71,7 +76,7 @@ class Tokenizer:
     @staticmethod
     def available(path: str | Path) -> bool:
         path = Path(path)
-        return any((path / name).exists() for name in TOKENIZER_FILES)
+        return gguf_path(path) is not None or any((path / name).exists() for name in TOKENIZER_FILES)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``add_special_tokens`` False for text that already holds them (a chat template's output)."""
@@ -112,3 +117,19 @@ class Tokenizer:
         if self._hf is not None:
             return [t or "" for t in self._hf.convert_ids_to_tokens(ids)]
         return [self._raw.id_to_token(i) or "" for i in ids]
+
+
+def _gguf_tokenizer(file: Path):
+    """transformers' tokenizer of a GGUF file, built from its metadata (it needs the gguf package)."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TokenizerError(f"the tokenizer of {file} needs transformers: pip install 'flexoff[hf]'") from None
+    try:
+        import gguf  # noqa: F401  (transformers reads the file's tokenizer through it)
+    except ImportError:
+        raise TokenizerError(f"the tokenizer of {file} is read through the gguf package: pip install gguf") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+    except Exception as exc:  # transformers raises many types for metadata it cannot use
+        raise TokenizerError(f"cannot load the tokenizer of {file}: {exc}") from None

@@ -43,7 +43,8 @@ from ..errors import FlexoffError, PromptError, TokenizerError
 from ..fileio import decode_utf8, jsonl_objects, read_user_bytes
 from ..job import Job
 from ..generation_config import read_generation_config
-from ..models import config_from_dir, model_directory
+from ..gguf_format import GGUFFile
+from ..models import config_from_dir, gguf_path, model_directory
 from ..prompts import PromptLine, check_room, line_prompt, prompt_record
 from ..records import failure_line
 from ..runtime.sampling import SamplingParams
@@ -87,10 +88,17 @@ def read_batch_requests(path: str | Path) -> tuple[list[PromptLine], str, dict[s
 
 def model_identity(model: str, dummy: bool, seed: int) -> dict:
     """What makes two runs the same model: the checkpoint (its folder, which for a Hub id names the
-    repo and its revision, and its config) or the registry name, plus the seed when weights are dummy."""
+    repo and its revision, and its config; a GGUF file and its header) or the registry name, plus the
+    seed when weights are dummy."""
     directory = model_directory(model, "config" if dummy else "weights")
     identity: dict = {}
-    if directory is not None:
+    gguf = gguf_path(directory) if directory is not None else None
+    if gguf is not None:  # its metadata and tensor table are its config; the whole file may be gigabytes
+        file = GGUFFile(gguf)
+        identity["path"] = str(gguf.resolve())
+        identity["gguf_header_sha256"] = hashlib.sha256(file.header_bytes()).hexdigest()
+        file.close()
+    elif directory is not None:
         config = directory / "config.json"
         identity["path"] = str(directory.resolve())
         identity["config_sha256"] = hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None

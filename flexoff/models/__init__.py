@@ -14,6 +14,7 @@ import torch
 from . import llama, opt
 from .common import Attend, WeightSpec
 from .config import ModelConfig
+from .gguf_config import gguf_path
 from .hf_config import config_from_dir
 from .registry import REGISTRY, known_model_names, model_directory, resolve_model, resolve_model_config
 
@@ -88,6 +89,6 @@ def stage_specs(cfg: ModelConfig, stage: Stage) -> list[WeightSpec]:
 
 
 __all__ = [
-    "REGISTRY", "Architecture", "ModelConfig", "WeightSpec", "architecture", "config_from_dir", "known_model_names",
-    "model_directory", "resolve_model", "resolve_model_config", "Stage", "stage_specs", "stages",
+    "REGISTRY", "Architecture", "ModelConfig", "WeightSpec", "architecture", "config_from_dir", "gguf_path",
+    "known_model_names",    "model_directory", "resolve_model", "resolve_model_config", "Stage", "stage_specs", "stages",
 ]

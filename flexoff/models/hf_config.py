@@ -10,6 +10,7 @@ from pathlib import Path
 from ..errors import ConfigError, UnknownModelError, UnsupportedModelError
 from .config import (ROPE_KINDS, ModelConfig, RopeScaling, boolean_rule, is_int, size_rule, validate_fields,
                      validate_model, validate_rope)
+from .gguf_config import config_from_gguf, gguf_path
 
 _LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 # Types whose sliding window is on unless the config turns it off.
@@ -42,8 +43,12 @@ _LLAMA_KEYS = {
 
 def config_from_dir(path: str | Path) -> ModelConfig:
     """Read a Hugging Face ``config.json`` into a ModelConfig, refusing what we cannot run and
-    naming the file and the field of any value out of type or range."""
+    naming the file and the field of any value out of type or range. A GGUF file, or a directory
+    holding one and no config.json, is read from its metadata (see gguf_config)."""
     path = Path(path)
+    gguf = gguf_path(path)
+    if gguf is not None:
+        return config_from_gguf(gguf)
     config_file = path / "config.json"
     try:
         raw = json.loads(config_file.read_text())

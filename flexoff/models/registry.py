@@ -8,6 +8,7 @@ from pathlib import Path
 from ..errors import UnknownModelError
 from ..hub import hub_checkpoint, is_hub_id
 from .config import ModelConfig, RopeScaling
+from .gguf_config import gguf_path
 from .hf_config import config_from_dir
 
 
@@ -94,8 +95,8 @@ def resolve_model_config(name_or_dir: str) -> ModelConfig:
 
 
 def resolve_model(model: str | Path, dummy: bool = False) -> tuple[ModelConfig, Path | None]:
-    """A model argument as (config, checkpoint directory): a local directory, a registry name
-    (case-insensitive; no directory, so it needs ``dummy``), or a Hugging Face Hub id ``org/name``,
+    """A model argument as (config, checkpoint directory or GGUF file): a local directory or .gguf
+    file, a registry name (case-insensitive; no directory, so it needs ``dummy``), or a Hugging Face Hub id ``org/name``,
     taken from the local Hub cache or downloaded (only its config.json when ``dummy``)."""
     name = str(model)
     directory = model_directory(name, "config" if dummy else "weights")
@@ -114,20 +115,21 @@ def resolve_model(model: str | Path, dummy: bool = False) -> tuple[ModelConfig, 
 
 
 def model_directory(model: str | Path, need: str = "weights") -> Path | None:
-    """The local directory holding ``model``'s files, None for a registry name. Local directories
-    and registry names win over Hub ids; ``need`` ("config", "tokenizer" or "weights") is what a
-    Hub snapshot must hold (see flexoff.hub)."""
+    """The local directory holding ``model``'s files (or the GGUF file it names), None for a
+    registry name. Local paths and registry names win over Hub ids; ``need`` ("config",
+    "tokenizer" or "weights") is what a Hub snapshot must hold (see flexoff.hub)."""
     name = str(model)
     if not name.strip():
         raise UnknownModelError("the model name is empty")
     path = Path(name)
-    if path.is_dir():
+    if path.is_dir() or gguf_path(path) is not None:
         return path
     if name.lower() in REGISTRY:
         return None
     if is_hub_id(name):
         return hub_checkpoint(name, need)
     raise UnknownModelError(
-        f"unknown model {name!r}: not a checkpoint directory, a Hugging Face Hub id (org/name), or one of: "
+        f"unknown model {name!r}: not a checkpoint directory, a .gguf file, a Hugging Face Hub id (org/name), "
+        "or one of: "
         + ", ".join(known_model_names())
     )

@@ -1,4 +1,5 @@
-"""Weight sources: where a stage's tensors come from (seeded dummy values or a local checkpoint)."""
+"""Weight sources: where a stage's tensors come from (seeded dummy values, a local checkpoint, or a
+GGUF file)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,13 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from pathlib import Path
+
 from ..models import WeightSpec
+from ..models.gguf_config import gguf_path
 from .checkpoint import CheckpointWeights
 from .dummy import DummyWeights
+from .gguf import GGUFWeights
 
 
 @runtime_checkable
@@ -32,4 +37,11 @@ class WeightSource(Protocol):
         """Let go of open files and caches."""
 
 
-__all__ = ["CheckpointWeights", "DummyWeights", "WeightSource"]
+def checkpoint_weights(path: str | Path) -> WeightSource:
+    """The source of a model path as resolve_model gives it: a GGUF file (or the one a directory
+    holds), else a Hugging Face checkpoint directory."""
+    gguf = gguf_path(path)
+    return GGUFWeights(gguf) if gguf is not None else CheckpointWeights(path)
+
+
+__all__ = ["CheckpointWeights", "DummyWeights", "GGUFWeights", "WeightSource", "checkpoint_weights"]
