@@ -186,3 +186,25 @@ def three_layers(tmp_path_factory):
     model.save_pretrained(directory)
     build_tokenizer(directory, "</s>", "</s>", "<pad>")
     return directory, model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The GGUF file of SmolLM2-135M-Instruct (tests/smollm2.py), or a skip saying why it is absent."""
+    from . import smollm2
+
+    try:
+        return smollm2.gguf_file()
+    except smollm2.Unavailable as exc:
+        pytest.skip(f"SmolLM2-135M-Instruct unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf):
+    """SmolLM2-135M-Instruct as a float32 safetensors checkpoint directory (converted once)."""
+    from . import smollm2
+
+    try:
+        return smollm2.checkpoint()
+    except smollm2.Unavailable as exc:
+        pytest.skip(f"SmolLM2-135M-Instruct unavailable: {exc}")
