@@ -118,7 +118,8 @@ def write_gguf(path: Path, model, matrix_type: str = "F32", *, arch: str = "llam
             writer.add_array(key, value)
     for name, value in (tensors if tensors is not None else gguf_tensors(model)).items():
         kind = (types or {}).get(name, "F32" if value.ndim == 1 else matrix_type)
-        writer.add_tensor(name, gguf.quants.quantize(value.astype(np.float32), Q[kind]), raw_dtype=Q[kind])
+        stored = value if value.dtype.kind == "i" else gguf.quants.quantize(value.astype(np.float32), Q[kind])
+        writer.add_tensor(name, stored, raw_dtype=Q[kind])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
