@@ -26,8 +26,10 @@ def reference(path) -> dict[str, torch.Tensor]:
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
     reader = gguf.GGUFReader(str(path))
-    heads = int(reader.fields["llama.attention.head_count"].contents())
-    kv_heads = int(reader.fields["llama.attention.head_count_kv"].contents())
+    field = reader.fields["llama.attention.head_count"]
+    heads = int(field.parts[field.data[0]][0])
+    field = reader.fields["llama.attention.head_count_kv"]
+    kv_heads = int(field.parts[field.data[0]][0])
     processor = LlamaTensorProcessor({"num_attention_heads": heads, "num_key_value_heads": kv_heads})
     out = {}
     for tensor in reader.tensors:
