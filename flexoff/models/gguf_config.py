@@ -7,12 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import CheckpointError, ConfigError, UnsupportedModelError
 from ..gguf_format import GGUFFile
 from ..policy import CompressionConfig
 from .config import ModelConfig, RopeScaling, is_int, validate_model, validate_rope
+from .llama import inverse_frequencies
 
 SUFFIX = ".gguf"
+ROPE_FREQS = "rope_freqs.weight"  # Llama 3's per-frequency RoPE factors, which llama.cpp stores as a tensor
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # llama.cpp's converter permutes the rows of q and k of these (for its rotary layout); see
 # weights/gguf.py, which undoes it.
@@ -109,6 +113,8 @@ def _config(file: GGUFFile) -> tuple[ModelConfig, str, dict[str, str]]:
         raise UnsupportedModelError(f"{where}: attention biases are supported for qwen2 only (on q, k and v)")
     validate_model({"family": "llama", **values}, where, names)
     values["rope_scaling"] = _rope_scaling(meta, prefix, where)
+    if ROPE_FREQS in tensors:
+        values["rope_scaling"] = _llama3_scaling(file, prefix, values)
     values["rope_theta"], values["norm_eps"] = float(values["rope_theta"]), float(values["norm_eps"])
     values["stored_compression"], values["native_dtype"] = _stored_format(file)
     config = ModelConfig(name=file.path.stem, family="llama", **values)
@@ -152,6 +158,34 @@ def _rope_scaling(meta: dict, prefix: str, where: str) -> RopeScaling:
     factor = meta.get(prefix + "rope.scaling.factor")
     validate_rope({"kind": "linear", "factor": factor}, where, {"factor": prefix + "rope.scaling.factor"})
     return RopeScaling(kind="linear", factor=float(factor))
+
+
+def _llama3_scaling(file: GGUFFile, prefix: str, values: dict) -> RopeScaling:
+    """The Llama 3 scaling whose factors ``rope_freqs.weight`` holds. llama.cpp's converter computes
+    them with low and high frequency factors 1 and 4 and an original context of 8192 (or the
+    metadata's); the largest factor is the scaling factor. Other factors are refused."""
+    info = file.tensors[ROPE_FREQS]
+    head_dim = values["head_dim"] or values["hidden_size"] // values["num_heads"]
+    if info.type_name != "F32" or info.shape != (head_dim // 2,):
+        raise UnsupportedModelError(f"{file.path}: {ROPE_FREQS} must be F32 of shape [{head_dim // 2}], got "
+                                    f"{info.type_name} {list(info.shape)}")
+    factors = np.frombuffer(file.raw(ROPE_FREQS).tobytes(), dtype="<f4").astype(np.float64)
+    original = file.metadata.get(prefix + "rope.scaling.original_context_length", 8192)
+    fields = {"kind": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_positions": original}
+    validate_rope(fields, str(file.path), {"factor": ROPE_FREQS,
+                                           "original_max_positions": prefix + "rope.scaling.original_context_length"})
+    scaling = RopeScaling(**fields)
+    # inverse_frequencies reads a config: one head of head_dim.
+    config = ModelConfig(name="rope", family="llama", vocab_size=1, hidden_size=head_dim, num_layers=1, num_heads=1,
+                         intermediate_size=1, max_positions=1, rope_theta=float(values["rope_theta"]),
+                         rope_scaling=scaling)
+    plain = inverse_frequencies(config.replace(rope_scaling=RopeScaling())).double().numpy()
+    expected = plain / inverse_frequencies(config).double().numpy()
+    if not np.allclose(factors, expected, rtol=1e-5, atol=0):
+        raise UnsupportedModelError(f"{file.path}: {ROPE_FREQS} holds RoPE factors that are not Llama 3's "
+                                    "(factor, low 1, high 4); flexoff cannot run them")
+    return scaling
 
 
 def _stored_format(file: GGUFFile) -> tuple[CompressionConfig | None, str]:

@@ -43,7 +43,7 @@ def bpe_tokenizer():
     return tokens, merges
 
 
-def tiny_llama(vocab: int, seed: int = 0, tied: bool = False):
+def tiny_llama(vocab: int, seed: int = 0, tied: bool = False, rope_scaling: dict | None = None):
     """A random LlamaForCausalLM whose widths are multiples of ggml's 32-value blocks."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -51,7 +51,7 @@ def tiny_llama(vocab: int, seed: int = 0, tied: bool = False):
     config = LlamaConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, intermediate_size=96,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
                          bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-                         rope_theta=THETA)
+                         rope_theta=THETA, rope_scaling=rope_scaling)
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # larger-than-default weights make greedy choices decisive, not near-ties
         for param in model.parameters():
@@ -59,8 +59,42 @@ def tiny_llama(vocab: int, seed: int = 0, tied: bool = False):
     return model.eval()
 
 
-def gguf_tensors(model) -> dict[str, np.ndarray]:
-    """The model's tensors under llama.cpp's names, q and k permuted as its converter does."""
+def tiny_qwen(arch: str, vocab: int, seed: int = 0):
+    """A random Qwen2 (biased q, k, v) or Qwen3 (q/k norms, heads 32 wide: not hidden / heads)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                  tie_word_embeddings=False, rms_norm_eps=1e-6, rope_theta=THETA)
+    model = Qwen2ForCausalLM(Qwen2Config(**common)) if arch == "qwen2" else \
+        Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def llama3_rope_factors(head_dim: int, factor: float, original: int, low: float = 1.0, high: float = 4.0):
+    """``rope_freqs.weight`` as llama.cpp's convert_hf_to_gguf.py LlamaModel computes it."""
+    import math
+
+    freqs = 1.0 / (THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def gguf_tensors(model, arch: str = "llama") -> dict[str, np.ndarray]:
+    """The model's tensors under llama.cpp's names, q and k permuted as its converter does for llama."""
     cfg = model.config
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     out = {"token_embd.weight": state["model.embed_tokens.weight"], "output_norm.weight": state["model.norm.weight"]}
@@ -68,15 +102,19 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
         out["output.weight"] = state["lm_head.weight"]
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
              "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
     for i in range(cfg.num_hidden_layers):
         for hf, name in names.items():
-            value = state[f"model.layers.{i}.{hf}.weight"]
-            if name == "attn_q":
-                value = permute(value, cfg.num_attention_heads)
-            elif name == "attn_k":
-                value = permute(value, cfg.num_key_value_heads)
-            out[f"blk.{i}.{name}.weight"] = value
+            for part in ("weight", "bias"):
+                value = state.get(f"model.layers.{i}.{hf}.{part}")
+                if value is None:
+                    continue
+                if arch == "llama" and name == "attn_q":
+                    value = permute(value, cfg.num_attention_heads)
+                elif arch == "llama" and name == "attn_k":
+                    value = permute(value, cfg.num_key_value_heads)
+                out[f"blk.{i}.{name}.{part}"] = value
     return out
 
 
@@ -88,6 +126,7 @@ def write_gguf(path: Path, model, matrix_type: str = "F32", *, arch: str = "llam
     from gguf import GGMLQuantizationType as Q
 
     cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     tokens, merges = bpe_tokenizer()
     writer = gguf.GGUFWriter(str(path), arch)
     keys = {
@@ -96,7 +135,8 @@ def write_gguf(path: Path, model, matrix_type: str = "F32", *, arch: str = "llam
         f"{arch}.attention.head_count": cfg.num_attention_heads,
         f"{arch}.attention.head_count_kv": cfg.num_key_value_heads,
         f"{arch}.attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
-        f"{arch}.rope.freq_base": THETA, f"{arch}.rope.dimension_count": cfg.head_dim,
+        f"{arch}.rope.freq_base": THETA, f"{arch}.rope.dimension_count": head_dim,
+        f"{arch}.attention.key_length": head_dim if arch == "qwen3" else None,
         "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.token_type": [3 if t in SPECIALS else 1 for t in tokens],
         "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.padding_token_id": 0,
@@ -116,7 +156,7 @@ def write_gguf(path: Path, model, matrix_type: str = "F32", *, arch: str = "llam
             writer.add_string(key, value)
         else:
             writer.add_array(key, value)
-    for name, value in (tensors if tensors is not None else gguf_tensors(model)).items():
+    for name, value in (tensors if tensors is not None else gguf_tensors(model, arch)).items():
         kind = (types or {}).get(name, "F32" if value.ndim == 1 else matrix_type)
         stored = value if value.dtype.kind == "i" else gguf.quants.quantize(value.astype(np.float32), Q[kind])
         writer.add_tensor(name, stored, raw_dtype=Q[kind])

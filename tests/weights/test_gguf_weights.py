@@ -222,3 +222,58 @@ def test_integer_tensors_are_not_weights(tmp_path):
     with pytest.raises(CheckpointError) as caught:
         check_all(path)
     one_line(caught.value, str(path), "'blk.0.attn_v.weight'", "I32")
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 16}
+
+
+def test_llama3_frequency_factors_become_its_rope_scaling(tmp_path):
+    """llama.cpp stores Llama 3's scaling as rope_freqs.weight; flexoff runs it as the model it came
+    from (transformers' GGUF loader ignores the tensor, so the reference is the original model)."""
+    from flexoff import LLM, SamplingParams
+    from flexoff.models.config import RopeScaling
+    from tests.conftest import PROMPTS
+    from tests.weights.gguf_files import llama3_rope_factors
+
+    model = tiny_llama(320, rope_scaling=LLAMA3)
+    tensors = {**gguf_tensors(model), "rope_freqs.weight": llama3_rope_factors(16, 8.0, 16)}
+    path = write_gguf(tmp_path / "llama3.gguf", model, tensors=tensors,
+                      metadata={"llama.rope.scaling.original_context_length": 16})
+    config = config_from_gguf(path)
+    assert config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
+    with LLM(str(path), dtype="float32") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, min_tokens=8))
+    for out in outs:
+        prompt = torch.tensor([out.prompt_token_ids])
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, prompt.shape[1]:].tolist()
+    other = {**tensors, "rope_freqs.weight": llama3_rope_factors(16, 8.0, 16, high=2.0)}
+    path = write_gguf(tmp_path / "other.gguf", model, tensors=other,
+                      metadata={"llama.rope.scaling.original_context_length": 16})
+    with pytest.raises(UnsupportedModelError) as caught:
+        config_from_gguf(path)
+    one_line(caught.value, str(path), "rope_freqs.weight", "not Llama 3's")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_files_run_as_the_model_they_came_from(tmp_path, arch):
+    """No permutation; Qwen2's q/k/v biases and Qwen3's q/k norms and 32-wide heads (the key
+    length). F32 holds the model's own values, so the model itself is the reference."""
+    from flexoff import LLM, SamplingParams
+    from tests.conftest import PROMPTS
+    from tests.weights.gguf_files import tiny_qwen
+
+    model = tiny_qwen(arch, 320)
+    path = write_gguf(tmp_path / f"{arch}.gguf", model, arch=arch)
+    config = config_from_gguf(path)
+    assert (config.attention_bias, config.qk_norm, config.head_dim) == \
+        ((True, False, 16) if arch == "qwen2" else (False, True, 32))
+    with LLM(str(path), dtype="float32") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, min_tokens=8))
+    for out in outs:
+        prompt = torch.tensor([out.prompt_token_ids])
+        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8,
+                             do_sample=False, pad_token_id=0)
+        assert out.token_ids == ref[0, prompt.shape[1]:].tolist()
