@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .errors import PromptError, TokenizerError
 from .fileio import nothing_at
+from .gguf_format import GGUFFile
 from .models import config_from_dir, gguf_path, model_directory
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -76,7 +77,12 @@ class Tokenizer:
     @staticmethod
     def available(path: str | Path) -> bool:
         path = Path(path)
-        return gguf_path(path) is not None or any((path / name).exists() for name in TOKENIZER_FILES)
+        gguf = gguf_path(path)
+        if gguf is not None:  # a GGUF file may leave its tokenizer out, as a checkpoint may its files
+            file = GGUFFile(gguf)
+            file.close()
+            return "tokenizer.ggml.tokens" in file.metadata
+        return any((path / name).exists() for name in TOKENIZER_FILES)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """``add_special_tokens`` False for text that already holds them (a chat template's output)."""

@@ -128,3 +128,15 @@ def test_a_batch_jobs_model_identity_is_the_file_and_its_header(gguf_llama, tmp_
     identity = model_identity(str(path), dummy=False, seed=0)
     assert identity["path"] == str(path.resolve()) and model_identity(str(path.parent), False, 0) == identity
     assert model_identity(str(gguf_llama[1]["Q4_0"]), False, 0)["gguf_header_sha256"] != identity["gguf_header_sha256"]
+
+
+def test_a_gguf_without_a_tokenizer_runs_token_ids(tmp_path):
+    from tests.weights.gguf_files import tiny_llama, write_gguf
+
+    dropped = dict.fromkeys(["tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
+                             "tokenizer.ggml.token_type", "tokenizer.chat_template"])
+    path = write_gguf(tmp_path / "bare.gguf", tiny_llama(320), metadata={**dropped, "llama.vocab_size": 320})
+    with LLM(str(path)) as llm:
+        assert llm.tokenizer is None
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_new_tokens=2, min_tokens=2))[0]
+    assert len(out.token_ids) == 2
