@@ -169,16 +169,18 @@ def test_tokenizer_is_the_ggufs(smollm2_dir, gguf_tokenizer, gguf_reader):
 
 # -- greedy text equals transformers' on every placement ---------------------------------------------
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy continuation of one unpadded prompt, and each token's log-probability
-    under the raw logits."""
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[float], list[float]]:
+    """transformers' greedy continuation of one unpadded prompt: its tokens, each token's
+    log-probability under the raw logits, and each step's gap between its two likeliest tokens
+    (how decisive the choice was)."""
     ids = torch.tensor([prompt_ids], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=False, output_logits=True, return_dict_in_generate=True)
     tokens = out.sequences[0, len(prompt_ids):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(out.logits, tokens)]
-    return tokens, logprobs
+    steps = [torch.log_softmax(step[0].float(), dim=-1) for step in out.logits]
+    top = [step.topk(2).values.tolist() for step in steps]
+    return tokens, [step[t].item() for step, t in zip(steps, tokens)], [a - b for a, b in top]
 
 
 def chat_ids(tokenizer, conversation) -> list[int]:
@@ -188,7 +190,7 @@ def chat_ids(tokenizer, conversation) -> list[int]:
 @pytest.fixture(scope="module")
 def hf_reference(smollm2_dir):
     """transformers' prompt ids and greedy tokens of PLAIN and CHATS: {"plain": [...], "chat": [...]},
-    each entry (prompt ids, tokens, logprobs)."""
+    each entry (prompt ids, tokens, logprobs, top-2 gaps)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -199,7 +201,7 @@ def hf_reference(smollm2_dir):
 
 def assert_matches(outs, reference, atol: float = 1e-4) -> None:
     """flexoff's outputs have transformers' prompt ids and tokens, and log-probabilities within atol."""
-    for out, (prompt_ids, tokens, logprobs) in zip(outs, reference, strict=True):
+    for out, (prompt_ids, tokens, logprobs, _) in zip(outs, reference, strict=True):
         assert out.prompt_token_ids == prompt_ids
         assert out.token_ids == tokens, (out.text, out.prompt)
         torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(logprobs), rtol=0, atol=atol)
@@ -208,7 +210,7 @@ def assert_matches(outs, reference, atol: float = 1e-4) -> None:
 
 def test_the_reference_is_sensible(hf_reference):
     """Not the test's point (the equality is): that the model is a trained one, ending its turns."""
-    (_, answer, _), _ = hf_reference["chat"]
+    (_, answer, _, _), _ = hf_reference["chat"]
     assert answer[-1] == 2 and len(answer) < NEW_TOKENS  # <|im_end|> closes the short answer
 
 
@@ -221,3 +223,15 @@ def test_greedy_text_equals_transformers(smollm2_dir, hf_reference, tmp_path, na
     assert_matches(chats, hf_reference["chat"])
     assert "Paris" in chats[0].text
     assert os.listdir(tmp_path) == []  # the disk tier's files are gone once the model is closed
+
+
+@pytest.mark.parametrize("name", ["all-gpu-tier", "everything-off-gpu-no-overlap"])
+def test_scores_along_transformers_path_are_its_logprobs(smollm2_dir, hf_reference, tmp_path, name):
+    """score() of transformers' own continuations, in one prefill each, gives the log-probabilities
+    its generate saw token by token."""
+    reference = hf_reference["plain"] + hf_reference["chat"]
+    with LLM(str(smollm2_dir), policy=PLACEMENTS[name], dtype="float32", offload_dir=str(tmp_path)) as llm:
+        scores = llm.score([ids for ids, *_ in reference], [tokens for _, tokens, *_ in reference])
+    for score, (_, tokens, logprobs, _) in zip(scores, reference, strict=True):
+        assert score.token_ids == tokens
+        torch.testing.assert_close(torch.tensor(score.logprobs), torch.tensor(logprobs), rtol=0, atol=1e-4)
