@@ -110,9 +110,9 @@ def quantize(
         if kernels is not None and _quantize_triton(kernels, moved, out):
             return out
     elif use_triton:
-        kernels = _require_triton(bits)
         if meta != tensor.dtype:
             raise CompressionError(f"the Triton quantize kernel stores scales in the tensor's dtype, not {meta}")
+        kernels = _require_triton(bits)
         if not _quantize_triton(kernels, moved, out):
             raise CompressionError(f"the Triton quantize kernel does not handle shape {tuple(tensor.shape)} "
                                    f"grouped by {group_size} along dim {dim} with these strides")
