@@ -106,3 +106,17 @@ def test_policy_auto_plans_the_weights_as_stored_and_compress_decides_the_cache(
     policy_line = next(line for line in captured.out.splitlines() if line.startswith("policy"))
     assert " · weights 4-bit g32 as stored" in policy_line
     assert ("cache 4-bit (lossy)" in policy_line) == (compress == "on")
+
+
+def test_the_lm_eval_adapter_plans_the_weights_as_stored(stored):
+    pytest.importorskip("lm_eval")
+    from flexoff.harness.lm_eval_adapter import FlexoffLM
+
+    path, _ = stored
+    lm = FlexoffLM(pretrained=path, device="cpu", dtype="bfloat16", policy="auto", hardware="t4", gpu_mem="60KB")
+    try:
+        with pytest.warns(UserWarning, match="planned .* 4-bit weights on "):
+            llm = lm._llm_for(14, 2, 3)
+        assert llm.policy.compress_weight == STORED and llm.policy.compress_cache is None
+    finally:
+        lm.close()

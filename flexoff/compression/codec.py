@@ -6,13 +6,13 @@ For each group of ``group_size`` consecutive values along ``dim``::
     minimum = min(group)                                   (stored in the tensor's dtype, exact)
     scale   = (max(group) - minimum) / levels              (in fp32, then rounded *up* to a
                                                             16-bit dtype)
+    code    = clamp(round_half_even((x - minimum) / scale), 0, levels)      (0 where scale == 0)
+    x'      = code * scale + minimum                       (fp32 multiply, fp32 add, one rounding
+                                                            to the output dtype)
 
 Scales and minimums take the tensor's dtype unless ``meta_dtype`` names another (a checkpoint's
 fp16 scales under bf16 compute): the minimum is then rounded *down* into it, and the scale is
 taken from that minimum, so every code still fits.
-    code    = clamp(round_half_even((x - minimum) / scale), 0, levels)      (0 where scale == 0)
-    x'      = code * scale + minimum                       (fp32 multiply, fp32 add, one rounding
-                                                            to the output dtype)
 
 Rounding the stored scale up keeps every code inside ``[0, levels]`` without clipping, so each
 value comes back within ``scale / 2`` of where it started (plus float rounding), and a constant
