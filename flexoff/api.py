@@ -76,7 +76,7 @@ class LLM:
         saved the first time); ``self.plan`` tells. ``policy="auto"`` always runs the planned
         policy, as ``flexoff run --policy auto`` does.
         ``compress`` is what that planning may do with lossy 4-bit compression: "off" (lossless),
-        "auto" (try both) or "on".
+        "auto" (try both) or "on"; of the cache alone for a model stored compressed, read as stored.
         ``pipeline_parallel_size`` and ``data_parallel_size``: this process is one of a parallel
         job's, started by torchrun (see ``flexoff.parallel``); None takes them from the launch
         (all its processes one pipeline); ``pipeline_layers``, the decoder layers of each stage
