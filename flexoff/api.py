@@ -76,7 +76,7 @@ class LLM:
         saved the first time); ``self.plan`` tells. ``policy="auto"`` always runs the planned
         policy, as ``flexoff run --policy auto`` does.
         ``compress`` is what that planning may do with lossy 4-bit compression: "off" (lossless),
-        "auto" (try both) or "on".
+        "auto" (try both) or "on"; of the cache alone for a model stored compressed, read as stored.
         ``pipeline_parallel_size`` and ``data_parallel_size``: this process is one of a parallel
         job's, started by torchrun (see ``flexoff.parallel``); None takes them from the launch
         (all its processes one pipeline); ``pipeline_layers``, the decoder layers of each stage
@@ -101,7 +101,13 @@ class LLM:
                                "num_prompts) too, or pass the policy flexoff.planner.search_policy(config, "
                                "Workload(...), hardware).policy")
         given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy and not searched else None
-        self.policy = given or DEFAULT_POLICY
+        default = DEFAULT_POLICY
+        if self.config.stored_compression is not None:  # else the planner (and its solver) loads only to plan
+            from .planner.default import weights_as_stored
+
+            # Read as the checkpoint stores them, refused where a policy would recompress them.
+            given, default = (weights_as_stored(p, self.config) if p is not None else None for p in (given, default))
+        self.policy = given or default
         self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
         self.generation_config = read_generation_config(checkpoint)
         more_eos = tuple(i for i in self.generation_config.eos_token_ids if i not in self.config.eos_token_ids)
@@ -129,7 +135,7 @@ class LLM:
                 hardware = resolve_hardware(str(hardware))
             def plan():
                 config = self.config if self.ranks is None else self.ranks.largest_stage(self.config)
-                return fit_job(config, job, given, self.dtype, capacity, hardware, DEFAULT_POLICY, offload_dir,
+                return fit_job(config, job, given, self.dtype, capacity, hardware, default, offload_dir,
                                compress, search=searched)
 
             # A pipeline's stages must agree on batch sizes: rank 0 plans for all of them.

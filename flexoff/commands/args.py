@@ -117,7 +117,9 @@ def add_compress_arg(group, default: str | None) -> None:
     group.add_argument("--compress", choices=CHOICES, default=default,
                        help="4-bit group-wise compression of weights and KV cache when planning: never (off, the "
                             "default: planning is lossless), try both (auto), always (on); compression changes "
-                            "the outputs")
+                            "the outputs. A model whose checkpoint stores its matrices compressed (a GGUF's "
+                            "Q4_0, Q8_0) is always planned with them as stored, and this flag decides the KV "
+                            "cache's compression alone")
 
 
 def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> None:

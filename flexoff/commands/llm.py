@@ -34,18 +34,26 @@ def policy_of(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> 
         policies, counts = searched_policies(job, workload, ranks)
     else:
         policies = [Policy.load(source.file) if source.file else None]
-        if policies[0] is not None and source.compress == "off" and (policies[0].compress_weight or
-                                                                     policies[0].compress_cache):
-            raise PolicyError(f"{source.file} compresses the {_compressed_parts(policies[0])}, which contradicts "
+        lossy = _compressed_parts(job, policies[0]) if policies[0] is not None and source.compress == "off" else ""
+        if lossy:
+            raise PolicyError(f"{source.file} compresses the {lossy}, which contradicts "
                               "--compress off; drop --compress off or use a lossless policy")
     if source.overrides:
         policies = [replace(policy or DEFAULT_POLICY, **dict(source.overrides)) for policy in policies]
     return policies, counts
 
 
-def _compressed_parts(policy) -> str:
-    return " and ".join(part for part, config in (("weights", policy.compress_weight),
-                                                  ("cache", policy.compress_cache)) if config is not None)
+def _compressed_parts(job: Job, policy) -> str:
+    """'weights and cache': the parts ``policy`` compresses, but weights it reads as the checkpoint
+    stores them, which it does not compress."""
+    weight = policy.compress_weight
+    if weight is not None:
+        from ..models import resolve_model_config
+
+        if resolve_model_config(job.model).stored_compression == weight:
+            weight = None
+    return " and ".join(part for part, config in (("weights", weight), ("cache", policy.compress_cache))
+                        if config is not None)
 
 
 def searched_policies(job: Job, workload: Callable[[], Workload] | None, ranks=None) -> tuple[list, list[int] | None]:

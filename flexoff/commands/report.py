@@ -15,7 +15,7 @@ from ..layout.pipeline import range_layers
 from ..planner.cost_model import Prediction
 from ..planner.hardware import HardwareProfile
 from ..planner.report import policy_summary
-from ..policy import TIERS, Policy
+from ..policy import TIERS, CompressionConfig, Policy
 from ..units import format_size
 
 
@@ -28,15 +28,19 @@ def _percent(fractions) -> str:
     return " / ".join(f"{100 * v:.4g}%" for v in fractions.as_tuple())
 
 
-def _compression(policy: Policy) -> str:
+def _compression(policy: Policy, stored: CompressionConfig | None = None) -> str:
+    """'weights 4-bit g64, cache 4-bit g64'; weights read in ``stored``, the format the checkpoint
+    stores them in, are marked 'as stored'."""
     parts = []
     for what, config in (("weights", policy.compress_weight), ("cache", policy.compress_cache)):
         if config is not None:
-            parts.append(f"{what} {config.bits}-bit g{config.group_size}")
+            parts.append(f"{what} {config.bits}-bit g{config.group_size}"
+                         + (" as stored" if what == "weights" and config == stored else ""))
     return ", ".join(parts) or "off"
 
 
-def format_prediction(prediction: Prediction, title: str = "") -> str:
+def format_prediction(prediction: Prediction, title: str = "", stored: CompressionConfig | None = None) -> str:
+    """A prediction as a table; ``stored``: the model's stored format (``ModelConfig.stored_compression``)."""
     policy = prediction.policy
     rows = [
         ("policy", ""),
@@ -46,7 +50,7 @@ def format_prediction(prediction: Prediction, title: str = "") -> str:
         *([("  experts gpu/cpu/disk", _percent(policy.experts))] if policy.experts is not None else []),
         ("  kv cache gpu/cpu/disk", _percent(policy.cache)),
         ("  activations gpu/cpu/disk", _percent(policy.activations)),
-        ("  compression", _compression(policy)),
+        ("  compression", _compression(policy, stored)),
         ("  cpu attention", "on" if policy.cpu_attention else "off"),
         ("  overlap", "on" if policy.overlap else "off"),
         ("prediction", ""),
@@ -234,10 +238,12 @@ def _split(fractions) -> str:
     return "/".join(f"{100 * value:.1f}" for value in fractions)
 
 
-def _lossy(policy: Policy) -> str:
+def _lossy(policy: Policy, stored: CompressionConfig | None = None) -> str:
     """' · weights 4-bit (lossy)' and the like for each compressed part: compression changes the
-    outputs, so a run says so; nothing when lossless."""
-    return "".join(f" · {what} {config.bits}-bit (lossy)"
+    outputs, so a run says so; nothing when lossless. Weights read in ``stored``, the format the
+    checkpoint stores them in, are the model's own: ' · weights 4-bit g32 as stored'."""
+    return "".join(f" · {what} {config.bits}-bit g{config.group_size} as stored" if what == "weights" and config == stored
+                   else f" · {what} {config.bits}-bit (lossy)"
                    for what, config in (("weights", policy.compress_weight), ("cache", policy.compress_cache))
                    if config is not None)
 
@@ -288,7 +294,7 @@ def format_summary(llm, metrics, ranks_memory: list[dict] | None = None) -> str:
         f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
         f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
         f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}"
-        + _lossy(policy),
+        + _lossy(policy, llm.config.stored_compression),
         *_parallel_lines(llm, ranks_memory),
         "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",

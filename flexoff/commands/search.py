@@ -99,7 +99,7 @@ def run_search(args) -> int:
     print(format_prediction(result.prediction, title=(
         f"{config.name} on {describe_hardware(hardware)}: prompt {workload.prompt_len}, generate {workload.gen_len}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else "")
-        + (f", block latency <= {args.max_latency:g} s" if args.max_latency else ""))))
+        + (f", block latency <= {args.max_latency:g} s" if args.max_latency else "")), stored=config.stored_compression))
     print(f"searched {result.candidates} candidates, solved {result.lps_solved} LPs "
           f"in {time.perf_counter() - started:.2f} s")
     if args.pareto or args.pareto_csv or args.pareto_plot:

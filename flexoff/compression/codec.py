@@ -10,6 +10,10 @@ For each group of ``group_size`` consecutive values along ``dim``::
     x'      = code * scale + minimum                       (fp32 multiply, fp32 add, one rounding
                                                             to the output dtype)
 
+Scales and minimums take the tensor's dtype unless ``meta_dtype`` names another (a checkpoint's
+fp16 scales under bf16 compute): the minimum is then rounded *down* into it, and the scale is
+taken from that minimum, so every code still fits.
+
 Rounding the stored scale up keeps every code inside ``[0, levels]`` without clipping, so each
 value comes back within ``scale / 2`` of where it started (plus float rounding), and a constant
 group comes back exactly. All arithmetic is separate IEEE fp32 operations (no fused multiply-add,
@@ -70,6 +74,7 @@ def quantize(
     out: CompressedTensor | None = None,
     use_triton: bool | None = None,
     chunk_elements: int | None = None,
+    meta_dtype: torch.dtype | None = None,
 ) -> CompressedTensor:
     """Compress ``tensor`` (fp16, bf16 or fp32) in groups of ``group_size`` values along ``dim``.
 
@@ -78,29 +83,35 @@ def quantize(
     A ``group_size`` that does not divide the dimension is fine: the last group is shorter.
     ``use_triton``: None picks the fused kernel for 4-bit on CUDA where it handles the layout
     (power-of-two groups that divide the dimension, rows in at most three strided runs), True
-    insists on it, False uses the torch path. Both give identical bytes.
+    insists on it, False uses the torch path. Both give identical bytes. ``meta_dtype``: the dtype of
+    the scales and minimums (default: the tensor's); the Triton kernel takes only the tensor's own.
     """
     check_settings(bits, group_size)
     check_dtype(tensor.dtype)
+    meta = tensor.dtype if meta_dtype is None else meta_dtype
+    check_dtype(meta)
     dim = normalize_dim(dim, tensor.dim())
     if out is None:
-        out = CompressedTensor.empty(tensor.shape, tensor.dtype, bits, group_size, dim, tensor.device)
+        out = CompressedTensor.empty(tensor.shape, meta, bits, group_size, dim, tensor.device)
     else:
         layout = (out.shape, out.dtype, out.dim, out.bits, out.group_size)
-        if layout != (tensor.shape, tensor.dtype, dim, bits, group_size):
+        if layout != (tensor.shape, meta, dim, bits, group_size):
             raise CompressionError(
                 f"out={out!r} does not match a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
-                f"compressed to {bits} bits, group {group_size}, along dim {dim}"
+                f"compressed to {bits} bits, group {group_size}, along dim {dim}, with {meta} scales"
             )
         if out.device != tensor.device:
             raise CompressionError(f"out is on {out.device} but the tensor is on {tensor.device}")
 
     moved = tensor.movedim(dim, -1)  # (*rows_shape, D), a view
     if use_triton is None:
-        kernels = _load_triton_kernels() if tensor.device.type == "cuda" and bits == 4 else None
+        fused = tensor.device.type == "cuda" and bits == 4 and meta == tensor.dtype
+        kernels = _load_triton_kernels() if fused else None
         if kernels is not None and _quantize_triton(kernels, moved, out):
             return out
     elif use_triton:
+        if meta != tensor.dtype:
+            raise CompressionError(f"the Triton quantize kernel stores scales in the tensor's dtype, not {meta}")
         kernels = _require_triton(bits)
         if not _quantize_triton(kernels, moved, out):
             raise CompressionError(f"the Triton quantize kernel does not handle shape {tuple(tensor.shape)} "
@@ -109,7 +120,7 @@ def quantize(
     for rows, cols in _blocks(out, _chunk(chunk_elements, tensor.device)):
         piece = moved[rows][..., cols.start:cols.stop]
         # reshape copies only this block when the moved view is not contiguous.
-        packed, scale, minimum = _quantize_block(piece.reshape(-1, cols.stop - cols.start), bits, group_size)
+        packed, scale, minimum = _quantize_block(piece.reshape(-1, cols.stop - cols.start), bits, group_size, meta)
         bytes_ = _byte_range(cols, bits)
         groups = _group_range(cols, group_size)
         _write(out.data[rows][..., bytes_], packed)
@@ -253,8 +264,8 @@ def _write(target: torch.Tensor, block: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------- per-block math
 
 
-def _quantize_block(x: torch.Tensor, bits: int, group_size: int):
-    """(rows, n) -> packed codes (rows, bytes), scale and minimum (rows, ceil(n / group_size))."""
+def _quantize_block(x: torch.Tensor, bits: int, group_size: int, meta: torch.dtype):
+    """(rows, n) -> packed codes (rows, bytes), scale and minimum (rows, ceil(n / group_size)) in ``meta``."""
     rows, width = x.shape
     groups = -(-width // group_size)
     values = x.to(torch.float32)
@@ -269,8 +280,10 @@ def _quantize_block(x: torch.Tensor, bits: int, group_size: int):
     # Divide by a device tensor, not a Python number: CUDA turns division by a host scalar into
     # multiplication by its reciprocal, which can differ from the CPU's division in the last bit.
     divisor_levels = torch.full((), float(levels), dtype=torch.float32, device=x.device)
-    scale = _round_up_to((high - low) / divisor_levels, x.dtype)
-    minimum = low.to(x.dtype)  # exact: the minimum is one of the tensor's own values
+    # Exact in the tensor's own dtype (the minimum is one of its values), so the scale is then
+    # (high - low) / levels; in another, at most the group's minimum, so the codes still fit.
+    minimum = _round_down_to(low, meta)
+    scale = _round_up_to((high - minimum.to(torch.float32)) / divisor_levels, meta)
     scale32 = scale.to(torch.float32)
     divisor = torch.where(scale32 > 0, scale32, torch.ones_like(scale32))
     codes = (grouped - minimum.to(torch.float32).unsqueeze(-1)) / divisor.unsqueeze(-1)
@@ -302,6 +315,17 @@ def _dequantize_block_generic(packed, scale, minimum, width: int, bits: int, gro
     # Multiply, then add, as two roundings: the Triton kernel disables fusion to match.
     values = values.mul_(scale.to(torch.float32).unsqueeze(-1)).add_(minimum.to(torch.float32).unsqueeze(-1))
     _write(target, values.view(rows, padded)[:, :width])
+
+
+def _round_down_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``values`` in ``dtype``, rounded towards -inf (exact where they are representable)."""
+    if dtype == torch.float32:
+        return values
+    rounded = values.to(dtype)
+    # A positive value's next representable one down is the previous bit pattern; a negative
+    # value rounded down is its magnitude rounded up.
+    below = torch.where(values < 0, _round_up_to(-values, dtype).neg(), (rounded.view(torch.int16) - 1).view(dtype))
+    return torch.where(rounded.to(torch.float32) > values, below, rounded)
 
 
 def _round_up_to(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

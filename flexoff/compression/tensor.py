@@ -4,8 +4,8 @@ Layout. The grouped dimension ``dim`` is moved last; every other dimension keeps
 indexes a "row". For an original shape ``S`` with ``D = S[dim]`` and ``G = ceil(D / group_size)``:
 
 - ``data``:    (*S without dim, packed_row_bytes(D, bits)) uint8, the packed codes of each row;
-- ``scale``:   (*S without dim, G), in the tensor's own dtype;
-- ``minimum``: (*S without dim, G), in the tensor's own dtype.
+- ``scale``:   (*S without dim, G), in the tensor's ``dtype``;
+- ``minimum``: (*S without dim, G), in the tensor's ``dtype``.
 
 Value ``j`` of a row belongs to group ``j // group_size`` and decodes as
 ``code * scale[group] + minimum[group]``, computed in fp32 and rounded once to the output dtype.
@@ -13,7 +13,10 @@ Because rows keep the original order of the other dimensions, slicing along any 
 or sequence range of a KV cache) is a plain slice of all three tensors.
 
 Scale and minimum are stored in the input's dtype (fp16 -> fp16, bf16 -> bf16, fp32 -> fp32): the
-minimum is then exact, and bf16's range needs no fp16 overflow handling.
+minimum is then exact, and bf16's range needs no fp16 overflow handling. ``dtype`` is theirs, which
+a tensor may take apart from its values' (a checkpoint's fp16 scales under bf16 compute: see
+``quantize``'s ``meta_dtype``); dequantizing into an ``out`` of any supported dtype computes in
+fp32 from them and rounds once to ``out``'s.
 """
 
 from __future__ import annotations

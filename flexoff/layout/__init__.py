@@ -26,7 +26,7 @@ from .placement import (Piece, TensorPlacement, place_layer, place_stage, realis
                         split_rows)
 from .weights import (WeightLayout, buffer_copies, compressible, dequantize_scratch_numel, dequantizes_once,
                       largest_matrix_numel, largest_stage_matrix_numel, owned_layers, owned_stages, stage_placements, stored_parts, weight_buffer_bytes, weight_bytes,
-                      weight_host_requests, weight_layout)
+                      weight_host_requests, weight_layout, weight_meta_dtype)
 
 __all__ = [
     "CPU_ATTENTION_ROWS", "DISK_SLOT_RING", "HOST_CHUNK", "HOST_JOBS_IN_FLIGHT", "PAGE", "block_bytes", "block_disk_files",
@@ -37,5 +37,5 @@ __all__ = [
     "place_layer", "place_stage", "ROUTE_FIRST_MIN_SAVING", "routes_first", "realised_fractions", "requested_fractions", "registered_bytes", "slab_bytes",
     "SlabPlan", "split_rows", "stage_placements",
     "stored_parts", "TensorPlacement", "tier_limits", "tier_name", "weight_buffer_bytes", "weight_bytes",
-    "weight_host_requests", "weight_layout", "WeightLayout", "working_bytes", "workspace_layout", "WorkspaceLayout",
+    "weight_host_requests", "weight_layout", "weight_meta_dtype", "WeightLayout", "working_bytes", "workspace_layout", "WorkspaceLayout",
 ]

@@ -72,16 +72,27 @@ def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | 
     return largest_stage_matrix_numel(cfg, owned) if per_stage else largest_matrix_numel(cfg, owned)
 
 
-def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int) -> list[int]:
+def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int,
+                 meta_itemsize: int | None = None) -> list[int]:
     """Bytes of each tensor a stored weight or KV buffer of ``shape`` (``itemsize``-byte values) is
     allocated as: itself, or once compressed group-wise along its last dimension, its packed codes,
-    scales and minimums (the scales and minimums take the values' dtype)."""
+    scales and minimums (``meta_itemsize`` bytes each; default: the values')."""
     if compression is None:
         return [math.prod(shape) * itemsize]
     rows = math.prod(shape[:-1])
     groups = -(-shape[-1] // compression.group_size)
-    meta = rows * groups * itemsize
+    meta = rows * groups * (itemsize if meta_itemsize is None else meta_itemsize)
     return [rows * packed_row_bytes(shape[-1], compression.bits), meta, meta]
+
+
+def weight_meta_dtype(cfg: ModelConfig, compression: CompressionConfig | None, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of compressed weights' scales and minimums under ``dtype`` compute: its own, but
+    float16 where bfloat16 compute reads the weights in the format the checkpoint stores them in
+    (a GGUF's scales and minimums are fp16, which bf16 would round). One for every compressed
+    weight of the model, stored or quantized here, so that its pieces and buffers agree."""
+    if dtype == torch.bfloat16 and compression is not None and compression == cfg.stored_compression:
+        return torch.float16
+    return dtype
 
 
 def stage_placements(cfg: ModelConfig, policy: Policy, owned: range | None = None) -> dict[Stage, list[TensorPlacement]]:
@@ -132,6 +143,7 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, owned: r
     staging: dict[str, int] = {}
     requests: list[int] = []
     compression = policy.compress_weight
+    meta = weight_meta_dtype(cfg, compression, dtype).itemsize
     # Per stage kind, the stored bytes of each tensor some stage of the kind streams: its buffers
     # have a place for each (a MoE model's dense and sparse layers stream different tensors).
     streamed: dict[str, dict[str, int]] = {}
@@ -141,13 +153,13 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, owned: r
             spec = placement.spec
             compressed = compression if compression is not None and compressible(spec) else None
             for piece in placement.pieces:
-                parts = stored_parts((piece.stop - piece.start, *spec.shape[1:]), compressed, dtype.itemsize)
+                parts = stored_parts((piece.stop - piece.start, *spec.shape[1:]), compressed, dtype.itemsize, meta)
                 sizes[piece.tier] += sum(parts)
                 if piece.tier == "cpu":
                     requests += parts
             if placement.only_tier != "gpu":  # assembled whole, compressed or not
                 streamed.setdefault(stage.kind, {})[spec.name] = sum(
-                    stored_parts(spec.shape, compressed, dtype.itemsize))
+                    stored_parts(spec.shape, compressed, dtype.itemsize, meta))
         stage_tiers[stage] = sizes
         buffers[stage.kind] = buffer_copies(cfg, stage.kind, owned) * sum(streamed.get(stage.kind, {}).values())
         staging[stage.kind] = max(staging.get(stage.kind, 0), sizes["disk"])

@@ -18,7 +18,7 @@ from ..errors import PolicyError
 from ..fileio import usable_offload_dir
 from ..layout import Capacity, check_fits, job_bytes, overflow, pins_host_memory, tier_limits, tier_name
 from ..models.config import ModelConfig
-from ..policy import Policy
+from ..policy import CompressionConfig, Policy
 from ..units import format_size
 from .cost_model import Workload
 from .hardware import HardwareProfile
@@ -44,6 +44,25 @@ def check_job(config: ModelConfig, policy: Policy, dtype: torch.dtype, workload:
     check_fits(job_needs(config, policy, dtype, workload), capacity, job_what(config, policy, workload))
 
 
+def _groups(compression: CompressionConfig) -> str:
+    return f"{compression.bits}-bit groups of {compression.group_size}"
+
+
+def weights_as_stored(policy: Policy, config: ModelConfig) -> Policy:
+    """``policy`` for ``config``'s model, whose checkpoint may store its matrices compressed
+    (``config.stored_compression``): read as stored, they are never dequantized and quantized again.
+    A policy without weight compression takes the stored format (weights are never inflated unasked),
+    one with that format is kept, and another is refused."""
+    stored, asked = config.stored_compression, policy.compress_weight
+    if stored is None or asked == stored:
+        return policy
+    if asked is None:
+        return replace(policy, compress_weight=stored)
+    raise PolicyError(f"{config.name} stores its matrices as {_groups(stored)}; a policy cannot recompress them as "
+                      f"{_groups(asked)}: give compress_weight {{bits: {stored.bits}, group_size: {stored.group_size}}} "
+                      f"(--compress-weight --weight-bits {stored.bits} --weight-group {stored.group_size}) or none")
+
+
 @dataclass(frozen=True)
 class DefaultPlan:
     policy: Policy
@@ -58,13 +77,15 @@ def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtyp
     """The policy a job runs: ``policy`` if given, checked against ``capacity``; else
     :func:`plan_default`'s, with the disk tier in ``offload_dir`` (the temp directory if None),
     ``hardware`` (a profile, or a callable giving one, called only when needed) and ``compress``
-    (what planning may do with lossy compression). ``search``: plan even where the default fits."""
+    (what planning may do with lossy compression). ``search``: plan even where the default fits.
+    Both policies read a model stored compressed as stored (:func:`weights_as_stored`)."""
     # A job past the model's positions is refused later, naming its prompt; sized as it asks, it
     # could overflow the sizing first.
     prompt_len = min(workload.prompt_len, config.max_positions - 1)
     workload = replace(workload, prompt_len=prompt_len,
                        gen_len=max(1, min(workload.gen_len, config.max_positions - prompt_len)))
     if policy is not None:
+        policy = weights_as_stored(policy, config)
         check_job(config, policy, dtype, workload, capacity)
         return DefaultPlan(policy, None, None)
     return plan_default(config, workload, capacity, dtype, hardware, default, offload_dir or tempfile.gettempdir(),
@@ -80,6 +101,7 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     "on") lets it compress; with ``search``, the searched policy even where ``default`` fits. Raises
     PolicyError when planning cannot help (the device is the CPU, whose RAM the cpu tier shares, and
     no --gpu-mem sets it apart) or no policy fits."""
+    default = weights_as_stored(default, config)
     needed = job_needs(config, default, dtype, workload)
     tier = overflow(needed, capacity)
     if tier is None and not search:
@@ -104,6 +126,9 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     except PolicyError as exc:
         if compress != "off":
             raise PolicyError(f"{short}, and no policy fits either: {exc}") from None
+        if config.stored_compression is not None:  # its weights are compressed already
+            raise PolicyError(f"{short}, and no policy with a lossless cache fits either: {exc}; let planning "
+                              "compress the cache (--compress auto)") from None
         raise PolicyError(f"{short}, and no lossless policy fits either: {exc}; store the weights "
                           "4-bit (--compress-weight), or let planning compress (--compress auto)") from None
     check_job(config, result.policy, dtype, workload, capacity)

@@ -4,10 +4,19 @@ why a model fits no placement."""
 from __future__ import annotations
 
 from ..models.config import ModelConfig
-from ..policy import TIERS, Policy
+from ..policy import TIERS, CompressionConfig, Policy
 from ..units import format_size
 from .frame import PolicyFrame
 from .hardware import HardwareProfile
+
+
+def compression_words(weight: CompressionConfig | None, cache: CompressionConfig | None) -> str:
+    """'4-bit' where weights and cache are compressed alike, else each compressed part's: '4-bit
+    weights' (a model stored compressed, its cache lossless), '4-bit cache'; '' for neither."""
+    if weight is not None and cache is not None and weight.bits == cache.bits:
+        return f"{weight.bits}-bit"
+    return " ".join(f"{config.bits}-bit {what}" for what, config in (("weights", weight), ("cache", cache))
+                    if config is not None)
 
 
 def policy_summary(policy: Policy) -> str:
@@ -18,7 +27,7 @@ def policy_summary(policy: Policy) -> str:
     if policy.cpu_attention:
         flags.append("cpu-attention")
     if policy.compress_weight or policy.compress_cache:
-        flags.append(f"{(policy.compress_weight or policy.compress_cache).bits}-bit")
+        flags.append(compression_words(policy.compress_weight, policy.compress_cache))
     return (f"{policy.gpu_batch_size}x{policy.num_gpu_batches} w {short(policy.weights)} "
             f"c {short(policy.cache)} a {short(policy.activations)}" + "".join(f" {f}" for f in flags))
 
@@ -31,8 +40,11 @@ def no_fit_message(config: ModelConfig, hardware: HardwareProfile, frame: Policy
     offered = " + ".join(f"{format_size(usable[t])} {t}" for t in TIERS)
     if frame is None or needs is None:
         return f"{config.name} fits no placement on this machine ({offered} usable)"
-    how = (f"gpu batch size {frame.gpu_batch_size}, "
-           + ("4-bit compression" if frame.compress_weight else "no compression"))
+    weight, cache = frame.compress_weight, frame.compress_cache
+    compressed = compression_words(weight, cache)
+    if weight is not None and cache is not None and weight.bits == cache.bits:
+        compressed += " compression"
+    how = f"gpu batch size {frame.gpu_batch_size}, {compressed or 'no compression'}"
     if needs["gpu"] > usable["gpu"]:
         return (f"{config.name} cannot run on this machine even with everything offloaded: the GPU needs at "
                 f"least {format_size(needs['gpu'])} for working buffers ({how}), but only "

@@ -62,14 +62,18 @@ def _choices(value: str, what: str) -> tuple[bool, ...]:
 
 def candidate_frames(compress: str = "auto", cpu_attention: str = "auto",
                      gpu_batch_sizes=GPU_BATCH_SIZES, num_gpu_batches=NUM_GPU_BATCHES,
-                     overlap: bool = True) -> list[PolicyFrame]:
+                     overlap: bool = True, stored: CompressionConfig | None = None) -> list[PolicyFrame]:
+    """Every frame to try. ``stored``: the format the model's checkpoint stores its matrices in
+    (``ModelConfig.stored_compression``), every frame's weight compression, since they are read as
+    stored; ``compress`` then decides the cache's alone."""
     frames = []
     for compressed in _choices(compress, "compress"):
         compression = DEFAULT_COMPRESSION if compressed else None
+        weights = compression if stored is None else stored
         for delegate in _choices(cpu_attention, "cpu attention"):
             for nb in num_gpu_batches:
                 for gbs in gpu_batch_sizes:
-                    frames.append(PolicyFrame(gbs, nb, compression, compression, delegate, overlap))
+                    frames.append(PolicyFrame(gbs, nb, weights, compression, delegate, overlap))
     return frames
 
 
@@ -216,7 +220,7 @@ class _Searcher:
 
 def _searcher(config, workload, hardware, compress, cpu_attention, gpu_batch_sizes, num_gpu_batches, overlap):
     frames = candidate_frames(compress, cpu_attention, gpu_batch_sizes or GPU_BATCH_SIZES,
-                              num_gpu_batches or NUM_GPU_BATCHES, overlap)
+                              num_gpu_batches or NUM_GPU_BATCHES, overlap, config.stored_compression)
     searcher = _Searcher(config, workload, hardware, frames)
     if not searcher.candidates:
         raise searcher.no_fit_error(config)
@@ -229,7 +233,9 @@ def search_policy(config: ModelConfig, workload: Workload, hardware: HardwarePro
     """The policy with the highest predicted throughput, optionally within a block latency.
 
     ``compress`` and ``cpu_attention`` are "auto" (try both), "on" or "off". Compression changes
-    the outputs, so the default is lossless, as the command line's ``--compress`` is.
+    the outputs, so the default is lossless, as the command line's ``--compress`` is. A model whose
+    checkpoint stores its matrices compressed is planned with them as stored in every policy, and
+    ``compress`` decides the KV cache's compression alone.
     Raises PolicyError when the model fits no placement, or no policy meets ``max_latency``
     (the message then names the lowest latency possible).
     """

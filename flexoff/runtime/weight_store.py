@@ -6,9 +6,12 @@ takes the set loaded longest ago), the embedding and head stages have one set ea
 are copied on the load stream; disk pieces are read by the disk tier's threads into pinned
 staging, then copied.
 
-With weight compression, matrices are quantized as they are loaded (one tensor at a time) and
-stored compressed on every tier, so their bytes cross PCIe and disk compressed; they are assembled
-compressed and dequantized on the compute stream as the layer reads each matrix. With one GPU
+With weight compression, matrices are quantized as they are loaded (one tensor at a time), or,
+where the policy's format is the one the checkpoint stores them in (``ModelConfig.stored_compression``),
+taken as the source stores them (``WeightSource.load_compressed``), never dequantized and quantized
+again; they are stored compressed on every tier, so their bytes cross PCIe and disk compressed; they are assembled
+compressed and dequantized on the compute stream as the layer reads each matrix, into the compute
+dtype, whatever the dtype of their scales (``layout.weight_meta_dtype``: every compressed weight's). With one GPU
 batch, or CPU attention, into one scratch buffer of the largest matrix's size: a stage's weights
 are then a mapping (:class:`StageWeights`) whose compressed entries are valid until the next entry
 is read, and the layers read each matrix just before the matmul that consumes it. Otherwise the
@@ -27,8 +30,9 @@ from functools import partial
 import torch
 
 from ..compression import CompressedTensor, dequantize, quantize
+from ..errors import CheckpointError
 from ..layout import (TensorPlacement, buffer_copies, compressible, dequantize_scratch_numel, dequantizes_once,
-                      realised_fractions, requested_fractions, routes_first, stage_placements)
+                      realised_fractions, requested_fractions, routes_first, stage_placements, weight_meta_dtype)
 from ..models import ModelConfig, Stage, WeightSpec
 from ..weights import WeightSource
 from ..policy import TIERS, CompressionConfig, Policy
@@ -167,6 +171,9 @@ class TieredWeights:
         self.dtype = dtype
         self.streams = streams
         self.compression: CompressionConfig | None = policy.compress_weight
+        # Matrices are read as the checkpoint stores them where the policy keeps its format.
+        self.as_stored = self.compression is not None and self.compression == cfg.stored_compression
+        self.meta_dtype = weight_meta_dtype(cfg, self.compression, dtype)  # of every compressed weight
         self.host = HostMemory(policy.pin_cpu_memory, exact=True)
         self._disk = disk
         self.placements = stage_placements(cfg, policy, owned)
@@ -190,7 +197,25 @@ class TieredWeights:
 
     def _quantize(self, tensor: torch.Tensor) -> CompressedTensor:
         # Groups run along each row, so a piece of rows is itself a whole compressed tensor.
-        return quantize(tensor, self.compression.bits, self.compression.group_size, dim=-1)
+        return quantize(tensor, self.compression.bits, self.compression.group_size, dim=-1, meta_dtype=self.meta_dtype)
+
+    def _load_compressed(self, source: WeightSource, stage: Stage, spec: WeightSpec, on_gpu: bool) -> CompressedTensor:
+        """A compressible matrix, compressed: as the source stores it where the policy reads it so
+        (on the device it lives on whole, else on the host, which its pieces are copied from), else
+        quantized from its values."""
+        if self.as_stored:
+            device = self.device if on_gpu else torch.device("cpu")
+            stored = source.load_compressed(stage.name, spec, self.compression, device, self.meta_dtype)
+            if stored is not None:
+                layout = (tuple(stored.shape), stored.bits, stored.group_size, stored.dim, stored.dtype)
+                wanted = (tuple(spec.shape), self.compression.bits, self.compression.group_size, len(spec.shape) - 1,
+                          self.meta_dtype)
+                if layout != wanted:  # the store's pieces and buffers are laid out as ``wanted``
+                    raise CheckpointError(f"{spec.name} of {stage.name} is stored as {stored!r}, not as "
+                                          f"{tuple(spec.shape)} in {self.compression} with {self.meta_dtype} scales")
+                return stored.to(device)
+        # Quantize where it is fastest: on the GPU when there is one.
+        return self._quantize(source.load_tensor(stage.name, spec, self.device, self.dtype))
 
     def _materialise(self, source: WeightSource, stage: Stage, placements: list[TensorPlacement]) -> _StagePieces:
         pieces = _StagePieces()
@@ -210,14 +235,14 @@ class TieredWeights:
                 if spec.experts:
                     pieces.routed[spec.name] = list(pieces.parts[spec.name])
                 continue
-            # Quantize where it is fastest: on the GPU when there is one.
-            full = source.load_tensor(stage.name, spec, self.device if compressed else torch.device("cpu"), self.dtype)
             if compressed:
-                full = self._quantize(full)
+                full = self._load_compressed(source, stage, spec, placement.only_tier == "gpu")
                 if placement.only_tier == "gpu":
                     pieces.resident[spec.name] = full
                     self.bytes["gpu"] += _nbytes(full)
                     continue
+            else:
+                full = source.load_tensor(stage.name, spec, torch.device("cpu"), self.dtype)
             parts = []
             for piece in placement.pieces:
                 rows = full.narrow(0, piece.start, piece.stop - piece.start)
@@ -264,7 +289,7 @@ class TieredWeights:
             def assembly(spec: WeightSpec) -> Stored:
                 c = self.compression
                 if self._compressed(spec):
-                    return CompressedTensor.empty(spec.shape, self.dtype, c.bits, c.group_size, -1, self.device)
+                    return CompressedTensor.empty(spec.shape, self.meta_dtype, c.bits, c.group_size, -1, self.device)
                 return torch.empty(spec.shape, device=self.device, dtype=self.dtype)
 
             buffers[kind] = [
