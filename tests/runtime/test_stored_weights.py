@@ -80,7 +80,7 @@ def stored_model(monkeypatch):
             return config.replace(stored_compression=stored), checkpoint
 
         monkeypatch.setattr(api, "resolve_model", as_stored)
-        monkeypatch.setattr(api, "CheckpointWeights", lambda path: sources.append((source or StoredSource)(path))
+        monkeypatch.setattr(api, "checkpoint_weights", lambda path: sources.append((source or StoredSource)(path))
                             or sources[-1])
         return sources
 
