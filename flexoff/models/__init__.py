@@ -6,6 +6,8 @@ has weight specs and a pure forward over a weight dict; the runtime decides wher
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -81,11 +83,15 @@ def stages(cfg: ModelConfig) -> list[Stage]:
 
 def stage_specs(cfg: ModelConfig, stage: Stage) -> list[WeightSpec]:
     arch = architecture(cfg)
-    if stage.kind == "embed":
-        return arch.embed_specs(cfg)
-    if stage.kind == "head":
-        return arch.head_specs(cfg)
-    return arch.layer_specs(cfg, stage.index)
+    if stage.is_layer:
+        return arch.layer_specs(cfg, stage.index)
+    specs = arch.embed_specs(cfg) if stage.kind == "embed" else arch.head_specs(cfg)
+    if cfg.stored_compression is not None:
+        # A checkpoint stores its decoder layers' matrices in the format; its embedding and head
+        # are often of another (SmolLM2's GGUF: Q8_0 beside Q4_1 layers), which the format would
+        # quantize again. They stay exact, in the compute dtype.
+        specs = [dataclasses.replace(spec, quantizable=False) for spec in specs]
+    return specs
 
 
 __all__ = [
