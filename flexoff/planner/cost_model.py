@@ -42,11 +42,13 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, dequantize_scratch_numel,
+from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, compressible,
+                      dequantize_scratch_numel,
                       dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel,
                       largest_stage_matrix_numel, registered_bytes, routes_first,
                       sampler_state_bytes, slab_bytes, sparse_mlp_bytes, step_state_bytes, weight_buffer_bytes,
                       weight_host_requests, working_bytes)
+from ..models import stage_specs, stages
 from ..models.moe import chunk_tokens
 from .sparse_rate import expert_shape
 from ..models.config import ModelConfig
@@ -99,6 +101,11 @@ class CostModel:
         # layer's stacked experts are most of it, so at a small GPU share the cut falls inside them
         # with nearly all the layer's GPU share in front: bounded by the largest stage's matrices.
         self.split_numel = largest_stage_matrix_numel(c) if c.num_experts else largest_matrix_numel(c)
+        # A split exact matrix (a stored model's embedding and head stay uncompressed) is assembled
+        # whole too, at 16 bits.
+        self.exact_split_numel = max((spec.numel for stage in stages(c) if not stage.is_layer
+                                      for spec in stage_specs(c, stage)
+                                      if len(spec.shape) >= 2 and not compressible(spec)), default=0)
         self.kv_numel = c.kv_elements_per_token_per_layer
         self.elementwise_bytes = layer_elementwise_bytes_per_token(c)
         self.query_width = c.num_heads * c.head_dim
@@ -168,8 +175,9 @@ class CostModel:
             streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)
                              - dequantize_scratch_numel(self.config, frame.compress_weight) * FP16_BYTES)
             scratch = float(dequantize_scratch_numel(self.config, *key) * FP16_BYTES)
-            self._buffer_bytes[key] = (streamed, scratch, 2 * self.split_numel
-                                       * bytes_per_element(frame.compress_weight))
+            split = max(self.split_numel * bytes_per_element(frame.compress_weight),
+                        self.exact_split_numel * FP16_BYTES)
+            self._buffer_bytes[key] = (streamed, scratch, 2 * split)
         streamed, scratch, split = self._buffer_bytes[key]
         return (1 - wg) * streamed + wg * split + scratch
 

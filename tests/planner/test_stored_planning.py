@@ -64,7 +64,7 @@ def test_the_cost_model_prices_the_weights_compressed():
 def test_a_planned_default_reads_the_weights_as_stored_with_a_lossless_cache():
     config, workload = stored("opt-125m"), Workload(14, 4, 5)
     needed = job_bytes(config, Policy(32, compress_weight=STORED), torch.bfloat16, 14, 4, False)
-    capacity = Capacity(needed["gpu"] * 3 // 5, 1 << 34, None, "cuda")
+    capacity = Capacity(needed["gpu"] * 3 // 4, 1 << 34, None, "cuda")
     plan = plan_default(config, workload, capacity, torch.bfloat16, lambda: packaged_profile("h100"), DEFAULT_POLICY)
     assert plan.search is not None
     assert plan.policy.compress_weight == STORED and plan.policy.compress_cache is None

@@ -18,7 +18,6 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 PATTERN = textwrap.dedent("""
     import sys, torch
     from flexoff.runtime.memory import grow_segments_in_place
-from tests import processes
     GiB = 1 << 30
     torch.cuda.init()
     if sys.argv[1] == "grow":

@@ -214,7 +214,7 @@ def test_bfloat16_keeps_the_stored_fp16_scales_and_computes_from_them(tiny_model
         handed = {name: t for (s, name), t in sources[0].handed.items() if s == "layer.0"}
         assert handed
         for name, tensor in handed.items():
-            assert torch.equal(read[name], dequantize(tensor, torch.float32).to(torch.bfloat16)), name
+            assert torch.equal(read[name].cpu(), dequantize(tensor.to("cpu"), torch.float32).to(torch.bfloat16)), name
         weights.release(stage)
         outs = llm.generate(PROMPTS, PARAMS)
     # The float weights those stand for, uncompressed: a checkpoint stored in bf16 as it were.
@@ -230,7 +230,8 @@ def test_the_layout_counts_what_the_store_allocates(tiny_model_dir, stored_model
     path, _ = tiny_model_dir("opt-pre")
     policy = Policy(2, 2, TierFractions(0.3, 0.3, 0.4), TierFractions(0.5, 0.5, 0), TierFractions(0.5, 0.5, 0))
     stored_model()
-    with LLM(str(path), policy=policy, dtype=dtype, offload_dir=str(tmp_path)) as llm:
+    # On the CPU, where the "gpu" tier's tensors are host tensors beside the pinned ones, counted apart.
+    with LLM(str(path), policy=policy, dtype=dtype, device="cpu", offload_dir=str(tmp_path)) as llm:
         weights = llm.engine.weights
         layout = weight_layout(llm.config, llm.policy, llm.dtype)
         planned = layout.tier_bytes()
