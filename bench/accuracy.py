@@ -179,6 +179,18 @@ def policy_of(setting: Setting, rows: int) -> Policy:
                   compress_cache=setting.cache)
 
 
+def held_out_ids(model: str) -> list[int]:
+    """The held-out chapter in the model's tokens (no BOS: windows start anywhere in it)."""
+    from flexoff.tokenizer import Tokenizer
+
+    return Tokenizer.for_model(model).encode(held_out(TEXT.read_text(encoding="utf-8")), add_special_tokens=False)
+
+
+def window_logprobs(llm, texts: list[list[int]], prefill: int) -> list[list[float]]:
+    """Each window's tokens after its first ``prefill``, by teacher-forced decoding."""
+    return decode_logprobs(llm, [w[:prefill] for w in texts], [w[prefill:] for w in texts])
+
+
 def greedy_tokens(llm, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     return [out.token_ids for out in llm.generate(prompts, params)]
@@ -220,7 +232,7 @@ def measure(model: str, setting: Setting, args, ids: list[int], reference: list[
     rows = max(len(texts), len(prompts))
     start = time.perf_counter()
     with LLM(model, policy=policy_of(setting, rows), dtype=setting.dtype, device="cpu") as llm:
-        logprobs = decode_logprobs(llm, [w[:args.prefill] for w in texts], [w[args.prefill:] for w in texts])
+        logprobs = window_logprobs(llm, texts, args.prefill)
         tokens = greedy_tokens(llm, prompts, args.new_tokens)
     result = {
         "setting": setting.name, "dtype": setting.dtype,
@@ -299,10 +311,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown settings {sorted(unknown)}; known: {', '.join(s.name for s in SETTINGS)}")
 
-    from flexoff.tokenizer import Tokenizer
-
-    ids = Tokenizer.for_model(args.model).encode(held_out(TEXT.read_text(encoding="utf-8")),
-                                                  add_special_tokens=False)
+    ids = held_out_ids(args.model)
     info = {"date": time.strftime("%Y-%m-%d"), "model": args.model, "versions": versions(),
             "command": " ".join(["python", "bench/accuracy.py", *sys.argv[1:]]), "text": TEXT.name,
             "text_tokens": len(ids), "threads": args.threads,
