@@ -265,17 +265,21 @@ def _bits(config) -> str:
     return "-" if config is None else f"{config[0]} / {config[1]}"
 
 
+def _figure(value: float, places: int) -> str:
+    return f"{value:.{places}f}" if value < 1000 else f"{value:.3g}"
+
+
 def table(results: list[dict]) -> str:
     reference = next((r for r in results if r["setting"] == REFERENCE), None)
     lines = ["| setting | dtype | weight bits / group | cache bits / group | perplexity | x float32 | "
              "greedy agreement | MC accuracy (acc_norm) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        ratio = f"{r['perplexity'] / reference['perplexity']:.4f}" if reference else "-"
+        ratio = _figure(r["perplexity"] / reference["perplexity"], 3) if reference else "-"
         mc = r.get("mc")
         mc_text = f"{mc['acc']:.2f} ({mc['acc_norm']:.2f})" if mc else "-"
         lines.append(f"| {r['setting']} | {r['dtype']} | {_bits(r['weight'])} | {_bits(r['cache'])} | "
-                     f"{r['perplexity']:.3f} | {ratio} | {r['agreement']['prefix']:.3f} | {mc_text} |")
+                     f"{_figure(r['perplexity'], 2)} | {ratio} | {r['agreement']['prefix']:.3f} | {mc_text} |")
     return "\n".join(lines) + "\n"
 
 
@@ -295,10 +299,14 @@ def main() -> None:
     # Two threads that share two cores with other processes wait on each other: a decode step ran
     # ten times slower than on one thread, measured on the 2-core development machine.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--table", metavar="JSON", help="print the table of a results file and stop")
     parser.add_argument("--write-task", action="store_true", help="remake tests/data/next_sentence/ and stop")
     args = parser.parse_args()
     if args.write_task:
         write_task()
+        return
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text(encoding="utf-8"))["results"]), end="")
         return
     torch.set_num_threads(args.threads)
     if args.model is None:
