@@ -9,26 +9,27 @@ Perplexity must come from decoding, not only from ``score``: ``score`` is one pr
 attends on the fresh keys and values, so only decode steps read the (compressed) cache. The
 held-out tokens are fed back one by one as if they had been sampled (teacher forcing), so each
 decode step gives the log-probability of the true next token given every true token before it,
-with the earlier ones read from the cache. That needs the engine's block API, below ``LLM``.
+with the earlier ones read from the cache. That needs the engine's block API, below ``LLM``
+(``bench/teacher_forcing.py``, which bench/accuracy.py runs on a trained model too).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
 from flexoff import LLM, CompressionConfig, Policy
-from flexoff.runtime import block_run
-from flexoff.runtime.batch import Sequence
-from flexoff.runtime.sampler import Choice
-from flexoff.runtime.sampling import SamplingParams
 
 from .stories import build_tokenizer, corpus, train_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from bench.teacher_forcing import decode_logprobs, one_thread, perplexity  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -39,42 +40,6 @@ PROMPT_TOKENS = 8  # "<s> NAME lived in CITY with a PET ." (or "with two PETS")
 SCORED_TOKENS = 80  # every held-out story has more than PROMPT_TOKENS + SCORED_TOKENS tokens
 DTYPE = torch.float16
 FP16_BOUND = 1.05  # held-out perplexity within 5% of fp16: 4-bit must pass this bar, and 2-bit must fail it
-
-
-class TeacherForcing:
-    """Stands in for a batch's sampler and always picks each row's next held-out token.
-
-    The engine feeds each chosen token back as the next input and records its log-probability
-    under the model's raw distribution, which is what perplexity needs.
-    """
-
-    def __init__(self, targets: dict[int, list[int]], seqs):
-        self.targets = [targets[seq.index] for seq in seqs]
-        self.step = 0
-
-    def choose(self, logits: torch.Tensor, live) -> Choice:
-        tokens = torch.tensor([target[self.step] for target in self.targets], device=logits.device)
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, tokens[:, None])[:, 0]
-        self.step += 1
-        return Choice(tokens.tolist(), logprobs.tolist(), [True] * len(self.targets))
-
-
-@contextmanager
-def one_thread():
-    """Run torch on one thread. This model's matmuls are too small to gain much from a second core,
-    and when other processes share the machine, two threads wait on each other: training then
-    ran ten to twenty times slower (measured on two cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def perplexity(logprobs: list[list[float]]) -> float:
-    flat = [value for row in logprobs for value in row]
-    return math.exp(-sum(flat) / len(flat))
 
 
 @pytest.fixture(scope="session")
@@ -115,15 +80,8 @@ def measure(directory, held_out: list[list[int]], weight_bits: int | None, cache
     targets = [ids[PROMPT_TOKENS:] for ids in held_out]
     with LLM(str(directory), policy=policy, dtype=DTYPE) as llm:
         scored = [out.logprobs for out in llm.score(prompts, targets)]
-        seqs = [Sequence(index, prompt, SamplingParams(max_new_tokens=len(target), ignore_eos=True), 0)
-                for index, (prompt, target) in enumerate(zip(prompts, targets))]
-        by_index = dict(enumerate(targets))
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(block_run, "BatchSampler", lambda seqs, *_: TeacherForcing(by_index, seqs))
-            llm.engine.generate_block(seqs)
-    for seq, target in zip(seqs, targets):
-        assert seq.token_ids == target  # every held-out token was fed back, none sampled
-    return scored, [seq.logprobs for seq in seqs]
+        decoded = decode_logprobs(llm, prompts, targets)
+    return scored, decoded
 
 
 @pytest.fixture(scope="session")

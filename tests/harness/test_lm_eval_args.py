@@ -114,3 +114,20 @@ def test_lm_evals_python_entry_points_merge_device_the_same_way(tiny_opt):
                FlexoffLM.create_from_arg_obj({"pretrained": str(tiny_opt[0]), "device": "cpu"}, given)):
         assert lm.llm.device.type == "cpu"
         lm.close()
+
+
+def test_a_policy_files_compression_reaches_flexoff_eval(tiny_opt, tasks_dir, tmp_path):
+    # bench/accuracy.py hands each compression setting to flexoff eval this way: as a policy file.
+    from flexoff import CompressionConfig, Policy
+
+    scores = {}
+    for name, compression in (("plain", None), ("2-bit", CompressionConfig(2, 64))):
+        policy = tmp_path / f"{name}.json"
+        Policy(gpu_batch_size=2, compress_weight=compression).save(policy)
+        out = tmp_path / name
+        assert eval_with(f"pretrained={tiny_opt[0]},policy={policy},dtype=float32,device=cpu,greedy_check=false",
+                         tasks_dir, "--output_path", str(out), "--log_samples") == 0
+        (samples,) = out.rglob("samples_flexoff_args_mc_*.jsonl")
+        (sample,) = map(json.loads, samples.read_text().splitlines())
+        scores[name] = [float(resp[0][0]) for resp in sample["resps"]]
+    assert scores["2-bit"] != scores["plain"]
