@@ -15,6 +15,8 @@ matrix's quantization blocks run along its last dimension. Nothing here decodes 
 
 from __future__ import annotations
 
+import math
+
 import mmap
 import struct
 from dataclasses import dataclass
@@ -76,10 +78,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return math.prod(self.shape)
 
 
 class _Cursor:

@@ -231,9 +231,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
 def test_llama3_frequency_factors_become_its_rope_scaling(tmp_path):
     """llama.cpp stores Llama 3's scaling as rope_freqs.weight; flexoff runs it as the model it came
     from (transformers' GGUF loader ignores the tensor, so the reference is the original model)."""
-    from flexoff import LLM, SamplingParams
     from flexoff.models.config import RopeScaling
-    from tests.conftest import PROMPTS
     from tests.weights.gguf_files import llama3_rope_factors
 
     model = tiny_llama(320, rope_scaling=LLAMA3)
@@ -242,13 +240,7 @@ def test_llama3_frequency_factors_become_its_rope_scaling(tmp_path):
                       metadata={"llama.rope.scaling.original_context_length": 16})
     config = config_from_gguf(path)
     assert config.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
-    with LLM(str(path), dtype="float32") as llm:
-        outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, min_tokens=8))
-    for out in outs:
-        prompt = torch.tensor([out.prompt_token_ids])
-        ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, min_new_tokens=8,
-                             do_sample=False, pad_token_id=0)
-        assert out.token_ids == ref[0, prompt.shape[1]:].tolist()
+    assert_generates_as(path, model)
     other = {**tensors, "rope_freqs.weight": llama3_rope_factors(16, 8.0, 16, high=2.0)}
     path = write_gguf(tmp_path / "other.gguf", model, tensors=other,
                       metadata={"llama.rope.scaling.original_context_length": 16})
@@ -261,8 +253,6 @@ def test_llama3_frequency_factors_become_its_rope_scaling(tmp_path):
 def test_qwen_files_run_as_the_model_they_came_from(tmp_path, arch):
     """No permutation; Qwen2's q/k/v biases and Qwen3's q/k norms and 32-wide heads (the key
     length). F32 holds the model's own values, so the model itself is the reference."""
-    from flexoff import LLM, SamplingParams
-    from tests.conftest import PROMPTS
     from tests.weights.gguf_files import tiny_qwen
 
     model = tiny_qwen(arch, 320)
@@ -270,6 +260,14 @@ def test_qwen_files_run_as_the_model_they_came_from(tmp_path, arch):
     config = config_from_gguf(path)
     assert (config.attention_bias, config.qk_norm, config.head_dim) == \
         ((True, False, 16) if arch == "qwen2" else (False, True, 32))
+    assert_generates_as(path, model)
+
+
+def assert_generates_as(path, model) -> None:
+    """flexoff's 8 greedy tokens of the test prompts from the file are ``model``'s own."""
+    from flexoff import LLM, SamplingParams
+    from tests.conftest import PROMPTS
+
     with LLM(str(path), dtype="float32") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_new_tokens=8, min_tokens=8))
     for out in outs:
