@@ -136,6 +136,21 @@ def _gguf_tokenizer(file: Path):
     except ImportError:
         raise TokenizerError(f"the tokenizer of {file} is read through the gguf package: pip install gguf") from None
     try:
-        return AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name, local_files_only=True)
     except Exception as exc:  # transformers raises many types for metadata it cannot use
         raise TokenizerError(f"cannot load the tokenizer of {file}: {exc}") from None
+    _mark_specials_as_stored(tokenizer, GGUFFile(file).metadata)
+    return tokenizer
+
+
+def _mark_specials_as_stored(tokenizer, metadata: dict) -> None:
+    """Whether encoding adds BOS and EOS, as the file says: transformers 5.0 adds BOS to SmolLM2's
+    tokenizer, whose file says add_bos_token false (later releases read the key)."""
+    changed = False
+    for name in ("add_bos_token", "add_eos_token"):
+        stored = metadata.get(f"tokenizer.ggml.{name}")
+        if isinstance(stored, bool) and getattr(tokenizer, name, stored) != stored:
+            setattr(tokenizer, name, stored)
+            changed = True
+    if changed and hasattr(tokenizer, "update_post_processor"):
+        tokenizer.update_post_processor()
