@@ -31,24 +31,17 @@ POLICIES = {
 PROMPT, NEW = 5, 3
 
 
-def held_tensor_bytes(root, device: torch.device, views_once: bool = False) -> int:
-    """Bytes of every tensor on ``device`` reachable from ``root`` through flexoff objects,
-    containers and compressed tensors, each tensor object once. Host memory pools are not entered:
-    their allocations are reached as the views handed out. ``views_once``: count the bytes the
-    tensors span, each byte once, so that views of a buffer kept beside it (the workspace's runs
-    cut from its sets) count as the buffer."""
-    seen, spans, stack = set(), [], [root]
+def reachable(root):
+    """Every object reachable from ``root`` through flexoff objects, containers and compressed
+    tensors (their parts), each once; host memory pools are not entered."""
+    seen, stack = set(), [root]
     while stack:
         obj = stack.pop()
         if id(obj) in seen or isinstance(obj, HostMemory):
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.device == device and obj.numel():
-                extent = 1 + sum((size - 1) * stride for size, stride in zip(obj.shape, obj.stride()))
-                spans.append((obj.data_ptr(), obj.data_ptr() + extent * obj.element_size(),
-                              obj.numel() * obj.element_size()))
-        elif isinstance(obj, CompressedTensor):
+        yield obj
+        if isinstance(obj, CompressedTensor):
             stack += [obj.data, obj.scale, obj.minimum]
         elif isinstance(obj, dict):
             stack += list(obj.values())
@@ -56,6 +49,20 @@ def held_tensor_bytes(root, device: torch.device, views_once: bool = False) -> i
             stack += list(obj)
         elif type(obj).__module__.startswith("flexoff") and hasattr(obj, "__dict__"):
             stack += list(vars(obj).values())
+
+
+def held_tensor_bytes(root, device: torch.device, views_once: bool = False) -> int:
+    """Bytes of every tensor on ``device`` reachable from ``root`` through flexoff objects,
+    containers and compressed tensors, each tensor object once. Host memory pools are not entered:
+    their allocations are reached as the views handed out. ``views_once``: count the bytes the
+    tensors span, each byte once, so that views of a buffer kept beside it (the workspace's runs
+    cut from its sets) count as the buffer."""
+    spans = []
+    for obj in reachable(root):
+        if isinstance(obj, torch.Tensor) and obj.device == device and obj.numel():
+            extent = 1 + sum((size - 1) * stride for size, stride in zip(obj.shape, obj.stride()))
+            spans.append((obj.data_ptr(), obj.data_ptr() + extent * obj.element_size(),
+                          obj.numel() * obj.element_size()))
     if not views_once:
         return sum(nbytes for _, _, nbytes in spans)
     total, reached = 0, 0

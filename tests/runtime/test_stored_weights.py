@@ -16,7 +16,7 @@ from flexoff.layout import compressible, weight_layout
 from flexoff.runtime import weight_store
 from flexoff.weights import CheckpointWeights
 from tests.conftest import PROMPTS, assert_same_outputs
-from tests.runtime.test_layout_allocations import held_tensor_bytes
+from tests.runtime.test_layout_allocations import held_tensor_bytes, reachable
 
 STORED = CompressionConfig(4, 32)
 PARAMS = SamplingParams(max_new_tokens=4, ignore_eos=True)
@@ -195,17 +195,9 @@ def test_bfloat16_keeps_the_stored_fp16_scales_and_computes_from_them(tiny_model
     sources = stored_model()
     with LLM(str(path), policy=policy, dtype="bfloat16", offload_dir=str(tmp_path)) as llm:
         weights = llm.engine.weights
-        compressed, stack = [], [weights._stages, weights._buffers]
-        while stack:  # every compressed tensor the store holds: pieces and assembly buffers
-            obj = stack.pop()
-            if isinstance(obj, CompressedTensor):
-                compressed.append(obj)
-            elif isinstance(obj, dict):
-                stack += list(obj.values())
-            elif isinstance(obj, (list, tuple)):
-                stack += list(obj)
-            elif type(obj).__module__.startswith("flexoff") and hasattr(obj, "__dict__"):
-                stack += list(vars(obj).values())
+        # Every compressed tensor the store holds: pieces and assembly buffers.
+        compressed = [obj for obj in reachable((weights._stages, weights._buffers))
+                      if isinstance(obj, CompressedTensor)]
         assert len(compressed) > len(sources[0].handed) and {t.dtype for t in compressed} == {torch.float16}
         assert weights._scratch.dtype == torch.bfloat16
         stage = next(s for s in weights._stages if s.name == "layer.0")
