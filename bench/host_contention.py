@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoff.profiler import cached_read_bandwidth, copies_streaming  # noqa: E402
+from flexoff.profiler.machine import cached_read_bandwidth, copies_streaming  # noqa: E402
 from flexoff.runtime.kv import cpu_attention  # noqa: E402
 
 

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoff.host_overhead import (  # noqa: E402
+from flexoff.profiler.host_overhead import (  # noqa: E402
     DEPTHS, OPT_FIELDS, PROMPT_LEN, STEPS, decode_seconds_per_layer, probe_sequences,
 )
 from flexoff.models.config import ModelConfig  # noqa: E402

@@ -26,7 +26,7 @@ from flexoff.models import moe  # noqa: E402
 from flexoff.models.registry import resolve_model_config  # noqa: E402
 from flexoff.planner.hardware import resolve_hardware  # noqa: E402
 from flexoff.planner.sparse_rate import active_flops_per_token, expert_shape  # noqa: E402
-from flexoff.sparse_kernel import layer_weights  # noqa: E402
+from flexoff.profiler.sparse_kernel import layer_weights  # noqa: E402
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from flexoff import LLM, Policy, SamplingParams  # noqa: E402
-from flexoff.runtime.batching import padded_tokens  # noqa: E402
+from flexoff.runtime.block_forming import padded_tokens  # noqa: E402
 
 # ExeGPT's tasks: (mean, std, max) of prompt length, then of output length.
 EXEGPT = {

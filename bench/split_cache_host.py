@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from flexoff.host_overhead import SPARSE_FIELDS, decode_seconds_per_layer  # noqa: E402
+from flexoff.profiler.host_overhead import SPARSE_FIELDS, decode_seconds_per_layer  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
 
 CACHES = {"on the device": TierFractions(1, 0, 0), "travelling": TierFractions(0, 1, 0),

@@ -22,7 +22,7 @@ from .parallel import Parallel, parallel_ranks, rounds
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .progress import TokenBar
 from .prompts import check_room, prompt_ids
-from .runtime.batching import form_blocks
+from .runtime.block_forming import form_blocks
 from .runtime.batch import Sequence
 from .runtime.engine import Engine
 from .runtime.memory import machine_capacity
@@ -122,7 +122,7 @@ class LLM:
         job = workload() if callable(workload) else workload
         if job is not None:
             from .planner.default import fit_job  # the planner loads its solver: only when asked for
-            from .profiler import saved_or_measured_profile
+            from .profiler.machine import saved_or_measured_profile
 
             if hardware is None:
                 disk_dir, device = offload_dir, self.device

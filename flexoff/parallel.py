@@ -19,7 +19,7 @@ import torch
 
 from .checks import check_int
 from .errors import ConfigError, FlexoffError
-from .layout.pipeline import check_counts, range_layers, stage_ranges, stage_view
+from .layout.stage_split import check_counts, range_layers, stage_ranges, stage_view
 
 # How long a process waits for a peer before the job ends (a rank that died, a stuck collective).
 DEFAULT_TIMEOUT_S = 600.0

@@ -130,7 +130,7 @@ def test_without_a_saved_profile_a_quick_one_is_measured_once_and_saved(tiny, tm
         progress(1.0, None)
         return H100
 
-    from flexoff import profiler
+    from flexoff.profiler import machine as profiler
 
     monkeypatch.setattr(profiler, "profile_machine", measure)
     cap = str(job_needs(config, DEFAULT_POLICY, torch.bfloat16, WORKLOAD)["gpu"] // 4)

@@ -25,7 +25,7 @@ def nothing_loads(monkeypatch):
 
     monkeypatch.setattr(main_module, "make_llm", never)
     monkeypatch.setattr("flexoff.commands.harness.make_llm", never)
-    monkeypatch.setattr("flexoff.profiler.profile_machine", never)
+    monkeypatch.setattr("flexoff.profiler.machine.profile_machine", never)
     monkeypatch.setattr(search_module, "search_policy", never)
 
 

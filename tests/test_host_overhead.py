@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexoff import host_overhead as module
+from flexoff.profiler import host_overhead as module
 
 PER_BATCH = {"on the device": 0.4e-3, "travel": 0.3e-3, "compressed cache": 0.2e-3, "disk": 1.5e-3,
              "llama": 0.1e-3, "sparse": 0.05e-3}

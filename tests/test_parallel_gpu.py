@@ -37,7 +37,7 @@ def test_two_gpus_generate_what_one_does(tmp_path, kind, shape):
 
 
 def test_copies_to_every_gpu_at_once_are_measured():
-    from flexoff.profiler import all_gpus_bandwidth
+    from flexoff.profiler.machine import all_gpus_bandwidth
 
     together = all_gpus_bandwidth(torch.cuda.device_count(), 256 << 20)
     host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)

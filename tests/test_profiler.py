@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from flexoff.errors import ConfigError
-from flexoff.profiler import fit_bandwidth, profile_machine
+from flexoff.profiler.machine import fit_bandwidth, profile_machine
 
 
 def test_bandwidth_fit_recovers_latency_and_rate():
@@ -46,7 +46,7 @@ class FakeClock:
 
 
 def test_a_timing_stops_repeating_at_its_deadline():
-    from flexoff.profile_kernels import Deadline, best_seconds
+    from flexoff.profiler.kernels import Deadline, best_seconds
 
     clock = FakeClock()
     # min_seconds alone would repeat 50 times; the deadline (3 s in) stops it after the warm-up and two
@@ -62,7 +62,7 @@ def test_a_timing_stops_repeating_at_its_deadline():
 
 
 def test_the_budget_shares_what_is_left_by_weight_and_reports_progress():
-    from flexoff.profile_kernels import Budget
+    from flexoff.profiler.kernels import Budget
 
     clock, heard = FakeClock(), []
     budget = Budget(10.0, {"copies": 1.0, "disk": 1.0, "host time": 2.0},
@@ -99,7 +99,7 @@ class _FakeEngine:
 def test_the_host_probe_starts_no_round_past_its_deadline(monkeypatch, passed, timed_rounds):
     from types import SimpleNamespace
 
-    from flexoff import host_overhead
+    from flexoff.profiler import host_overhead
     from flexoff.runtime import engine
 
     monkeypatch.setattr(engine, "Engine", _FakeEngine)
@@ -116,7 +116,7 @@ def test_the_host_probe_starts_no_round_past_its_deadline(monkeypatch, passed, t
 def test_a_quick_profile_reports_its_progress_and_measures_what_the_planner_reads(monkeypatch, tmp_path):
     from dataclasses import fields
 
-    from flexoff import profiler
+    from flexoff.profiler import machine as profiler
     from flexoff.planner.hardware import HardwareProfile
 
     monkeypatch.setattr(profiler, "QUICK", profiler.ProfileSizes(
@@ -142,7 +142,7 @@ def test_a_quick_profile_reports_its_progress_and_measures_what_the_planner_read
 def test_a_disk_that_fills_while_the_quick_profile_measures_it_is_one_error(monkeypatch, tmp_path):
     import errno
 
-    from flexoff import profiler
+    from flexoff.profiler import machine as profiler
 
     def full(**_):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -103,7 +103,7 @@ def job_dtype(job: Job):
 def hardware_profile(job: Job, device):
     """The profile planning uses: the job's, else this machine's saved one, measured quickly (and
     saved) the first time."""
-    from ..profiler import saved_or_measured_profile
+    from ..profiler.machine import saved_or_measured_profile
     from ..planner.hardware import resolve_hardware
     from .report import ProgressLine
 

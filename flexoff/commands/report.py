@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from ..fileio import write_bytes_atomic, write_text_atomic
-from ..layout.pipeline import range_layers
+from ..layout.stage_split import range_layers
 from ..planner.cost_model import Prediction
 from ..planner.hardware import HardwareProfile
 from ..planner.report import policy_summary

@@ -171,7 +171,7 @@ def _against_one_gpu(throughput: float, config, workload: Workload, profile, gpu
 
 
 def run_profile(args) -> int:
-    from ..profiler import disk_measure_error, profile_machine  # imports torch; keep `flexoff search` light
+    from ..profiler.machine import disk_measure_error, profile_machine  # imports torch; keep `flexoff search` light
 
     device = None if args.device == "auto" else args.device
     output = args.output or default_profile_path()

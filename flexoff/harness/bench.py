@@ -29,7 +29,7 @@ from ..records import failure_line
 from ..runtime.sampling import SamplingParams
 from .batch import model_identity
 from .helm_state import helm_sample, looks_like_scenario_state, read_scenario_state
-from .metrics import best_score
+from .accuracy import best_score
 from .runner import GenerationItem, Progress, ScoreItem, request_seed, run_generation, run_scoring
 from .scenarios import (SYNTHETIC_EVAL_DEFAULT, Scenario, choose_examples, default_subject, fit_prompt, get_scenario,
                         load_instances, reference_continuation)

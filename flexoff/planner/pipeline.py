@@ -1,4 +1,4 @@
-"""Planning a pipeline: the model's layers split between S devices (``layout.pipeline``), each
+"""Planning a pipeline: the model's layers split between S devices (``layout.stage_split``), each
 device's placement planned for its own layers and its own GPU memory, and one batch shape for all
 of them, since a GPU batch flows through every stage.
 
@@ -20,7 +20,7 @@ import torch
 
 from ..errors import PolicyError
 from ..layout import job_bytes, pins_host_memory
-from ..layout.pipeline import range_layers, stage_ranges, stage_view
+from ..layout.stage_split import range_layers, stage_ranges, stage_view
 from ..models import ModelConfig
 from ..policy import TIERS, Policy
 from .cost_model import Prediction, Workload

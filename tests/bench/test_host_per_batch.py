@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import host_per_batch  # noqa: E402
-from flexoff import host_overhead  # noqa: E402
+from flexoff.profiler import host_overhead  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, TierFractions  # noqa: E402
 
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexoff.runtime.batching import form_blocks, padded_tokens
+from flexoff.runtime.block_forming import form_blocks, padded_tokens
 
 lengths = st.lists(st.tuples(st.integers(1, 300), st.integers(1, 60)), min_size=0, max_size=120)
 

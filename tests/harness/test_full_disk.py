@@ -199,7 +199,7 @@ def test_profile_finds_a_full_disk_before_measuring_and_when_saving(tmp_path, ca
     target = tmp_path / "full" / "profile.json"
     target.parent.mkdir()
     measured = []
-    monkeypatch.setattr("flexoff.profiler.profile_machine", lambda **kw: measured.append(1) or resolve_hardware("t4"))
+    monkeypatch.setattr("flexoff.profiler.machine.profile_machine", lambda **kw: measured.append(1) or resolve_hardware("t4"))
     fill(monkeypatch, under(target.parent))
     assert main(["profile", "--quick", "--output", str(target)]) == 2
     one_line(capsys, "--output", target)
@@ -245,7 +245,7 @@ def test_the_command_line_on_a_full_disk(tiny_opt, tmp_path):
 
 
 def test_profile_whose_disk_fills_while_measuring(tmp_path, capsys, monkeypatch):
-    import flexoff.profiler as profiler
+    import flexoff.profiler.machine as profiler
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -95,7 +95,7 @@ def test_search_reads_the_saved_profile_by_default(capsys, tmp_path, monkeypatch
 
 
 def test_profile_quick_writes_a_loadable_profile(capsys, tmp_path, monkeypatch):
-    from flexoff import profiler
+    from flexoff.profiler import machine as profiler
 
     monkeypatch.setattr(profiler, "QUICK", profiler.ProfileSizes(
         (1 << 20, 4 << 20), 8 << 20, (1, 16, 64), 128, 256, 1, 1 << 16, 0.0, 1 << 20))
@@ -121,7 +121,7 @@ def test_profile_prints_the_routed_experts_it_measured(capsys, tmp_path, monkeyp
     """A GPU's profile lists each expert shape's rates (measured only on CUDA, so stood in for here)."""
     from dataclasses import replace
 
-    from flexoff import profiler
+    from flexoff.profiler import machine as profiler
     from flexoff.planner.hardware import packaged_profile
     from flexoff.planner.sparse_rate import SparseRate
 
@@ -167,7 +167,7 @@ def test_the_frontier_plots_tick_labels_do_not_overlap_and_its_title_names_workl
 
 @pytest.mark.parametrize("where", ["a directory", "under a file"])
 def test_profile_refuses_an_output_it_cannot_write_before_measuring(capsys, tmp_path, monkeypatch, where):
-    from flexoff import profiler
+    from flexoff.profiler import machine as profiler
 
     def measure(**kwargs):
         raise AssertionError("measured before the output was checked")

@@ -10,7 +10,7 @@ import torch
 from flexoff.commands.main import main
 from flexoff.errors import PolicyError
 from flexoff.layout import job_bytes, pins_host_memory
-from flexoff.layout.pipeline import stage_view
+from flexoff.layout.stage_split import stage_view
 from flexoff.models import resolve_model_config
 from flexoff.planner.cost_model import Workload
 from flexoff.planner.hardware import HardwareProfile, resolve_hardware

@@ -12,7 +12,7 @@ from flexoff.planner.cost_model import CostModel, Workload
 from flexoff.planner.hardware import HardwareProfile, packaged_profile
 from flexoff.planner.sizes import layer_routed_matmul_numel
 from flexoff.planner.sparse_rate import SparseRate, active_flops_per_token, expert_shape
-from flexoff.sparse_kernel import measure_sparse_rates
+from flexoff.profiler.sparse_kernel import measure_sparse_rates
 
 MIXTRAL = REGISTRY["mixtral-8x7b"]
 SHAPE = (4096, 14336, 8, 2)
@@ -101,7 +101,7 @@ def test_the_profiler_rates_a_shape_by_the_flops_of_the_experts_each_token_is_ro
 def test_on_a_gpu_the_profiler_times_routed_experts_in_bfloat16_by_the_grouped_kernel():
     """What `flexoff profile` measures on a GPU: a rate for every point, rising from a decode-sized
     call (64 tokens) to the shape's prefill chunk, where every expert gets many rows."""
-    from flexoff.profile_kernels import best_seconds
+    from flexoff.profiler.kernels import best_seconds
 
     cfg = REGISTRY["qwen3-30b-a3b"].replace(hidden_size=512, expert_intermediate_size=256)
     device = torch.device("cuda")

@@ -9,9 +9,9 @@ from typing import Callable
 
 import torch
 
-from .models import REGISTRY, moe
-from .models.config import ModelConfig
-from .planner.sparse_rate import SparseRate, active_flops_per_token, expert_shape
+from ..models import REGISTRY, moe
+from ..models.config import ModelConfig
+from ..planner.sparse_rate import SparseRate, active_flops_per_token, expert_shape
 
 # Tokens routed together, besides each shape's prefill chunk: decode steps of small and large GPU
 # batches, and a short prefill.

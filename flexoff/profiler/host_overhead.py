@@ -29,8 +29,8 @@ def decode_seconds_per_layer(compute: torch.device, dtype, policy, fields: dict,
 def probe_sequences(count: int, steps: int = STEPS) -> list:
     """The ``count`` sequences a timed block runs: prompts of PROMPT_LEN tokens, each generating
     ``steps`` + 1 tokens (the prefill's, then ``steps`` decode steps)."""
-    from .runtime.batch import Sequence
-    from .runtime.sampling import SamplingParams
+    from ..runtime.batch import Sequence
+    from ..runtime.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=steps + 1, ignore_eos=True)
     return [Sequence(i, [5] * PROMPT_LEN, params, 0) for i in range(count)]
@@ -47,9 +47,9 @@ def decode_seconds_by_case(compute: torch.device, dtype, cases: dict, repeats: i
     step (each runs the same kernels). Once ``deadline`` (a ``profile_kernels.Deadline``) has
     passed, no round starts after the first timed one. ``steps``: decode steps a timed run;
     ``depths``: the two layer counts, for DEPTHS."""
-    from .models.config import ModelConfig
-    from .runtime.engine import Engine
-    from .weights.dummy import DummyWeights
+    from ..models.config import ModelConfig
+    from ..runtime.engine import Engine
+    from ..weights.dummy import DummyWeights
 
     engines, sequences = {}, {}
     weights = DummyWeights(0)  # one pool of random values for all: each engine would draw its own
@@ -92,7 +92,7 @@ def host_overhead(compute: torch.device, dtype, repeats: int = 3, offload_dir: s
     ``depths``: as ``decode_seconds_by_case`` takes them."""
     from dataclasses import replace
 
-    from .policy import CompressionConfig, Policy, TierFractions
+    from ..policy import CompressionConfig, Policy, TierFractions
 
     gpu, cpu, disk = TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(0, 0, 1)
     four_bit = CompressionConfig(4, 64)

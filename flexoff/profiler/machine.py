@@ -21,12 +21,12 @@ import numpy as np
 import psutil
 import torch
 
-from .errors import ConfigError
+from ..errors import ConfigError
 from .host_overhead import DISK_BATCHES, GPU_BATCHES, host_overhead
-from .profile_kernels import (Budget, Deadline, ProfileSizes, attention_rates, best_seconds, cpu_attention_rate,
+from .kernels import (Budget, Deadline, ProfileSizes, attention_rates, best_seconds, cpu_attention_rate,
                               cpu_attention_seconds, dequant_rate, kv_quant_rate, matmul_curve)
 from .sparse_kernel import measure_sparse_rates
-from .planner.hardware import HardwareProfile, default_profile_path
+from ..planner.hardware import HardwareProfile, default_profile_path
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -151,7 +151,7 @@ def cached_read_bandwidth(directory: str, nbytes: int, streams: int = 2, deadlin
     fits in the free host memory sees, since the page cache keeps its pages. Stages are read into
     pinned staging a stage at a time on the disk tier's threads, ``streams`` at once: the weight
     store's ring of two buffers lets the next stage's read start while this one's finishes."""
-    from .runtime.tiers import DiskTier
+    from ..runtime.tiers import DiskTier
 
     disk = DiskTier(directory)
     try:

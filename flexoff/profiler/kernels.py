@@ -108,7 +108,7 @@ def matmul_curve(device, dtype, sizes: ProfileSizes, deadline: Deadline | None =
 
 def attention_rates(device, dtype, sizes: ProfileSizes, heads=32, head_dim=128, prompt=512, keys=544,
                     deadline: Deadline | None = None):
-    from .models.common import attention, attention_mask
+    from ..models.common import attention, attention_mask
 
     batch = sizes.attention_batch * heads
     # Prefill as the runtime runs it: its attention function, with a causal and padding mask.
@@ -144,7 +144,7 @@ def cpu_attention_seconds(rows: int, sizes: ProfileSizes, heads=56, head_dim=128
     own function, over an fp16 cache in the row-major layout it keeps for CPU attention, with a
     padding mask. Calls cycle through enough distinct caches (``sizes.cold_bytes`` in all) that none is
     still in a CPU cache when it is read again, as a layer's cache is not in the runtime."""
-    from .runtime.kv import cpu_attention
+    from ..runtime.kv import cpu_attention
 
     shape = (rows, heads, keys, head_dim)
     copies = max(1, -(-sizes.cold_bytes // (2 * 2 * math.prod(shape))))
@@ -167,7 +167,7 @@ def cpu_attention_rate(sizes: ProfileSizes, heads=56, head_dim=128, keys=544, de
     """CPU attention's FLOP/s and its fixed cost per call, fit to a full call (the full profile's
     cache of 32 sequences of an OPT-30B layer, 0.5 GB, is larger than CPU caches, as real ones are)
     and a call of a few sequences: seconds = per_call + FLOPs / rate."""
-    from .layout import CPU_ATTENTION_ROWS
+    from ..layout import CPU_ATTENTION_ROWS
 
     flops_per_row = 4.0 * heads * keys * head_dim
     small = 2
@@ -188,7 +188,7 @@ def dequant_rate(device, sizes: ProfileSizes, group_size: int = 64, shape: tuple
     """4-bit dequantization through flexoff's own codec, as the runtime runs it, of a tensor whose
     trailing dimensions are ``shape``, grouped along the last: a weight's rows, or a slot-major KV
     cache's (sequences, heads, head_dim) slots."""
-    from .compression import dequantize, quantize
+    from ..compression import dequantize, quantize
 
     lead = max(1, sizes.dequant_elements // math.prod(shape))
     full = (lead, *shape)
@@ -202,8 +202,8 @@ def kv_quant_rate(device, dtype, sizes: ProfileSizes, heads=32, prompt=512, head
                   deadline: Deadline | None = None):
     """Quantizing a prefill's keys (batch, heads, prompt, head_dim) into a slot-major compressed
     cache, through the codec as the runtime calls it."""
-    from .compression import CompressedTensor, quantize
-    from .runtime.kv_storage import SLOT_MAJOR
+    from ..compression import CompressedTensor, quantize
+    from ..runtime.kv_storage import SLOT_MAJOR
 
     keys = torch.randn(sizes.attention_batch, heads, prompt, head_dim, device=device, dtype=dtype)
     out = CompressedTensor.empty(SLOT_MAJOR.shape(prompt, sizes.attention_batch, heads, head_dim), dtype,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flexoff.harness.metrics import (best_score, exact_match, exact_set_match, f1, f1_set_match, iou_set_match,
+from flexoff.harness.accuracy import (best_score, exact_match, exact_set_match, f1, f1_set_match, iou_set_match,
                                      normalize_text, quasi_exact_match, rouge_l)
 
 
