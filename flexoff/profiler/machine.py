@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import psutil
@@ -234,11 +234,36 @@ def _step_weights(use_cuda: bool, quick: bool, gpu_count: int) -> dict[str, floa
     return weights
 
 
-def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
-                    log=lambda message: None, progress=None) -> HardwareProfile:
-    """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice. A quick
-    profile keeps to its sizes' time budget; ``progress(fraction, step)`` hears each measurement
-    start (``Budget`` says how), and the end."""
+@dataclass
+class _Profiling:
+    """What every measurement of one profile shares: the request, the time budget, and the raw
+    measurements and notes recorded so far (in the order they are measured)."""
+    quick: bool
+    use_cuda: bool
+    sizes: ProfileSizes
+    disk_dir: str
+    gpu_count: int
+    budget: Budget
+    log: Callable[[str], None]
+    measurements: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def compute(self) -> torch.device:
+        return torch.device("cuda") if self.use_cuda else self.cpu
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float16 if self.use_cuda else torch.float32
+
+
+def _checked_request(quick: bool, disk_dir: str | None, device: str | None):
+    """(use_cuda, sizes, disk_dir, its free bytes) of a request, or the one line saying why it
+    cannot be measured."""
     use_cuda = torch.cuda.is_available() if device is None else device == "cuda"
     sizes = (QUICK_GPU if use_cuda else QUICK) if quick else FULL
     if use_cuda and not torch.cuda.is_available():
@@ -246,99 +271,147 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
     disk_dir = disk_dir or tempfile.gettempdir()
     if not os.path.isdir(disk_dir):
         raise ConfigError(f"--disk-dir {disk_dir}: not a directory")
-    cpu = torch.device("cpu")
-    compute = torch.device("cuda") if use_cuda else cpu
-    ram = psutil.virtual_memory().total
     disk_free = shutil.disk_usage(disk_dir).free
-    measurements, notes = {}, {}
     free_disk_needed = sizes.disk_bytes + DISK_BLOCK
     if disk_free < free_disk_needed:
         raise ConfigError(f"--disk-dir {disk_dir}: needs {free_disk_needed} free bytes to profile, has {disk_free}")
-    gpu_count = torch.cuda.device_count() if use_cuda else 1
-    budget = Budget(sizes.budget_seconds, _step_weights(use_cuda, quick, gpu_count), progress)
+    return use_cuda, sizes, disk_dir, disk_free
 
-    deadline = budget.start("copies")
-    if use_cuda:
-        properties = torch.cuda.get_device_properties(compute)
-        gpu_memory, cpu_memory = properties.total_memory, ram
-        device_name = f"{properties.name}, {os.cpu_count()} cores"
-        log(f"profiling {properties.name} with pinned copies")
-        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, compute, sizes, pinned=True, deadline=deadline)
-        to_cpu, measurements["gpu_to_cpu"] = _copy_bandwidth(compute, cpu, sizes, pinned=True, deadline=deadline)
-        notes["bandwidth_bytes_per_s"] = "measured: pinned copies at several sizes, fit to latency + bytes / bandwidth"
-        to_all = None
-        if gpu_count > 1:
-            budget.start("copies to all GPUs")
-            log(f"copying to all {gpu_count} GPUs at once")
-            to_all = measurements["cpu_to_all_gpus"] = all_gpus_bandwidth(gpu_count, sizes.copy_bytes[-1])
-        dtype = torch.float16
-    else:
-        gpu_memory = int(ram * CPU_ONLY_GPU_BUDGET)
-        cpu_memory = ram - gpu_memory
-        device_name = f"CPU only ({os.cpu_count()} cores); the gpu tier is a RAM budget"
-        log("no CUDA: profiling the CPU as the compute device")
-        to_all = None
-        to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(cpu, cpu, sizes, pinned=False, deadline=deadline)
-        to_cpu, measurements["gpu_to_cpu"] = to_gpu, measurements["cpu_to_gpu"]
-        notes["memory_bytes"] = f"no CUDA: the gpu tier is {CPU_ONLY_GPU_BUDGET:.0%} of RAM, the cpu tier the rest"
-        notes["bandwidth_bytes_per_s"] = ("measured: RAM-to-RAM copies (both 'PCIe' directions), fit to "
+
+def _gpu_copies(run: _Profiling, deadline: Deadline) -> dict:
+    """The GPU's memory and its links to the host: pinned copies each way, and to all GPUs at once."""
+    compute, measurements = run.compute, run.measurements
+    properties = torch.cuda.get_device_properties(compute)
+    ram = psutil.virtual_memory().total
+    run.log(f"profiling {properties.name} with pinned copies")
+    to_gpu, measurements["cpu_to_gpu"] = _copy_bandwidth(run.cpu, compute, run.sizes, pinned=True, deadline=deadline)
+    to_cpu, measurements["gpu_to_cpu"] = _copy_bandwidth(compute, run.cpu, run.sizes, pinned=True, deadline=deadline)
+    run.notes["bandwidth_bytes_per_s"] = "measured: pinned copies at several sizes, fit to latency + bytes / bandwidth"
+    to_all = None
+    if run.gpu_count > 1:
+        run.budget.start("copies to all GPUs")
+        run.log(f"copying to all {run.gpu_count} GPUs at once")
+        to_all = measurements["cpu_to_all_gpus"] = all_gpus_bandwidth(run.gpu_count, run.sizes.copy_bytes[-1])
+    return dict(gpu_memory=int(properties.total_memory), cpu_memory=int(ram),
+                device=f"{properties.name}, {os.cpu_count()} cores",
+                cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_cpu, cpu_to_all_gpus_bandwidth=to_all)
+
+
+def _cpu_copies(run: _Profiling, deadline: Deadline) -> dict:
+    """Without CUDA: RAM split into the gpu tier's budget and the cpu tier, and RAM-to-RAM copies
+    standing for both directions of the GPU's link."""
+    ram = psutil.virtual_memory().total
+    gpu_memory = int(ram * CPU_ONLY_GPU_BUDGET)
+    run.log("no CUDA: profiling the CPU as the compute device")
+    to_gpu, run.measurements["cpu_to_gpu"] = _copy_bandwidth(run.cpu, run.cpu, run.sizes, pinned=False,
+                                                             deadline=deadline)
+    run.measurements["gpu_to_cpu"] = run.measurements["cpu_to_gpu"]
+    run.notes["memory_bytes"] = f"no CUDA: the gpu tier is {CPU_ONLY_GPU_BUDGET:.0%} of RAM, the cpu tier the rest"
+    run.notes["bandwidth_bytes_per_s"] = ("measured: RAM-to-RAM copies (both 'PCIe' directions), fit to "
                                           "latency + bytes / bandwidth; disk measured")
-        dtype = torch.float32
-    deadline = budget.start("disk")
-    log(f"disk: {sizes.disk_bytes // MiB} MiB in {DISK_BLOCK // MiB} MiB blocks under {disk_dir}")
+    return dict(gpu_memory=int(gpu_memory), cpu_memory=int(ram - gpu_memory),
+                device=f"CPU only ({os.cpu_count()} cores); the gpu tier is a RAM budget",
+                cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_gpu, cpu_to_all_gpus_bandwidth=None)
+
+
+def _copies(run: _Profiling) -> dict:
+    """The memory of each tier, and the copies between the host and the compute device."""
+    deadline = run.budget.start("copies")
+    return (_gpu_copies if run.use_cuda else _cpu_copies)(run, deadline)
+
+
+def _disk(run: _Profiling) -> dict:
+    """The disk's reads and writes past the page cache, and the disk tier's reads through it."""
+    deadline = run.budget.start("disk")
+    sizes, disk_dir, measurements = run.sizes, run.disk_dir, run.measurements
+    run.log(f"disk: {sizes.disk_bytes // MiB} MiB in {DISK_BLOCK // MiB} MiB blocks under {disk_dir}")
     disk_read, disk_write, measurements["disk"] = _disk_bandwidth(disk_dir, sizes.disk_bytes)
     cached_read, measurements["disk_cached_read"] = cached_read_bandwidth(disk_dir, sizes.disk_bytes // 2,
                                                                           deadline=deadline)
-    if use_cuda:
+    if run.use_cuda:
         # Weights read from disk then cross to the GPU, so the reads share host memory with pinned
         # copies of the stage before: time them that way, and keep the lone figure beside it.
-        with copies_streaming(compute, max(sizes.copy_bytes)):
+        with copies_streaming(run.compute, max(sizes.copy_bytes)):
             cached_read, measurements["disk_cached_read_under_copy"] = cached_read_bandwidth(
                 disk_dir, sizes.disk_bytes // 2, deadline=deadline)
-    deadline = budget.start("matmuls")
-    log("matmuls at several row counts")
+    return dict(disk_to_cpu_bandwidth=disk_read, cpu_to_disk_bandwidth=disk_write,
+                disk_to_cpu_cached_bandwidth=cached_read)
+
+
+def _kernels(run: _Profiling) -> dict:
+    """The compute kernels: matmuls by row count, attention (and CPU attention), dequantization and
+    the cache's quantization."""
+    compute, dtype, sizes, measurements = run.compute, run.dtype, run.sizes, run.measurements
+    deadline = run.budget.start("matmuls")
+    run.log("matmuls at several row counts")
     curve, measurements["matmul"] = matmul_curve(compute, dtype, sizes, deadline)
-    notes["matmul_flop_per_s"] = (f"measured: {str(dtype).replace('torch.', '')} [m x {sizes.matmul_inner}] . "
-                                  f"[{sizes.matmul_inner} x {sizes.matmul_outer}]; fit: running maximum over m, "
-                                  "interpolated log-log between the points")
-    deadline = budget.start("attention")
-    log("attention and dequantization")
+    run.notes["matmul_flop_per_s"] = (f"measured: {str(dtype).replace('torch.', '')} [m x {sizes.matmul_inner}] . "
+                                      f"[{sizes.matmul_inner} x {sizes.matmul_outer}]; fit: running maximum over m, "
+                                      "interpolated log-log between the points")
+    deadline = run.budget.start("attention")
+    run.log("attention and dequantization")
     attention = attention_rates(compute, dtype, sizes, deadline=deadline)
     measurements["attention"] = attention.pop("raw")
     cpu_attention, cpu_attention_call, measurements["cpu_attention"] = cpu_attention_rate(sizes, deadline=deadline)
-    deadline = budget.start("dequantization")
+    deadline = run.budget.start("dequantization")
     gpu_dequant, measurements["gpu_dequant"] = dequant_rate(compute, sizes, deadline=deadline)
     kv_dequant, measurements["gpu_kv_dequant"] = dequant_rate(compute, sizes, shape=(32, 8, 128), deadline=deadline)
     kv_quant, measurements["gpu_kv_quant"] = kv_quant_rate(compute, dtype, sizes, deadline=deadline)
-    if use_cuda:
+    if run.use_cuda:
         # a quick profile's CPU sizes: quantizing a GPU's (256 Mi elements) on the CPU takes seconds
-        cpu_dequant, measurements["cpu_dequant"] = dequant_rate(cpu, QUICK if quick else sizes, deadline=deadline)
+        cpu_dequant, measurements["cpu_dequant"] = dequant_rate(run.cpu, QUICK if run.quick else sizes,
+                                                                deadline=deadline)
     else:
         cpu_dequant = gpu_dequant
-    deadline = budget.start("host time")
-    log("the runtime's host time per layer")
-    host_layer, host_step, host_extras, measurements["host_overhead"] = host_overhead(
-        compute, dtype, offload_dir=disk_dir, batches=GPU_BATCHES if use_cuda else 1, deadline=deadline,
-        **(QUICK_HOST_PROBE if quick else {}))
-    sparse = ()
-    if use_cuda and not quick:
-        budget.start("routed experts")
-        log("the routed experts of each mixture-of-experts shape")
-        # bfloat16: the mixtures' own dtype, which dtype auto runs them in on a GPU.
-        sparse, measurements["sparse_mlp"] = measure_sparse_rates(
-            compute, torch.bfloat16, lambda fn: best_seconds(fn, compute, sizes.min_seconds), log=log)
-        notes["sparse_mlp_flop_per_s"] = ("measured: a sparse layer's routed experts as the runtime runs them "
+    return dict(matmul_flops=tuple((float(m), float(f)) for m, f in curve),
+                prefill_attention_flops=attention["prefill_attention_flop_per_s"],
+                decode_attention_flops=attention["decode_attention_flop_per_s"],
+                gpu_memory_bandwidth=attention["gpu_memory_bytes_per_s"],
+                cpu_attention_flops=cpu_attention, cpu_attention_seconds_per_call=cpu_attention_call,
+                gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
+                gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant)
+
+
+def _host_time(run: _Profiling) -> dict:
+    """The runtime's host time per layer and per step, and its extras."""
+    deadline = run.budget.start("host time")
+    run.log("the runtime's host time per layer")
+    host_layer, host_step, host_extras, run.measurements["host_overhead"] = host_overhead(
+        run.compute, run.dtype, offload_dir=run.disk_dir, batches=GPU_BATCHES if run.use_cuda else 1,
+        deadline=deadline, **(QUICK_HOST_PROBE if run.quick else {}))
+    return dict(host_seconds_per_layer=host_layer, host_seconds_per_step=host_step, **host_extras)
+
+
+def _routed_experts(run: _Profiling) -> dict:
+    """A full GPU profile's routed experts, each mixture-of-experts shape's; none otherwise."""
+    if not run.use_cuda or run.quick:
+        return dict(sparse_mlp_flops=())
+    compute = run.compute
+    run.budget.start("routed experts")
+    run.log("the routed experts of each mixture-of-experts shape")
+    # bfloat16: the mixtures' own dtype, which dtype auto runs them in on a GPU.
+    sparse, run.measurements["sparse_mlp"] = measure_sparse_rates(
+        compute, torch.bfloat16, lambda fn: best_seconds(fn, compute, run.sizes.min_seconds), log=run.log)
+    run.notes["sparse_mlp_flop_per_s"] = ("measured: a sparse layer's routed experts as the runtime runs them "
                                           "(routing, sort by expert, grouped matmuls, weighted sum), bfloat16, random "
                                           "weights, each expert shape of the registry; FLOP/s of the experts a token "
                                           "is routed to, by tokens routed together")
+    return dict(sparse_mlp_flops=sparse)
+
+
+def _cpu_attention_under_copies(run: _Profiling) -> dict:
+    """On a GPU machine, CPU attention's share of its speed left while pinned copies stream."""
     share_under_copy = 1.0
-    if use_cuda:
-        deadline = budget.start("CPU attention under copies")
-        log("CPU attention while pinned copies stream")
-        timed = measurements["cpu_attention"]
-        share_under_copy, measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(
-            sizes, compute, timed["rows"][-1], timed["seconds"][-1], deadline)
-    budget.finish()
+    if run.use_cuda:
+        deadline = run.budget.start("CPU attention under copies")
+        run.log("CPU attention while pinned copies stream")
+        timed = run.measurements["cpu_attention"]
+        share_under_copy, run.measurements["cpu_attention_under_copy"] = _cpu_attention_share_under_copy(
+            run.sizes, run.compute, timed["rows"][-1], timed["seconds"][-1], deadline)
+    return dict(cpu_attention_share_under_copy=share_under_copy)
+
+
+def _note_what_was_measured(notes: dict, measurements: dict) -> None:
     notes["compute"] = ("measured: the runtime's attention (32 heads x 128; prefill of 512 with a causal and padding "
                         "mask, decode with softmax and bmm over 544 keys), the runtime's CPU attention over an fp16 "
                         "cache, alone and while pinned copies to the GPU stream, 4-bit group-64 dequantization of "
@@ -355,26 +428,27 @@ def profile_machine(quick: bool = False, disk_dir: str | None = None, device: st
                              "batch is per layer and batch, the intercept per batch and step, the extras are "
                              "differences of slopes (4-bit weights': per pass over a layer)")
 
+
+def profile_machine(quick: bool = False, disk_dir: str | None = None, device: str | None = None,
+                    log=lambda message: None, progress=None) -> HardwareProfile:
+    """Measure this machine. ``device`` "cuda" or "cpu" overrides the automatic choice. A quick
+    profile keeps to its sizes' time budget; ``progress(fraction, step)`` hears each measurement
+    start (``Budget`` says how), and the end."""
+    use_cuda, sizes, disk_dir, disk_free = _checked_request(quick, disk_dir, device)
+    gpu_count = torch.cuda.device_count() if use_cuda else 1
+    budget = Budget(sizes.budget_seconds, _step_weights(use_cuda, quick, gpu_count), progress)
+    run = _Profiling(quick, use_cuda, sizes, disk_dir, gpu_count, budget, log)
+    figures = {}
+    # in the order of _step_weights: each measurement starts its share of the budget
+    for measure in (_copies, _disk, _kernels, _host_time, _routed_experts, _cpu_attention_under_copies):
+        figures.update(measure(run))
+    budget.finish()
+    _note_what_was_measured(run.notes, run.measurements)
     return HardwareProfile(
-        name=f"measured-{'cuda' if use_cuda else 'cpu'}",
-        gpu_memory=int(gpu_memory), cpu_memory=int(cpu_memory), disk_memory=int(disk_free),
-        cpu_to_gpu_bandwidth=to_gpu, gpu_to_cpu_bandwidth=to_cpu, cpu_to_all_gpus_bandwidth=to_all,
-        gpu_count=gpu_count,
-        disk_to_cpu_bandwidth=disk_read, cpu_to_disk_bandwidth=disk_write,
-        disk_to_cpu_cached_bandwidth=cached_read,
-        matmul_flops=tuple((float(m), float(f)) for m, f in curve), sparse_mlp_flops=sparse,
-        prefill_attention_flops=attention["prefill_attention_flop_per_s"],
-        decode_attention_flops=attention["decode_attention_flop_per_s"],
-        gpu_memory_bandwidth=attention["gpu_memory_bytes_per_s"],
-        cpu_attention_flops=cpu_attention,
-        gpu_dequant_throughput=gpu_dequant, cpu_dequant_throughput=cpu_dequant,
-        gpu_kv_dequant_throughput=kv_dequant, gpu_kv_quant_throughput=kv_quant,
-        cpu_attention_share_under_copy=share_under_copy, cpu_attention_seconds_per_call=cpu_attention_call,
-        host_seconds_per_layer=host_layer, host_seconds_per_step=host_step, **host_extras,
+        name=f"measured-{'cuda' if use_cuda else 'cpu'}", disk_memory=int(disk_free), gpu_count=gpu_count,
         usable_fraction=(0.9, 0.85, 0.9), pinned_host_memory=use_cuda,
-        device=device_name,
         source=f"measured by `flexoff profile{' --quick' if quick else ''}` on {time.strftime('%Y-%m-%d')}",
-        notes=notes, measurements=measurements,
+        notes=run.notes, measurements=run.measurements, **figures,
     )
 
 
