@@ -315,7 +315,8 @@ def _sparse_rates(value, source: str) -> tuple[SparseRate, ...]:
     return tuple(rates)
 
 
-def _parse_profile(data, source: str) -> HardwareProfile:
+def _top_fields(data, source: str) -> dict:
+    """The profile's identity (format, version, name) and its free-form fields, checked."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: a hardware profile must be a JSON object")
     if data.get("format") != FORMAT_TAG:
@@ -337,7 +338,12 @@ def _parse_profile(data, source: str) -> HardwareProfile:
     for free_field in ("notes", "measurements"):
         if not isinstance(data.get(free_field, {}), dict):
             raise ConfigError(f"{source}: field {free_field!r} must be a JSON object")
+    return dict(name=name, device=data.get("device", ""), source=data.get("source", ""),
+                notes=dict(data.get("notes", {})), measurements=dict(data.get("measurements", {})))
 
+
+def _memory_fields(data: dict, source: str) -> dict:
+    """Each tier's bytes and usable share, the GPUs' count, and whether host memory is pinned."""
     memory = _section(data, "memory_bytes", source, TIERS)
     sizes = [_size(memory[t], f"memory_bytes.{t}", source) for t in TIERS]
     gpu_count = data.get("gpu_count", 1)
@@ -351,14 +357,31 @@ def _parse_profile(data, source: str) -> HardwareProfile:
     for tier, fraction in zip(TIERS, fractions):
         if fraction > 1:
             raise ConfigError(f"{source}: field 'usable_fraction.{tier}' must be at most 1, got {fraction}")
+    return dict(gpu_memory=sizes[0], cpu_memory=sizes[1], disk_memory=sizes[2], gpu_count=gpu_count,
+                pinned_host_memory=pinned, usable_fraction=fractions)
 
+
+def _bandwidth_fields(data: dict, source: str) -> dict:
+    """The links' bytes per second; the optional ones None where absent."""
     bandwidth = _section(data, "bandwidth_bytes_per_s", source, _BANDWIDTH_FIELDS, _OPTIONAL_BANDWIDTH_FIELDS)
     bw = {k: _positive(bandwidth[k], f"bandwidth_bytes_per_s.{k}", source) for k in _BANDWIDTH_FIELDS}
     bw_cache = {
         k: (_positive(bandwidth[k], f"bandwidth_bytes_per_s.{k}", source) if bandwidth.get(k) is not None else None)
         for k in _OPTIONAL_BANDWIDTH_FIELDS
     }
+    return dict(
+        cpu_to_gpu_bandwidth=bw["cpu_to_gpu"], gpu_to_cpu_bandwidth=bw["gpu_to_cpu"],
+        disk_to_cpu_bandwidth=bw["disk_to_cpu"], cpu_to_disk_bandwidth=bw["cpu_to_disk"],
+        gpu_to_cpu_cache_bandwidth=bw_cache["gpu_to_cpu_cache"],
+        cpu_to_disk_cache_bandwidth=bw_cache["cpu_to_disk_cache"],
+        disk_to_cpu_cached_bandwidth=bw_cache["disk_to_cpu_cached"],
+        cpu_to_all_gpus_bandwidth=bw_cache["cpu_to_all_gpus"],
+    )
 
+
+def _compute_fields(data: dict, source: str) -> dict:
+    """The compute rates and the host's times; the optional ones at their "not measured" values
+    where absent."""
     compute = _section(data, "compute", source, ("matmul_flop_per_s",) + _COMPUTE_FIELDS,
                        _OPTIONAL_COMPUTE_FIELDS + (SPARSE_KEY,))
     rates = {k: _positive(compute[k], f"compute.{k}", source) for k in _COMPUTE_FIELDS}
@@ -368,16 +391,7 @@ def _parse_profile(data, source: str) -> HardwareProfile:
     if share is not None and share > 1:
         raise ConfigError(f"{source}: field 'compute.cpu_attention_share_under_copy' must be at most 1, got {share}")
     points = _curve(compute["matmul_flop_per_s"], "compute.matmul_flop_per_s", source, "row")
-
-    return HardwareProfile(
-        name=name,
-        gpu_memory=sizes[0], cpu_memory=sizes[1], disk_memory=sizes[2],
-        cpu_to_gpu_bandwidth=bw["cpu_to_gpu"], gpu_to_cpu_bandwidth=bw["gpu_to_cpu"],
-        disk_to_cpu_bandwidth=bw["disk_to_cpu"], cpu_to_disk_bandwidth=bw["cpu_to_disk"],
-        gpu_to_cpu_cache_bandwidth=bw_cache["gpu_to_cpu_cache"],
-        cpu_to_disk_cache_bandwidth=bw_cache["cpu_to_disk_cache"],
-        disk_to_cpu_cached_bandwidth=bw_cache["disk_to_cpu_cached"],
-        cpu_to_all_gpus_bandwidth=bw_cache["cpu_to_all_gpus"], gpu_count=gpu_count,
+    return dict(
         gpu_kv_dequant_throughput=optional["gpu_kv_dequant_elements_per_s"],
         gpu_kv_quant_throughput=optional["gpu_kv_quant_elements_per_s"],
         cpu_attention_share_under_copy=1.0 if share is None else share,
@@ -393,10 +407,16 @@ def _parse_profile(data, source: str) -> HardwareProfile:
         cpu_attention_flops=rates["cpu_attention_flop_per_s"],
         gpu_dequant_throughput=rates["gpu_dequant_elements_per_s"],
         cpu_dequant_throughput=rates["cpu_dequant_elements_per_s"],
-        usable_fraction=fractions, pinned_host_memory=pinned,
-        device=data.get("device", ""), source=data.get("source", ""),
-        notes=dict(data.get("notes", {})), measurements=dict(data.get("measurements", {})),
     )
+
+
+def _parse_profile(data, source: str) -> HardwareProfile:
+    """A profile from its JSON, checked part by part in one fixed order, so that a file with
+    several wrong fields always has the same one named."""
+    fields = _top_fields(data, source)
+    for part in (_memory_fields, _bandwidth_fields, _compute_fields):
+        fields.update(part(data, source))
+    return HardwareProfile(**fields)
 
 
 def default_profile_path() -> Path:
