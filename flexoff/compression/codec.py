@@ -91,18 +91,7 @@ def quantize(
     meta = tensor.dtype if meta_dtype is None else meta_dtype
     check_dtype(meta)
     dim = normalize_dim(dim, tensor.dim())
-    if out is None:
-        out = CompressedTensor.empty(tensor.shape, meta, bits, group_size, dim, tensor.device)
-    else:
-        layout = (out.shape, out.dtype, out.dim, out.bits, out.group_size)
-        if layout != (tensor.shape, meta, dim, bits, group_size):
-            raise CompressionError(
-                f"out={out!r} does not match a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
-                f"compressed to {bits} bits, group {group_size}, along dim {dim}, with {meta} scales"
-            )
-        if out.device != tensor.device:
-            raise CompressionError(f"out is on {out.device} but the tensor is on {tensor.device}")
-
+    out = _quantize_target(tensor, out, bits, group_size, dim, meta)
     moved = tensor.movedim(dim, -1)  # (*rows_shape, D), a view
     if use_triton is None:
         fused = tensor.device.type == "cuda" and bits == 4 and meta == tensor.dtype
@@ -117,7 +106,32 @@ def quantize(
             raise CompressionError(f"the Triton quantize kernel does not handle shape {tuple(tensor.shape)} "
                                    f"grouped by {group_size} along dim {dim} with these strides")
         return out
-    for rows, cols in _blocks(out, _chunk(chunk_elements, tensor.device)):
+    _quantize_blocks(moved, out, _chunk(chunk_elements, tensor.device))
+    return out
+
+
+def _quantize_target(tensor: torch.Tensor, out: CompressedTensor | None, bits: int, group_size: int, dim: int,
+                     meta: torch.dtype) -> CompressedTensor:
+    """Where ``quantize`` writes: a new compressed tensor, or ``out`` once its layout and device are
+    checked to be the ones asked for."""
+    if out is None:
+        return CompressedTensor.empty(tensor.shape, meta, bits, group_size, dim, tensor.device)
+    layout = (out.shape, out.dtype, out.dim, out.bits, out.group_size)
+    if layout != (tensor.shape, meta, dim, bits, group_size):
+        raise CompressionError(
+            f"out={out!r} does not match a {tensor.dtype} tensor of shape {tuple(tensor.shape)} "
+            f"compressed to {bits} bits, group {group_size}, along dim {dim}, with {meta} scales"
+        )
+    if out.device != tensor.device:
+        raise CompressionError(f"out is on {out.device} but the tensor is on {tensor.device}")
+    return out
+
+
+def _quantize_blocks(moved: torch.Tensor, out: CompressedTensor, chunk_elements: int) -> None:
+    """The torch path: ``moved`` (the quantized dim last) into ``out``, a block of about
+    ``chunk_elements`` values at a time."""
+    bits, group_size, meta = out.bits, out.group_size, out.dtype
+    for rows, cols in _blocks(out, chunk_elements):
         piece = moved[rows][..., cols.start:cols.stop]
         # reshape copies only this block when the moved view is not contiguous.
         packed, scale, minimum = _quantize_block(piece.reshape(-1, cols.stop - cols.start), bits, group_size, meta)
@@ -126,7 +140,6 @@ def quantize(
         _write(out.data[rows][..., bytes_], packed)
         _write(out.scale[rows][..., groups], scale)
         _write(out.minimum[rows][..., groups], minimum)
-    return out
 
 
 @torch.no_grad()
