@@ -40,6 +40,8 @@ def _dequantize_4bit_kernel(
     BLOCK_BYTES: tl.constexpr,
     WHOLE_GROUPS: tl.constexpr,
 ):
+    # long: a Triton kernel is one compiled program whose steps share the block's offsets and masks,
+    # and it runs only on a GPU, so a split could not be tested on the CPU.
     # A 1-D grid avoids the 65535 limit on the second grid axis for very long rows.
     program = tl.program_id(0)
     row_block = program // num_col_blocks
@@ -179,6 +181,8 @@ def _quantize_4bit_kernel(
     BLOCK_VALUES: tl.constexpr,
     ROUND_SCALE: tl.constexpr,
 ):
+    # long: a Triton kernel is one compiled program whose steps share the block's offsets and masks,
+    # and it runs only on a GPU, so a split could not be tested on the CPU.
     program = tl.program_id(0)
     row_block = program // num_col_blocks
     col_block = program % num_col_blocks
