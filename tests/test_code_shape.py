@@ -3,8 +3,8 @@ be split.
 
 A function's length runs from its ``def`` line (decorators excluded) to its last line; every
 ``def`` and ``async def`` counts, methods and nested functions too. A function longer than 60
-lines passes only with a comment ``# long: <why it cannot be split>`` in its head: after the
-``def`` line and before the first statement of its body that is not its docstring, e.g.::
+lines passes only with a comment ``# long: <why it cannot be split>`` in its head: on a line from
+the ``def`` line up to the first statement of its body that is not its docstring, e.g.::
 
     def kernel(...):
         # long: one compiled program; its steps share the block's offsets and masks
