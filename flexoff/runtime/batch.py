@@ -13,6 +13,7 @@ from .activations import BatchActivations
 from .kv import BatchKV
 from .sampler import Ranked
 from .sampling import SamplingParams
+from .weight_store import StageWeights
 
 
 @dataclass
@@ -146,18 +147,21 @@ class GpuBatch:
     def embed(self, weights: dict) -> None:
         self.hidden = self.arch.embed(self.cfg, weights, self.input_ids, self.positions)
 
-    def layer(self, layer: int, weights: dict) -> None:
-        """Decoder layer ``layer``, attention included (on the GPU, or waited for)."""
+    def layer(self, layer: int, weights: StageWeights) -> None:
+        """Decoder layer ``layer``, attention included (on the GPU, or waited for); a sparse layer's
+        experts load into ``weights`` once routed, where they load route first."""
         attend = self.kv.attender(layer, self.start, self.mask, self._expand if self.start == 0 else None)
-        self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend)
+        self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
 
-    def start_attention(self, layer: int, weights: dict) -> None:
+    def start_attention(self, layer: int, weights: StageWeights) -> None:
         """Decoder layer ``layer`` up to attention, which the host worker runs meanwhile; the rest
         is left to ``finish_attention``."""
         hidden, self.hidden = self.hidden, None
-        q, k, v = self.arch.attention_inputs(self.cfg, weights, hidden, self.context)
+        arch, cfg = self.arch, self.cfg
+        q, k, v = arch.attention_inputs(cfg, weights, hidden, self.context)
         attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
-        self._finish = lambda: self.arch.after_attention(self.cfg, weights, hidden, attended())
+        # Closed over locals, not self: the batch holding its own closure would be a cycle.
+        self._finish = lambda: arch.after_attention(cfg, weights, hidden, attended(), weights)
 
     def finish_attention(self) -> None:
         """Wait for the layer's attention, then enqueue the rest of it."""
