@@ -358,9 +358,9 @@ def profile_decode(llm, prompts, layers: int, token: int = 1) -> dict | None:
     fd, path = tempfile.mkstemp(suffix=".json", prefix="decode_kernels_")
     os.close(fd)
     try:
-        # A finished block's BlockRun and its interpreter refer to each other (on_head is a bound
-        # method), so its host cache, tens of GiB pinned, waits for the cyclic collector; without
-        # this, the next block allocated beside it and OPT-66B at 16 GiB was killed for host memory.
+        # An earlier run's host cache (tens of GiB pinned) must be gone before this run allocates
+        # its own beside it, or OPT-66B at 16 GiB is killed for host memory: whatever a reference
+        # cycle in the bench's own wrapping may still hold of it is collected first.
         gc.collect()
         llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
         observer.finish()

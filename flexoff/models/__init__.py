@@ -18,6 +18,7 @@ from .common import Attend, WeightSpec
 from .config import ModelConfig
 from .gguf_config import gguf_path
 from .hf_config import config_from_dir
+from .moe import ExpertFetch
 from .registry import REGISTRY, known_model_names, model_directory, resolve_model, resolve_model_config
 
 class Architecture(Protocol):
@@ -35,13 +36,16 @@ class Architecture(Protocol):
 
     def embed(self, cfg: ModelConfig, w: dict, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
 
-    def layer(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, context: Any, attend: Attend) -> torch.Tensor: ...
+    # ``fetch``: where a sparse layer's experts load once it has routed (route-first loading).
+    def layer(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, context: Any, attend: Attend,
+              fetch: ExpertFetch | None = None) -> torch.Tensor: ...
 
     # A layer in two halves, for attention that runs elsewhere (on the CPU) between them.
     def attention_inputs(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, context: Any
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def after_attention(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor: ...
+    def after_attention(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor,
+                        fetch: ExpertFetch | None = None) -> torch.Tensor: ...
 
     def head(self, cfg: ModelConfig, w: dict, hidden: torch.Tensor) -> torch.Tensor: ...
 
@@ -95,6 +99,6 @@ def stage_specs(cfg: ModelConfig, stage: Stage) -> list[WeightSpec]:
 
 
 __all__ = [
-    "REGISTRY", "Architecture", "ModelConfig", "WeightSpec", "architecture", "config_from_dir", "gguf_path",
+    "REGISTRY", "Architecture", "ExpertFetch", "ModelConfig", "WeightSpec", "architecture", "config_from_dir", "gguf_path",
     "known_model_names",    "model_directory", "resolve_model", "resolve_model_config", "Stage", "stage_specs", "stages",
 ]

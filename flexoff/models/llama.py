@@ -122,20 +122,23 @@ def attention_inputs(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context):
     return q, _rotate(k, cos, sin), v
 
 
-def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """The layer from attention on: the layer's input hidden and attention's output -> its output hidden."""
+def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor,
+                    fetch: moe.ExpertFetch | None = None) -> torch.Tensor:
+    """The layer from attention on: the layer's input hidden and attention's output -> its output
+    hidden. ``fetch``: where a sparse layer's experts load once it has routed, if they do."""
     batch, seq, _ = hidden.shape
     attn = attn.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim)
     hidden = hidden + linear(attn, w["self_attn.o_proj.weight"])
 
     x = _rms_norm(cfg, hidden, w["post_attention_layernorm.weight"])
     sparse = moe.ROUTER in w  # the layer's specs say which MLP it has
-    return hidden + (moe.sparse_mlp(cfg, w, x) if sparse else moe.swiglu(w, x, "mlp."))
+    return hidden + (moe.sparse_mlp(cfg, w, x, fetch) if sparse else moe.swiglu(w, x, "mlp."))
 
 
-def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:
+def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend,
+          fetch: moe.ExpertFetch | None = None) -> torch.Tensor:
     """One decoder layer: (batch, seq, hidden) -> (batch, seq, hidden)."""
-    return after_attention(cfg, w, hidden, attend(*attention_inputs(cfg, w, hidden, context)))
+    return after_attention(cfg, w, hidden, attend(*attention_inputs(cfg, w, hidden, context)), fetch)
 
 
 def head(cfg: ModelConfig, w: dict, hidden: torch.Tensor) -> torch.Tensor:

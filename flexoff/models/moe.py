@@ -9,6 +9,8 @@ tokens are grouped by expert so that each expert's rows run as one matmul.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +26,17 @@ CHUNK_ELEMENTS = 1 << 29
 ROUTER = "mlp.router.weight"
 GATE_UP = "mlp.experts.gate_up"
 DOWN = "mlp.experts.down"
+
+
+@runtime_checkable
+class ExpertFetch(Protocol):
+    """Where a sparse layer's experts are loaded once it has routed (route-first loading): the
+    layer's caller passes one in, and the layer hands it each chunk's chosen experts before it
+    reads the expert stacks, so that their rows are in place by then (the runtime's stage weights
+    copy in those they do not hold yet). Without one, every expert is in place already."""
+
+    def fetch_experts(self, experts: torch.Tensor) -> None:
+        """``experts`` (tokens, k): the experts the tokens chose."""
 
 
 def mlp_specs(cfg: ModelConfig, index: int) -> list[WeightSpec]:
@@ -90,16 +103,16 @@ def _grouped_kernel_fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
             and all(t.data_ptr() % 16 == 0 for t in (rows, weight)))
 
 
-def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+               fetch: ExpertFetch | None = None) -> torch.Tensor:
     """x (tokens, hidden) through each token's chosen experts, weighted: (tokens, hidden).
 
     The (token, choice) pairs are sorted by expert, so each expert multiplies its tokens in one
     matmul, and the results are put back in pair order and summed over each token's choices in a
     fixed order (no atomic adds, so every run gives the same sums)."""
     tokens, k = experts.shape
-    fetch = getattr(w, "fetch_experts", None)
     if fetch is not None:  # route-first loading: only the chosen experts are copied in, now
-        fetch(experts)
+        fetch.fetch_experts(experts)
     flat = experts.reshape(-1)
     order = flat.argsort(stable=True)
     # Each expert's end in the sorted pairs. Not bincount: on CUDA it reads the largest id back to
@@ -114,20 +127,21 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
     return (unsorted.view(tokens, k, -1) * weights[..., None]).sum(dim=1)
 
 
-def sparse_mlp(cfg: ModelConfig, w, x: torch.Tensor) -> torch.Tensor:
-    """A sparse layer's MLP on the normalised hidden x (batch, seq, hidden), chunk_tokens at a time."""
+def sparse_mlp(cfg: ModelConfig, w, x: torch.Tensor, fetch: ExpertFetch | None = None) -> torch.Tensor:
+    """A sparse layer's MLP on the normalised hidden x (batch, seq, hidden), chunk_tokens at a time;
+    ``fetch``: where its experts load once routed (route-first loading), if anywhere."""
     flat, chunk = x.reshape(-1, x.shape[-1]), chunk_tokens(cfg)
     if len(flat) <= chunk:
-        return _sparse_chunk(cfg, w, flat).view_as(x)
+        return _sparse_chunk(cfg, w, flat, fetch).view_as(x)
     out = torch.empty_like(flat)
     for start in range(0, len(flat), chunk):
-        out[start:start + chunk] = _sparse_chunk(cfg, w, flat[start:start + chunk])
+        out[start:start + chunk] = _sparse_chunk(cfg, w, flat[start:start + chunk], fetch)
     return out.view_as(x)
 
 
-def _sparse_chunk(cfg: ModelConfig, w, flat: torch.Tensor) -> torch.Tensor:
+def _sparse_chunk(cfg: ModelConfig, w, flat: torch.Tensor, fetch: ExpertFetch | None) -> torch.Tensor:
     weights, experts = route(cfg, w[ROUTER], flat)
-    out = expert_mlp(cfg, w, flat, weights, experts)
+    out = expert_mlp(cfg, w, flat, weights, experts, fetch)
     if cfg.shared_expert_intermediate_size:
         shared = swiglu(w, flat, "mlp.shared_expert.")
         out = out + torch.sigmoid(linear(flat, w["mlp.shared_expert_gate.weight"])) * shared

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from .common import Attend, WeightSpec, linear, spec
 from .config import ModelConfig
+from .moe import ExpertFetch
 
 POSITION_OFFSET = 2  # OPT reserves the first two rows of its position table
 _PREFIXES = ("model.decoder.", "decoder.")
@@ -88,8 +89,10 @@ def attention_inputs(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context):
     return project("q_proj"), project("k_proj"), project("v_proj")
 
 
-def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """The layer from attention on: the layer's input hidden and attention's output -> its output hidden."""
+def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch.Tensor,
+                    fetch: ExpertFetch | None = None) -> torch.Tensor:
+    """The layer from attention on: the layer's input hidden and attention's output -> its output
+    hidden. ``fetch`` goes unused: OPT's MLP has no experts."""
     batch, seq, _ = hidden.shape
     pre_norm = cfg.do_layer_norm_before
     attn = attn.transpose(1, 2).reshape(batch, seq, cfg.num_heads * cfg.head_dim)
@@ -106,7 +109,8 @@ def after_attention(cfg: ModelConfig, w: dict, hidden: torch.Tensor, attn: torch
     return hidden
 
 
-def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend) -> torch.Tensor:
+def layer(cfg: ModelConfig, w: dict, hidden: torch.Tensor, context, attend: Attend,
+          fetch: ExpertFetch | None = None) -> torch.Tensor:
     """One decoder layer: (batch, seq, hidden) -> (batch, seq, hidden)."""
     return after_attention(cfg, w, hidden, attend(*attention_inputs(cfg, w, hidden, context)))
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import abc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +14,7 @@ from .activations import BatchActivations
 from .kv import BatchKV
 from .sampler import Ranked
 from .sampling import SamplingParams
+from .weight_store import StageWeights
 
 
 @dataclass
@@ -98,7 +100,7 @@ class GpuBatch:
         self.valid = slot[None, :] >= (self.prompt_len - self.lengths)[:, None]
         self.kv: BatchKV = make_kv(len(seqs), self.slots)
         self.activations: BatchActivations = make_activations(len(seqs), self.prompt_len)
-        self.active = True
+        self._active = True
         # The token in flight (set by begin_token): its inputs, first cache slot, mask and the
         # architecture's per-step context; the hidden state between stages.
         self.input_ids: torch.Tensor | None = None
@@ -108,6 +110,16 @@ class GpuBatch:
         self.context = None
         self.hidden: torch.Tensor | None = None
         self._finish: Callable[[], torch.Tensor] | None = None  # the rest of a layer whose attention runs on the host
+
+    @property
+    def active(self) -> bool:
+        """Whether the batch still runs: the one record of it, which the schedule reads through
+        ``Running`` and the interpreter clears (``retire``)."""
+        return self._active
+
+    def retire(self) -> None:
+        """The batch takes no further step of the block's schedule."""
+        self._active = False
 
     def slot_start(self, token: int) -> int:
         """First cache slot written at ``token`` (0 is the prefill)."""
@@ -146,18 +158,21 @@ class GpuBatch:
     def embed(self, weights: dict) -> None:
         self.hidden = self.arch.embed(self.cfg, weights, self.input_ids, self.positions)
 
-    def layer(self, layer: int, weights: dict) -> None:
-        """Decoder layer ``layer``, attention included (on the GPU, or waited for)."""
+    def layer(self, layer: int, weights: StageWeights) -> None:
+        """Decoder layer ``layer``, attention included (on the GPU, or waited for); a sparse layer's
+        experts load into ``weights`` once routed, where they load route first."""
         attend = self.kv.attender(layer, self.start, self.mask, self._expand if self.start == 0 else None)
-        self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend)
+        self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
 
-    def start_attention(self, layer: int, weights: dict) -> None:
+    def start_attention(self, layer: int, weights: StageWeights) -> None:
         """Decoder layer ``layer`` up to attention, which the host worker runs meanwhile; the rest
         is left to ``finish_attention``."""
         hidden, self.hidden = self.hidden, None
-        q, k, v = self.arch.attention_inputs(self.cfg, weights, hidden, self.context)
+        arch, cfg = self.arch, self.cfg
+        q, k, v = arch.attention_inputs(cfg, weights, hidden, self.context)
         attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
-        self._finish = lambda: self.arch.after_attention(self.cfg, weights, hidden, attended())
+        # Closed over locals, not self: the batch holding its own closure would be a cycle.
+        self._finish = lambda: arch.after_attention(cfg, weights, hidden, attended(), weights)
 
     def finish_attention(self) -> None:
         """Wait for the layer's attention, then enqueue the rest of it."""
@@ -172,3 +187,23 @@ class GpuBatch:
     def load_activation(self) -> None:
         """Bring the hidden state back to the compute device."""
         self.hidden = self.activations.get()
+
+
+class Running(abc.Sequence[bool]):
+    """Which of a block's GPU batches still run, as the schedule reads it between steps
+    (``block_schedule``'s ``active``): a view of each batch's own ``active``, so that the schedule,
+    the interpreter and the batch read one record."""
+
+    __slots__ = ("_batches",)
+
+    def __init__(self, batches: list[GpuBatch]):
+        self._batches = batches
+
+    def __getitem__(self, k: int) -> bool:
+        return self._batches[k].active
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def __iter__(self) -> Iterator[bool]:
+        return (batch.active for batch in self._batches)

@@ -1,59 +1,82 @@
 """One block's generation in flight: its GPU batches, their samplers and stop conditions, what a
-head step does with the logits, and the block's metrics once it ends."""
+head step does with the logits, and the block's metrics once it ends. It runs the block's
+interpreter and acts on the events it hands back."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import closing
+from dataclasses import dataclass
 
 import torch
 
-from ..models import architecture
+from ..models import ModelConfig, architecture
 from .batch import GpuBatch, Sequence
-from .metrics import Metrics
+from .interpreter import BlockInterpreter, HeadReady, TokensTaken
+from .metrics import Meter, Metrics
+from .pipeline import PipelineLink
 from .sampler import BatchSampler, prompt_ranked
-from .stopping import Decode, StopCondition
+from .stopping import StopCondition
+
+
+@dataclass(frozen=True)
+class BlockContext:
+    """What every block of a generation shares beyond its own batches."""
+
+    cfg: ModelConfig
+    logprob_positions: int  # positions whose prompt logprobs one pass of the head computes
+    meter: Meter
+    non_finite_cause: Callable[[], str]  # why logits turned non-finite: asked only once they have
+    link: PipelineLink | None = None  # a pipeline stage's peers
 
 
 class BlockRun:
-    """Made by the engine for each block it generates; ``run`` takes the block through a range of
-    its tokens (all of them, or one at a time in rotation with other blocks)."""
+    """One block, its collaborators made by its owner (one sampler per batch, one stop condition
+    per sequence, by ``id``); ``run`` takes it through a range of its tokens (all of them, or one
+    at a time in rotation with other blocks)."""
 
-    def __init__(self, engine, seqs: list[Sequence], decode: Decode | None,
-                 on_step: Callable[[int], None] | None, on_prefill: Callable[[], None] | None, blocks: int = 1,
-                 place: int = 0):
-        self.engine = engine
+    def __init__(self, seqs: list[Sequence], batches: list[GpuBatch], samplers: list[BatchSampler],
+                 stops: dict[int, StopCondition], interpreter: BlockInterpreter, context: BlockContext,
+                 on_step: Callable[[int], None] | None = None, on_prefill: Callable[[], None] | None = None):
         self.seqs = seqs
-        self.arch = architecture(engine.cfg)
+        self.batches = batches
+        self.samplers = samplers
+        self.stops = stops
+        self.interpreter = interpreter
+        self.context = context
+        self.arch = architecture(context.cfg)
         self.max_new = max(s.params.max_new_tokens for s in seqs)
-        self.batches = engine.make_batches(seqs, self.max_new, blocks, place)
         self.metrics = Metrics(num_sequences=len(seqs))
-        self.stops = {id(seq): StopCondition(seq.params, engine.cfg.eos_token_ids, decode) for seq in seqs}
-        self.samplers = {id(batch): BatchSampler(batch.seqs, engine.cfg.eos_token_ids, engine.cfg.vocab_size,
-                                                 engine.device) for batch in self.batches}
         self.on_step, self.on_prefill = on_step, on_prefill
         self.failed: list[Sequence] = []
         self.heads = self.received = 0  # head steps run here; batches' tokens taken from the head
-        self.interpreter = engine.interpreter(self.batches, self.sample, self.took_tokens)
         self.start, self.prefill_end = time.perf_counter(), None
 
     @property
     def going(self) -> bool:
-        return any(self.interpreter.active)
+        return any(self.interpreter.running)
 
     def run(self, tokens: range) -> None:
-        self.interpreter.run(self.max_new, tokens)
+        with closing(self.interpreter.run(self.max_new, tokens)) as events:
+            for event in events:
+                match event:
+                    case HeadReady(batch, weights):
+                        self.sample(batch, weights)
+                    case TokensTaken(_, count):
+                        self.took_tokens(count)
+                # A BatchFinished needs nothing here: the schedule reads it from the batch.
 
-    def sample(self, batch: GpuBatch, weights: dict) -> None:
-        """A head step: the batch's next tokens, their log-probabilities, and whether each sequence stops."""
-        engine, arch = self.engine, self.arch
+    def sample(self, k: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Batch k's head step: its next tokens, their log-probabilities, and whether each sequence stops."""
+        batch, cfg = self.batches[k], self.context.cfg
         if batch.start == 0:
             self.prompt_logprobs(batch, weights)
-        logits = arch.head(engine.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0]
+        logits = self.arch.head(cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0]
         # Its last hidden state is spent: held until the next token's embedding, every batch's
         # prefill states would fill the GPU by the block's last head step.
         batch.hidden = None
-        choice = self.samplers[id(batch)].choose(logits, [not s.finished for s in batch.seqs])
+        choice = self.samplers[k].choose(logits, [not s.finished for s in batch.seqs])
         top = choice.top or [None] * len(batch.seqs)
         produced = 0
         for seq, token, logprob, ok, alternatives in zip(batch.seqs, choice.tokens, choice.logprobs,
@@ -73,11 +96,10 @@ class BlockRun:
             seq.finish_reason = self.stops[id(seq)].add(token)
             seq.stop_reason = self.stops[id(seq)].reason
         self.metrics.padded_generated_tokens += len(batch.seqs)
-        batch.active = not all(s.finished for s in batch.seqs)
         self.heads += 1
         if self.heads == len(self.batches):  # the last batch's prefill just finished
             self.prefill_end = time.perf_counter()
-            engine.memory.sample()
+            self.context.meter.sample()
         self._progress(produced, self.heads)
 
     def took_tokens(self, came: int) -> None:
@@ -94,10 +116,10 @@ class BlockRun:
         if self.on_prefill and steps == len(self.batches):
             self.on_prefill()
 
-    def prompt_logprobs(self, batch: GpuBatch, weights: dict) -> None:
+    def prompt_logprobs(self, batch: GpuBatch, weights: Mapping[str, torch.Tensor]) -> None:
         """vLLM's prompt logprobs of the rows asking, from the prefill's hidden states: one row, and
         a bounded span of positions, at a time, so that (positions, vocab) logits stay small."""
-        span, arch = self.engine.logprob_positions, self.arch
+        span, cfg = self.context.logprob_positions, self.context.cfg
         for row, seq in enumerate(batch.seqs):
             k = seq.params.prompt_logprobs
             if k is None:
@@ -107,7 +129,7 @@ class BlockRun:
             hidden = batch.hidden[batch.prefill_row(row)][None, batch.prompt_len - length:-1]
             entries = [None]
             for start in range(0, length - 1, span):
-                logits = arch.head(self.engine.cfg, weights, hidden[:, start:start + span])[0].float()
+                logits = self.arch.head(cfg, weights, hidden[:, start:start + span])[0].float()
                 span_ids = seq.prompt_ids[start:start + span + 1]
                 entries += prompt_ranked(torch.log_softmax(logits, dim=-1), span_ids, k)[1:]
             seq.prompt_logprobs = entries
@@ -115,28 +137,31 @@ class BlockRun:
     def finish(self, end: float) -> Metrics:
         """The block's results in its sequences (on a pipeline's first device, from its last) and
         its metrics."""
-        engine, metrics, seqs, batches = self.engine, self.metrics, self.seqs, self.batches
-        link = engine.link
+        context, metrics, seqs, batches = self.context, self.metrics, self.seqs, self.batches
         self.prefill_end = self.prefill_end or end  # no head step ran here (a pipeline's devices before the last)
         metrics.prefill_time = self.prefill_end - self.start
         metrics.decode_time = end - self.prefill_end
-        if link is not None and not (link.place.first and link.place.last):
-            timing = ("prefill_time", "decode_time", "padded_generated_tokens")
-            if link.place.last:
-                link.send_results(seqs, {name: getattr(metrics, name) for name in timing})
-            elif link.place.first:  # the block's phases as the head saw them
-                for name, value in link.recv_results(seqs).items():
-                    setattr(metrics, name, value)
+        self._share_results()
         # GPU bytes of new keys and values kept for the store stream's copies to host rows, at most.
-        engine.memory.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
+        context.meter.extra["gpu_store_stream_peak"] = batches[0].kv.stores.peak
         # Prompt tokens the prefill computed: rows sharing a prompt in a GPU batch count it once.
         metrics.prompt_tokens = sum(b.prefill_tokens for b in batches)
         metrics.padded_prompt_tokens = sum(b.prompt_len * b.prefill_rows for b in batches)
         metrics.generated_tokens = sum(len(s.token_ids) for s in seqs)
-        metrics.peak_memory = engine.peak_memory()
+        metrics.peak_memory = context.meter.peaks()
         for seq in self.failed:  # outside the timed span: the scan reads every weight
-            seq.error = f"{seq.error}: {engine.non_finite_cause()}"
-        # The interpreter holds this run's head step: a cycle that would keep the block's cache
-        # (tens of GiB of pinned host memory) alive until a garbage collection, beside the next block's.
-        self.interpreter = None
+            seq.error = f"{seq.error}: {context.non_finite_cause()}"
         return metrics
+
+    def _share_results(self) -> None:
+        """In a pipeline, the head's device sends the sequences' results and its phases' times to
+        the embedding's, which takes them."""
+        link, metrics = self.context.link, self.metrics
+        if link is None or (link.place.first and link.place.last):
+            return
+        timing = ("prefill_time", "decode_time", "padded_generated_tokens")
+        if link.place.last:
+            link.send_results(self.seqs, {name: getattr(metrics, name) for name in timing})
+        elif link.place.first:  # the block's phases as the head saw them
+            for name, value in link.recv_results(self.seqs).items():
+                setattr(metrics, name, value)

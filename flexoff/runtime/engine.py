@@ -1,11 +1,13 @@
 """The engine: places the model on its tiers, then runs blocks of sequences: it forms a block's GPU
 batches and has the block schedule (schedule.py) run over them (interpreter.py); sampling, scoring
-and stopping happen at each HEAD step."""
+and stopping happen as each head step's event comes back (block_run.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from contextlib import closing
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,8 +17,8 @@ from ..models import ModelConfig, architecture, stages
 from ..weights import WeightSource
 from .activations import BatchActivations
 from .batch import GpuBatch, Sequence
-from .block_run import BlockRun
-from .interpreter import BlockInterpreter, HeadHook, Observer
+from .block_run import BlockContext, BlockRun
+from .interpreter import BlockInterpreter, HeadReady, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, check_fits, job_bytes, logprob_positions, owned_layers, pins_host_memory, weight_bytes
 from .memory import grow_segments_in_place
@@ -24,10 +26,22 @@ from .metrics import MemoryMeter, Metrics
 from .offload_dir import remove_dead_folders
 from .pipeline import PipelineLink
 from ..policy import Policy
+from .sampler import BatchSampler
 from .sampling import SamplingParams
-from .stopping import Decode
+from .stopping import Decode, StopCondition
 from .tiers import DiskTier, HostMemory, HostWorker, Streams
 from .weight_store import TieredWeights
+
+HeadHook = Callable[[GpuBatch, Mapping[str, torch.Tensor]], None]  # scores a batch from the head's weights
+
+
+def held_bytes(weights: TieredWeights, disk: DiskTier | None) -> dict[str, int]:
+    """Bytes flexoff holds outside the allocator's and the resident set's counts: the host's
+    weights, and what is reserved on disk."""
+    held = {"cpu_weights": weights.bytes["cpu"]}
+    if disk is not None:
+        held["disk"] = disk.bytes_reserved
+    return held
 
 
 def logprob_chunks(rows: int, positions: int, per_chunk: int):
@@ -59,7 +73,6 @@ class Engine:
         self.link = link
         self.owned = link.place.owned if link is not None else None
         grow_segments_in_place(device)
-        self.memory = MemoryMeter(device)
         self.streams = Streams(device, policy.overlap)
         # Host-side cache work (see kv.py), on one thread for the engine's lifetime.
         self.worker: HostWorker | None = HostWorker(device, self.streams, policy.pin_cpu_memory)
@@ -85,6 +98,7 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        self.memory = MemoryMeter(device, partial(held_bytes, self.weights, self.disk))
         # Requested and realised weight fractions per tier, the worst per-stage deviation, and the
         # bytes of weights stored on each tier.
         self.placement_report = {
@@ -141,14 +155,18 @@ class Engine:
                                     make_kv, make_activations))
         return batches
 
-    def interpreter(self, batches: list[GpuBatch], on_head: HeadHook,
-                    on_tokens: Callable[[int], None] | None = None) -> BlockInterpreter:
-        return BlockInterpreter(batches, self.stages, self.weights, self.worker, on_head, self.observer, self.link,
-                                on_tokens)
+    def interpreter(self, batches: list[GpuBatch]) -> BlockInterpreter:
+        return BlockInterpreter(batches, self.stages, self.weights, self.worker, self.observer, self.link)
 
-    def _execute(self, batches: list[GpuBatch], num_tokens: int, on_head: HeadHook) -> None:
-        """Run the block schedule; it ends early once every batch has finished."""
-        self.interpreter(batches, on_head).run(num_tokens)
+    def _block_run(self, seqs: list[Sequence], decode: Decode | None, context: BlockContext, blocks: int, place: int,
+                   on_step: Callable[[int], None] | None, on_prefill: Callable[[], None] | None) -> BlockRun:
+        """Block ``place`` of ``blocks`` in rotation, with its batches, samplers, stop conditions
+        and interpreter."""
+        batches = self.make_batches(seqs, max(s.params.max_new_tokens for s in seqs), blocks, place)
+        eos, vocab = self.cfg.eos_token_ids, self.cfg.vocab_size
+        samplers = [BatchSampler(batch.seqs, eos, vocab, self.device) for batch in batches]
+        stops = {id(seq): StopCondition(seq.params, eos, decode) for seq in seqs}
+        return BlockRun(seqs, batches, samplers, stops, self.interpreter(batches), context, on_step, on_prefill)
 
     def generate_block(self, seqs: list[Sequence], decode: Decode | None = None,
                        on_step: Callable[[int], None] | None = None,
@@ -170,7 +188,9 @@ class Engine:
         device runs one block's token over its stages while its neighbours run the others').
         One block runs its tokens one after another."""
         self.memory.reset()
-        runs = [BlockRun(self, seqs, decode, on_step, on_prefill, len(blocks), n) for n, seqs in enumerate(blocks)]
+        context = BlockContext(self.cfg, self.logprob_positions, self.memory, self.non_finite_cause, self.link)
+        runs = [self._block_run(seqs, decode, context, len(blocks), n, on_step, on_prefill)
+                for n, seqs in enumerate(blocks)]
         self.weights.begin_block(max(len(b.seqs) for run in runs for b in run.batches),
                                  max(len(run.batches) for run in runs))
         if len(runs) == 1:  # one schedule for all its tokens: a token's first stage loads during the last
@@ -202,17 +222,18 @@ class Engine:
     def peak_memory(self) -> dict[str, int]:
         """Peak bytes per tier: the GPU allocator's peak, the host bytes flexoff holds for weights
         and the process's resident set, and the bytes reserved on disk."""
-        peaks = self.memory.peaks()
-        peaks["cpu_weights"] = self.weights.bytes["cpu"]
-        if self.disk is not None:
-            peaks["disk"] = self.disk.bytes_reserved
-        return peaks
+        return self.memory.peaks()
 
     def _prefill_only(self, token_lists: list[list[int]], on_head: HeadHook) -> None:
+        """One prefill of the token lists, ``on_head`` taking each batch at its head step."""
         greedy = SamplingParams(max_new_tokens=1)
         seqs = [Sequence(i, ids, greedy, self.seed) for i, ids in enumerate(token_lists)]
-        self._execute(self.make_batches(seqs, 0), 1, on_head)
-        if self.link is not None:  # a pipeline's head hook ran on its last device only
+        batches = self.make_batches(seqs, 0)
+        with closing(self.interpreter(batches).run(1)) as events:
+            for event in events:
+                if isinstance(event, HeadReady):
+                    on_head(batches[event.batch], event.weights)
+        if self.link is not None:  # a pipeline's head steps ran on its last device only
             self.link.flush()
 
     def last_logits(self, token_lists: list[list[int]]) -> torch.Tensor:
@@ -220,7 +241,7 @@ class Engine:
         arch = architecture(self.cfg)
         out = torch.empty(len(token_lists), self.cfg.vocab_size)
 
-        def keep(batch: GpuBatch, weights: dict) -> None:
+        def keep(batch: GpuBatch, weights: Mapping[str, torch.Tensor]) -> None:
             logits = arch.head(self.cfg, weights, batch.row_hidden(slice(-1, None)))[:, 0].float().cpu()
             for row, seq in enumerate(batch.seqs):
                 out[seq.index] = logits[row]
@@ -234,7 +255,7 @@ class Engine:
         results: list[list[float]] = [[] for _ in prompts]
         lengths = [len(c) for c in continuations]
 
-        def score(batch: GpuBatch, weights: dict) -> None:
+        def score(batch: GpuBatch, weights: Mapping[str, torch.Tensor]) -> None:
             span = max(lengths[s.index] for s in batch.seqs)
             # Logits at slot j predict the token at slot j + 1; continuations end at the right edge.
             hidden = batch.row_hidden(slice(-span - 1, -1))

@@ -1,20 +1,50 @@
-"""Runs the block schedule: one handler per kind of step, over the block's GPU batches."""
+"""Runs the block schedule: one handler per kind of step, over the block's GPU batches. It hands
+its owner what happened as events (a head ready to sample or score, tokens taken from a
+pipeline's head device, a batch finished) and calls nothing of its owner's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
 
 from ..models import Stage
-from .batch import GpuBatch
+from .batch import GpuBatch, Running
 from .pipeline import PipelineLink
-from .schedule import (COMPUTE, FINISH_ATTENTION, HEAD, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, RECV_ACTIVATION,
-                       RECV_TOKENS, RELEASE_WEIGHTS, SEND_ACTIVATION, SEND_TOKENS, START_ATTENTION, STORE_ACTIVATION,
-                       SYNC, BlockShape, Step, block_schedule)
+from .schedule import BlockShape, Step, block_schedule
 from .tiers import HostWorker
 from .weight_store import TieredWeights
 
-HeadHook = Callable[[GpuBatch, dict], None]  # samples or scores a batch from the head's weights
 Observer = Callable[[Step], None]
+
+
+@dataclass(frozen=True)
+class HeadReady:
+    """Batch ``batch`` has been through the last stage and the head's ``weights`` are ready: its
+    owner samples or scores it now, before the schedule goes on."""
+
+    batch: int
+    weights: Mapping[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TokensTaken:
+    """A pipeline's first device took ``count`` new tokens of batch ``batch`` from the head's device."""
+
+    batch: int
+    count: int
+
+
+@dataclass(frozen=True)
+class BatchFinished:
+    """Batch ``batch`` takes no further step: its sequences have all finished, or (on a pipeline's
+    device without the head or the embedding) the device before said so."""
+
+    batch: int
+
+
+Event = HeadReady | TokensTaken | BatchFinished
 
 
 def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned: range | None = None,
@@ -33,31 +63,38 @@ def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned
 
 
 class BlockInterpreter:
-    """Takes the schedule's steps one by one; ``observer`` (if any) sees each step before it runs."""
+    """Takes the schedule's steps one by one. Each step kind is the name of its handler (the
+    method ``compute`` runs a COMPUTE step), so a new kind is one more method; a handler returns
+    the event its step makes, or None. ``observer`` (if any) sees each step before it runs."""
 
     def __init__(self, batches: list[GpuBatch], stages: list[Stage], weights: TieredWeights, worker: HostWorker,
-                 on_head: HeadHook, observer: Observer | None = None, link: PipelineLink | None = None,
-                 on_tokens: Callable[[int], None] | None = None):
+                 observer: Observer | None = None, link: PipelineLink | None = None):
         self.batches = batches
         self.stages = stages
         self.weights = weights
         self.worker = worker
-        self.on_head = on_head
         self.observer = observer
         self.link = link  # a pipeline stage's peers (None: this device runs every stage)
-        self.on_tokens = on_tokens  # a pipeline's first device: told of each batch's tokens from the head
-        self.active = [True] * len(batches)  # read by the schedule between steps
-        self._head_weights: dict[int, dict] = {}
+        self.running = Running(batches)  # which batches still run: read by the schedule between steps
+        self._head_weights: dict[int, Mapping[str, torch.Tensor]] = {}
 
-    def run(self, num_tokens: int, tokens: range | None = None) -> None:
-        """The block's schedule for ``tokens`` of its ``num_tokens`` (default: all of them)."""
+    def run(self, num_tokens: int, tokens: range | None = None) -> Iterator[Event]:
+        """The block's schedule for ``tokens`` of its ``num_tokens`` (default: all of them), as the
+        events of its steps. The schedule goes on once the owner asks for the next event, and then
+        reads what the owner did with this one (a head step's sampling finishes sequences): a batch
+        whose sequences have all finished leaves it, with a BatchFinished. An owner that stops early
+        closes the iterator (``contextlib.closing``), which waits for the host's jobs."""
         shape = block_shape(self.batches, num_tokens, len(self.stages), self.link and self.link.place.owned, tokens)
-        handlers, observer = _HANDLERS, self.observer
+        observer = self.observer
         try:
-            for step in block_schedule(shape, self.active):
+            for step in block_schedule(shape, self.running):
                 if observer is not None:
                     observer(step)
-                getattr(self, handlers[step.kind])(step)
+                event = getattr(self, step.kind)(step)
+                if event is not None:
+                    yield event
+                    if self._all_finished(event.batch):
+                        yield self._finished(event.batch)
         except BaseException:
             self.worker.drain()  # no host job may outlive the block's cache (or hide its error)
             raise
@@ -73,7 +110,7 @@ class BlockInterpreter:
         self.batches[step.batch].load_activation()
 
     def compute(self, step: Step) -> None:
-        """The stage for one batch; the head's weights are kept for the HEAD step, which samples."""
+        """The stage for one batch; the head's weights are kept for the HEAD step."""
         batch = self.batches[step.batch]
         if step.stage == 0:
             batch.begin_token(step.token)
@@ -97,10 +134,8 @@ class BlockInterpreter:
     def release_weights(self, step: Step) -> None:
         self.weights.release(self.stages[step.stage])
 
-    def head(self, step: Step) -> None:
-        batch = self.batches[step.batch]
-        self.on_head(batch, self._head_weights.pop(step.batch))
-        self.active[step.batch] = batch.active
+    def head(self, step: Step) -> HeadReady:
+        return HeadReady(step.batch, self._head_weights.pop(step.batch))
 
     # A pipeline stage's messages
     def send_activation(self, step: Step) -> None:
@@ -108,39 +143,31 @@ class BlockInterpreter:
         self.link.send_hidden(step.batch, batch.hidden)
         batch.hidden = None
 
-    def recv_activation(self, step: Step) -> None:
+    def recv_activation(self, step: Step) -> BatchFinished | None:
         batch = self.batches[step.batch]
         batch.begin_token(step.token)
         batch.hidden = self.link.recv_hidden(step.batch, (*batch.input_ids.shape, batch.cfg.hidden_size))
-        if batch.hidden is None:  # finished: the schedule takes no further step of it
-            self._finished(step.batch)
+        return self._finished(step.batch) if batch.hidden is None else None
 
     def send_tokens(self, step: Step) -> None:
         batch = self.batches[step.batch]
         self.link.send_tokens(step.batch, batch.seqs, batch.pad)
 
-    def recv_tokens(self, step: Step) -> None:
-        batch = self.batches[step.batch]
-        came = self.link.recv_tokens(step.batch, batch.seqs)
-        if self.on_tokens is not None:
-            self.on_tokens(came)
-        if all(s.finished for s in batch.seqs):
-            self._finished(step.batch)
+    def recv_tokens(self, step: Step) -> TokensTaken:
+        return TokensTaken(step.batch, self.link.recv_tokens(step.batch, self.batches[step.batch].seqs))
 
-    def _finished(self, k: int) -> None:
-        self.batches[k].active = self.active[k] = False
-        if self.link.forwards_marks():
+    def _all_finished(self, k: int) -> bool:
+        """Whether batch k still runs though each of its sequences has finished (at the head, or as
+        the head's device told the embedding's)."""
+        batch = self.batches[k]
+        return batch.active and all(s.finished for s in batch.seqs)
+
+    def _finished(self, k: int) -> BatchFinished:
+        """Batch k leaves the schedule; the devices after this one hear of it, up to the head's."""
+        self.batches[k].retire()
+        if self.link is not None and self.link.forwards_marks():
             self.link.send_hidden(k, None)
+        return BatchFinished(k)
 
     def sync(self, step: Step) -> None:
         self.worker.drain()
-
-
-# Each step kind's handler by name: a table of an interpreter's own bound methods would be a cycle
-# that keeps its block (and the block's cache) alive until a garbage collection.
-_HANDLERS: dict[str, str] = {
-    LOAD_WEIGHTS: "load_weights", LOAD_CACHE: "load_cache", LOAD_ACTIVATION: "load_activation", COMPUTE: "compute",
-    START_ATTENTION: "start_attention", FINISH_ATTENTION: "finish_attention", STORE_ACTIVATION: "store_activation",
-    RELEASE_WEIGHTS: "release_weights", HEAD: "head", SYNC: "sync", SEND_ACTIVATION: "send_activation",
-    RECV_ACTIVATION: "recv_activation", SEND_TOKENS: "send_tokens", RECV_TOKENS: "recv_tokens",
-}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import psutil
 import torch
@@ -92,11 +94,25 @@ class Metrics:
         }
 
 
-class MemoryMeter:
-    """Peak memory per tier: CUDA's allocator peak, the process's resident set, bytes on disk."""
+class Meter(Protocol):
+    """Memory as a block reads and records it."""
 
-    def __init__(self, device: torch.device):
+    extra: dict[str, int]  # peaks measured elsewhere, by name, reported with the others
+
+    def sample(self) -> None:
+        """Measure now: called at phase boundaries, where the working set is largest."""
+
+    def peaks(self) -> dict[str, int]:
+        """Peak bytes by tier, and the extra ones."""
+
+
+class MemoryMeter:
+    """Peak memory per tier: CUDA's allocator peak, the process's resident set, and what ``held``
+    tells (bytes held outside both counts, such as the host's weights and the disk's files)."""
+
+    def __init__(self, device: torch.device, held: Callable[[], dict[str, int]] = dict):
         self.device = device
+        self.held = held
         self._process = psutil.Process()
         self._cpu_peak = 0
         self.extra: dict[str, int] = {}
@@ -108,7 +124,7 @@ class MemoryMeter:
         self.sample()
 
     def sample(self) -> None:
-        """Read RSS now; called at phase boundaries, where the working set is largest."""
+        """Read RSS now."""
         self._cpu_peak = max(self._cpu_peak, self._process.memory_info().rss)
 
     def peaks(self) -> dict[str, int]:
@@ -120,4 +136,5 @@ class MemoryMeter:
             # reserved (record_stream), and the allocator's rounding and segments count too.
             peaks["gpu_reserved"] = torch.cuda.max_memory_reserved(self.device)
         peaks.update(self.extra)
+        peaks.update(self.held())
         return peaks

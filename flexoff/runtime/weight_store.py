@@ -23,7 +23,7 @@ and batch on the host).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -115,13 +115,14 @@ class StageWeights(Mapping):
     the current stream: without ``dequantized``, into a scratch buffer that the next read reuses
     (read each matrix just before the operation that consumes it, and do not keep it past the next
     read); with it (the stage's matrices dequantized so far, by name, shared by the stage's
-    mappings), each into its own place in the scratch on first read, kept for later reads."""
+    mappings), each into its own place in the scratch on first read, kept for later reads.
+
+    It is also where the stage's experts load once a sparse layer has routed (``models.moe.ExpertFetch``)."""
 
     def __init__(self, tensors: dict[str, Stored], scratch: torch.Tensor | None,
-                 dequantized: dict[str, torch.Tensor] | None = None, fetch_experts=None):
-        # With route-first loading, what a sparse layer calls with its tokens' chosen experts
-        # (tokens, k) before it reads the expert stacks: it copies those experts in.
-        self.fetch_experts = fetch_experts
+                 dequantized: dict[str, torch.Tensor] | None = None,
+                 fetch: Callable[[torch.Tensor], None] | None = None):
+        self._fetch = fetch  # with route-first loading: copies chosen experts in
         self._tensors = tensors
         self._scratch = scratch
         self._dequantized = dequantized
@@ -138,6 +139,12 @@ class StageWeights(Mapping):
             done = dequantize(value, out=self._scratch[used:used + value.numel()].view(value.shape))
             self._dequantized[name] = done
         return done
+
+    def fetch_experts(self, experts: torch.Tensor) -> None:
+        """Copy in those of the experts a sparse layer's tokens chose (tokens, k) that its buffers
+        lack, for compute enqueued after this call; without route-first loading all are in place."""
+        if self._fetch is not None:
+            self._fetch(experts)
 
     def __contains__(self, name) -> bool:  # without reading (and dequantizing) the tensor
         return name in self._tensors

@@ -88,6 +88,50 @@ def test_long_prefills_route_in_chunks_with_the_same_result(monkeypatch):
     torch.testing.assert_close(moe.sparse_mlp(cfg, w, x), whole, rtol=1e-5, atol=1e-6 * scale)
 
 
+def test_a_sparse_layer_hands_each_chunks_choice_to_its_fetch_before_it_reads_the_experts(monkeypatch):
+    """Route-first loading is a collaborator the layer is given: each chunk's chosen experts go to it
+    after the router is read and before the expert stacks are, and the output is the plain one."""
+    cfg = REGISTRY["mixtral-8x7b"].replace(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4,
+                                           expert_intermediate_size=16)
+    generator = torch.Generator().manual_seed(3)
+    plain = {moe.ROUTER: torch.randn(4, 32, generator=generator), moe.GATE_UP: torch.randn(4, 32, 32, generator=generator),
+             moe.DOWN: torch.randn(4, 32, 16, generator=generator)}
+    log = []
+
+    class Reads(dict):
+        def __getitem__(self, name):
+            log.append(name)
+            return super().__getitem__(name)
+
+    class Fetch:
+        def fetch_experts(self, experts):
+            log.append(experts.clone())
+
+    assert isinstance(Fetch(), moe.ExpertFetch)
+    monkeypatch.setattr(moe, "chunk_tokens", lambda cfg: 8)
+    x = torch.randn(3, 7, 32, generator=generator)
+    out = moe.sparse_mlp(cfg, Reads(plain), x, Fetch())
+    fetched = [n for n, entry in enumerate(log) if isinstance(entry, torch.Tensor)]
+    assert len(fetched) == 3  # 21 tokens, 8 at a time
+    assert all(log[n - 1] == moe.ROUTER and log[n + 1] == moe.GATE_UP for n in fetched)
+    flat = x.reshape(-1, 32)
+    for chunk, n in enumerate(fetched):
+        assert torch.equal(log[n], moe.route(cfg, plain[moe.ROUTER], flat[8 * chunk:8 * chunk + 8])[1])
+    torch.testing.assert_close(out, moe.sparse_mlp(cfg, plain, x), rtol=0, atol=0)
+
+
+def test_the_runtimes_stage_weights_are_an_expert_fetch():
+    """A stage's weights fetch the chosen experts where the block routes first, and do nothing else."""
+    from flexoff.runtime.weight_store import StageWeights
+
+    chosen, calls = torch.tensor([[1, 3]]), []
+    routed, ahead = StageWeights({}, None, fetch=calls.append), StageWeights({}, None)
+    assert isinstance(routed, moe.ExpertFetch) and isinstance(ahead, moe.ExpertFetch)
+    routed.fetch_experts(chosen)
+    ahead.fetch_experts(chosen)
+    assert calls == [chosen]
+
+
 def test_auto_dtype_is_the_models_own_on_cuda(tiny_model_dir, tmp_path):
     """bfloat16 checkpoints run in bfloat16 on a GPU (fp16 may overflow them), float16 and float32
     ones in fp16; the CPU computes fp32 whatever the model."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flexoff.policy import Policy, TierFractions
-from flexoff.runtime.batch import GpuBatch, Sequence
+from flexoff.runtime.batch import GpuBatch, Running, Sequence
 from flexoff.runtime.block_run import BlockRun
 from flexoff.runtime.engine import Engine
 from flexoff.runtime.interpreter import BlockInterpreter
@@ -17,7 +17,7 @@ from flexoff.runtime.sampling import SamplingParams
 from flexoff.models.registry import resolve_model
 from flexoff.weights.checkpoint import CheckpointWeights
 
-BLOCK_TYPES = (BlockRun, BlockInterpreter, GpuBatch, BatchKV, BlockKV)
+BLOCK_TYPES = (BlockRun, BlockInterpreter, Running, GpuBatch, BatchKV, BlockKV)
 
 
 def _alive() -> list[str]:

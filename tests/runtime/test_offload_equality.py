@@ -184,17 +184,17 @@ def test_offloaded_activations_keep_only_their_gpu_rows_on_the_gpu():
 def test_no_batch_holds_its_hidden_state_past_its_head_step(tiny_model_dir, monkeypatch):
     """After a batch's head step at most the next batch, whose input is loaded a batch ahead, holds a
     hidden state: the block's batches do not each keep their prefill's last one on the GPU."""
-    from flexoff.runtime import interpreter
+    from flexoff.runtime.block_run import BlockRun
 
     path, _ = tiny_model_dir("llama-gqa")
     held = []
-    real = interpreter.BlockInterpreter.head
+    real = BlockRun.sample
 
-    def head(self, step):
-        real(self, step)
+    def sample(self, k, weights):
+        real(self, k, weights)
         held.append(sum(b.hidden is not None for b in self.batches))
 
-    monkeypatch.setattr(interpreter.BlockInterpreter, "head", head)
+    monkeypatch.setattr(BlockRun, "sample", sample)
     generate(path, policy(activations=ON_CPU), params=PARAMS)
     assert held and max(held) <= 1
 
