@@ -32,7 +32,7 @@ import torch
 from ..layout import CPU_ATTENTION_ROWS, split_rows
 from ..models import ModelConfig
 from ..models.common import attention
-from .kv_groups import KVWorkspace, TierRows, copy_async, own_rows
+from .kv_groups import KVWorkspace, RowsHome, TierRows, copy_async, own_rows, tier_rows
 from .kv_storage import SLOT_MAJOR, kv_format
 from ..policy import TIERS, Policy
 from .tiers import DiskTier, HostMemory, HostWorker, StoreQueue, Streams, read_pinned
@@ -93,8 +93,8 @@ class BatchKV:
         self.stores = block.stores
         self.fmt = kv_format(policy.compress_cache, block.dtype)
         layers = range(block.cfg.num_layers) if block.layers is None else block.layers
-        self.groups = [TierRows(p, block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk,
-                              policy.cpu_attention, f"{name}.{p.tier}")
+        home = RowsHome(block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk)
+        self.groups = [tier_rows(p, home, policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
         # layer -> (workspace set, event marking its CPU rows' load done, the worker's disk rows' load)
         self._loaded: dict[int, tuple] = {}
