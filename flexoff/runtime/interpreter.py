@@ -7,9 +7,9 @@ from collections.abc import Callable
 from ..models import Stage
 from .batch import GpuBatch
 from .pipeline import PipelineLink
-from .schedule import (COMPUTE, FINISH_ATTENTION, HEAD, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, RECV_ACTIVATION,
-                       RECV_TOKENS, RELEASE_WEIGHTS, SEND_ACTIVATION, SEND_TOKENS, START_ATTENTION, STORE_ACTIVATION,
-                       SYNC, BlockShape, Step, block_schedule)
+from .schedule import (COMPUTE, FINISH_ATTENTION, HEAD, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS, READ_CACHE,
+                       RECV_ACTIVATION, RECV_TOKENS, RELEASE_WEIGHTS, SEND_ACTIVATION, SEND_TOKENS, START_ATTENTION,
+                       STORE_ACTIVATION, SYNC, BlockShape, Step, block_schedule)
 from .tiers import HostWorker
 from .weight_store import TieredWeights
 
@@ -27,7 +27,7 @@ def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned
 
     return BlockShape(num_tokens, num_stages, len(batches), frozenset(range(1, num_stages - 1)),
                       cpu_attention=having(lambda b: b.kv.decodes_on_host),
-                      travelling_cache=having(lambda b: b.kv.travels),
+                      travelling_cache=having(lambda b: b.kv.travels), disk_reads=having(lambda b: b.kv.reads_ahead),
                       offloaded_activations=having(lambda b: b.activations.offloaded),
                       first_stage=owned.start, stop_stage=owned.stop, tokens=tokens)
 
@@ -68,6 +68,10 @@ class BlockInterpreter:
     def load_cache(self, step: Step) -> None:
         batch = self.batches[step.batch]
         batch.kv.prefetch(step.stage - 1, batch.slot_start(step.token))
+
+    def read_cache(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        batch.kv.read_ahead(step.stage - 1, batch.slot_start(step.token))
 
     def load_activation(self, step: Step) -> None:
         self.batches[step.batch].load_activation()
@@ -143,4 +147,5 @@ _HANDLERS: dict[str, str] = {
     START_ATTENTION: "start_attention", FINISH_ATTENTION: "finish_attention", STORE_ACTIVATION: "store_activation",
     RELEASE_WEIGHTS: "release_weights", HEAD: "head", SYNC: "sync", SEND_ACTIVATION: "send_activation",
     RECV_ACTIVATION: "recv_activation", SEND_TOKENS: "send_tokens", RECV_TOKENS: "recv_tokens",
+    READ_CACHE: "read_cache",
 }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -159,6 +160,9 @@ class DiskRows(TierRows):
         # the layer before is copied out of the other. New slots are written out through a pair of
         # their own, since reads of other layers may be refilling the staging pairs meanwhile.
         self.staging = [self._pair(shape, empty) for _ in range(2)]
+        # Per staging pair: the job that last copied out of it into the workspace, whose result
+        # is the copy's event (None on the CPU). The main thread alone sets and reads it.
+        self.copied_out: list[Future | None] = [None, None]
         self.outbox = self._pair(shape, empty)
         self.slot_ring = [self._pair(self._shape(home, 1), empty) for _ in range(DISK_SLOT_RING)]
         self._ring_writes: list = [None] * DISK_SLOT_RING  # each pair's last write to the files (a Future)

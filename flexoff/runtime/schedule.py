@@ -16,6 +16,9 @@ rules that make it overlap:
   the finish, and so does the RELEASE_WEIGHTS of the layer's weights.
 - RELEASE_WEIGHTS follows every compute (the buffers may be reloaded once the last compute reading
   them is enqueued); the cache's new slot is stored by the compute itself.
+- A travelling cache's disk rows are read a layer ahead: READ_CACHE of layer j + 1 comes right
+  after the LOAD_CACHE of layer j, so the drive works while layer j loads and computes (the first
+  layer's rows are read by its own LOAD_CACHE).
 - HEAD (sample or score) comes once the other batches' pending layers are finished; a batch that
   has finished takes no further step, and once none is left the block ends with SYNC (every host
   job done).
@@ -46,6 +49,7 @@ from typing import NamedTuple
 
 LOAD_WEIGHTS = "load_weights"
 LOAD_CACHE = "load_cache"
+READ_CACHE = "read_cache"  # disk rows of a travelling cache: read into host staging a layer ahead of LOAD_CACHE
 LOAD_ACTIVATION = "load_activation"
 COMPUTE = "compute"
 START_ATTENTION = "start_attention"
@@ -84,6 +88,7 @@ class BlockShape:
     first_stage: int = 0  # the stages this device runs: first_stage up to stop_stage
     stop_stage: int | None = None  # None: to the last stage
     tokens: range | None = None  # the tokens run now (None: all): one at a time, blocks take turns
+    disk_reads: frozenset[int] = frozenset()  # travelling batches with disk rows, read a layer ahead
 
     @property
     def owned(self) -> range:
@@ -94,7 +99,8 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
     """The data movement of the zig-zag order, before the overlap rules: weight loads one stage
     ahead, each batch's cache and activation loads one batch ahead of its compute, and its
     activation store one batch behind. Stage 0 (fed token ids) loads no activations and the last
-    stage (which samples) stores none; caches load only to decode."""
+    stage (which samples) stores none; caches load only to decode, and disk rows are read a layer
+    ahead of their load."""
     num_batches, owned = shape.num_batches, shape.owned
     tokens = range(shape.num_tokens) if shape.tokens is None else shape.tokens
     first, last_stage = owned.start, owned.stop - 1
@@ -110,6 +116,8 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
     def cache_load(i: int, j: int, k: int) -> Iterator[Step]:
         if i > 0 and j in shape.cache_stages and k in shape.travelling_cache:
             yield Step(LOAD_CACHE, i, j, k)
+            if k in shape.disk_reads and j + 1 in shape.cache_stages and j < last_stage:
+                yield Step(READ_CACHE, i, j + 1, k)  # the drive's latency passes behind this layer's load
 
     def store(i: int, j: int, k: int) -> Iterator[Step]:
         if j < last_stage and k in shape.offloaded_activations:
@@ -212,7 +220,7 @@ class _Overlap:
                 yield step
         elif step.kind == COMPUTE:
             yield from self.compute(step)
-        else:  # a cache load: the cache is the batch's own, nothing waits for it
+        else:  # a cache's read or load: the cache is the batch's own, nothing waits for it
             yield step
 
     def compute(self, step: Step) -> Iterator[Step]:
