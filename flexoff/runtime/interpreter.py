@@ -27,7 +27,8 @@ def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned
 
     return BlockShape(num_tokens, num_stages, len(batches), frozenset(range(1, num_stages - 1)),
                       cpu_attention=having(lambda b: b.kv.decodes_on_host),
-                      travelling_cache=having(lambda b: b.kv.travels), disk_reads=having(lambda b: b.kv.reads_ahead),
+                      travelling_cache=having(lambda b: b.kv.travels),
+                      disk_reads=having(lambda b: b.kv.reads_ahead),
                       offloaded_activations=having(lambda b: b.activations.offloaded),
                       first_stage=owned.start, stop_stage=owned.stop, tokens=tokens)
 
