@@ -58,6 +58,7 @@ def block_shape(batches: list[GpuBatch], num_tokens: int, num_stages: int, owned
     return BlockShape(num_tokens, num_stages, len(batches), frozenset(range(1, num_stages - 1)),
                       cpu_attention=having(lambda b: b.kv.decodes_on_host),
                       travelling_cache=having(lambda b: b.kv.travels),
+                      disk_reads=having(lambda b: b.kv.reads_ahead),
                       offloaded_activations=having(lambda b: b.activations.offloaded),
                       first_stage=owned.start, stop_stage=owned.stop, tokens=tokens)
 
@@ -105,6 +106,10 @@ class BlockInterpreter:
     def load_cache(self, step: Step) -> None:
         batch = self.batches[step.batch]
         batch.kv.prefetch(step.stage - 1, batch.slot_start(step.token))
+
+    def read_cache(self, step: Step) -> None:
+        batch = self.batches[step.batch]
+        batch.kv.read_ahead(step.stage - 1, batch.slot_start(step.token))
 
     def load_activation(self, step: Step) -> None:
         self.batches[step.batch].load_activation()

@@ -14,9 +14,9 @@ keys and values; the cache only keeps them.
 New slots of a travelling CPU cache (slot-major, so a slot is one contiguous run) are stored by
 asynchronous copies on the store stream, enqueued by the main thread; the load of that layer's
 cache for the next token waits for them on the GPU, so no thread waits. Other host work (writing
-new slots into a row-major CPU cache or to disk, reading disk rows in, CPU attention) runs on the
-engine's one :class:`~.tiers.HostWorker` thread, so the main thread never waits for a
-device-to-host copy or a file and keeps enqueuing GPU work. The worker runs jobs in order, which
+new slots into a row-major CPU cache or to disk, CPU attention) runs on the engine's one
+:class:`~.tiers.HostWorker` thread, and disk rows' reads on its reader threads, so the main thread
+never waits for a device-to-host copy or a file and keeps enqueuing GPU work. The worker runs jobs in order, which
 orders every write to a layer's host cache before the next read of it.
 """
 
@@ -32,7 +32,8 @@ import torch
 from ..layout import CPU_ATTENTION_ROWS, split_rows
 from ..models import ModelConfig
 from ..models.common import attention
-from .kv_groups import KVWorkspace, TierRows, copy_async, own_rows
+from .kv_groups import DiskRows, KVWorkspace, RowsHome, TierRows, copy_async, own_rows, tier_rows
+from .kv_state import LayerKV, Load
 from .kv_storage import SLOT_MAJOR, kv_format
 from ..policy import TIERS, Policy
 from .tiers import DiskTier, HostMemory, HostWorker, StoreQueue, Streams, read_pinned
@@ -77,7 +78,9 @@ class BatchKV:
 
     Its host work runs on the block's worker thread; the state read there (a layer's storage, the
     output landing buffer) is handed over by the jobs themselves, and the main thread waits for a
-    job (``_written``, ``finish``) before it touches what that job writes.
+    job before it touches what that job writes. Each layer's state between its steps (a read made
+    ahead, a load, the last writes to its host rows) is a :class:`~.kv_state.LayerKV`, the main
+    thread's alone.
     """
 
     def __init__(self, block: BlockKV, rows: int, slots: int, name: str):
@@ -93,19 +96,14 @@ class BatchKV:
         self.stores = block.stores
         self.fmt = kv_format(policy.compress_cache, block.dtype)
         layers = range(block.cfg.num_layers) if block.layers is None else block.layers
-        self.groups = [TierRows(p, block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk,
-                              policy.cpu_attention, f"{name}.{p.tier}")
+        home = RowsHome(block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk)
+        self.groups = [tier_rows(p, home, policy.cpu_attention, f"{name}.{p.tier}")
                        for p in split_rows(rows, policy.cache)]
-        # layer -> (workspace set, event marking its CPU rows' load done, the worker's disk rows' load)
-        self._loaded: dict[int, tuple] = {}
-        self._layers = frozenset(layers)
-        # Per staging pair (even and odd layers): the job that last copied out of it to the
-        # workspace, whose result is the copy's event (None on the CPU).
-        self._staging_users: list[Future | None] = [None, None]
-        self._reads: dict[int, tuple[int, Future]] = {}  # layer -> (slots, its disk rows' read, made ahead)
-        self._written: dict[int, Future] = {}  # layer -> the worker job that last wrote its host rows
-        self._stored: dict[int, object] = {}  # layer -> event: the store stream's last write to its host rows
-        self._cpu_output: torch.Tensor | None = None  # (offloaded rows, heads, 1, head_dim), pinned
+        self._disk: DiskRows | None = next((g for g in self.groups if isinstance(g, DiskRows)), None)
+        self._state = {j: LayerKV(j) for j in layers}
+        # CPU attention's output, (offloaded rows, heads, 1, head_dim), pinned: written by the
+        # worker's job, read by the main thread once it has waited for that job.
+        self._landing: torch.Tensor | None = None
 
     @property
     def decodes_on_host(self) -> bool:
@@ -116,6 +114,11 @@ class BatchKV:
     def travels(self) -> bool:
         """Whether off-GPU rows are loaded to the GPU workspace for each decode layer."""
         return not self.cpu_attention and bool(self._offloaded())
+
+    @property
+    def reads_ahead(self) -> bool:
+        """Whether a travelling cache has disk rows, read a layer ahead of their load (READ_CACHE)."""
+        return self.travels and self._disk is not None
 
     def _offloaded(self) -> list[TierRows]:
         return [g for g in self.groups if g.tier != "gpu"]
@@ -150,7 +153,7 @@ class BatchKV:
                 for group, keys, values in rows:
                     group.put(layer, start, keys, values, self.worker.copy_to_host)
 
-            self._written[layer] = self.worker.submit(write, self.streams.record(self.streams.compute))
+            self._state[layer].wrote(self.worker.submit(write, self.streams.record(self.streams.compute)))
 
     def _store_on_stream(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
                          groups: list[TierRows]) -> None:
@@ -167,47 +170,59 @@ class BatchKV:
                     x.record_stream(streams.store)
                     held += x.numel() * x.element_size()
                 group.put(layer, start, keys, values, copy_async)
-        self._stored[layer] = streams.record(streams.store)
-        self.stores.add(self._stored[layer], held)
+        stored = streams.record(streams.store)
+        self._state[layer].streamed(stored)
+        self.stores.add(stored, held)
 
     def _dequantized(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return self.workspace.dequantized if self.workspace is not None else (None, None)
 
     def prefetch(self, layer: int, start: int) -> None:
-        """Before a decode step: bring off-GPU rows' first ``start`` slots to the GPU workspace.
+        """LOAD_CACHE, before a decode step: bring off-GPU rows' first ``start`` slots to the GPU
+        workspace.
 
         CPU rows are copied now, on the cache stream. Disk rows are read and copied by the worker's
-        reader thread, so that neither the main thread nor the worker's writes wait for the file.
-        CPU attention reads disk rows in just before it runs instead.
+        reader thread (the read made ahead by ``read_ahead``, or one made now), so that neither the
+        main thread nor the worker's writes wait for the file. CPU attention reads disk rows in just
+        before it runs instead.
         """
         groups = self._offloaded()
-        if not groups or start == 0 or layer in self._loaded or self.cpu_attention:
+        if not groups or start == 0 or self.cpu_attention:
             return
+        state = self._state[layer]
+        ahead = state.take_read()
         index = self.workspace.take()
-        self.streams.wait(self.streams.cache, self._stored.pop(layer, None))  # CPU rows' last slot
+        self.streams.wait(self.streams.cache, state.take_stored())  # CPU rows' last slot
         first = groups[0].rows.start
         self._copy_in([g for g in groups if g.tier != "disk"], layer, start, index, first)
         ready = self.streams.record(self.streams.cache)
-        on_disk = [g for g in groups if g.tier == "disk"]
-        from_disk = None
-        if on_disk:
-            read = self._read_disk(on_disk, layer, start)
-            from_disk = self.worker.after(read, partial(self._copy_staged, on_disk, layer, start, index, first))
-            self._staging_users[layer % 2] = from_disk
-            if layer + 1 in self._layers:  # the next layer's read, a layer ahead of its load
-                self._reads[layer + 1] = (start, self._read_disk(on_disk, layer + 1, start))
-        self._loaded[layer] = (index, ready, from_disk)
+        disk, from_disk = self._disk, None
+        if disk is not None:
+            read = self._disk_read(disk, state, start, ahead)
+            from_disk = self.worker.after(read, partial(self._copy_staged, [disk], layer, start, index, first))
+            disk.copied_out[layer % 2] = from_disk
+        state.loaded(Load(index, ready, from_disk))
 
-    def _read_disk(self, groups: list[TierRows], layer: int, start: int) -> Future:
+    def read_ahead(self, layer: int, start: int) -> None:
+        """READ_CACHE, while the layer before loads: read disk rows' first ``start`` slots of
+        ``layer`` into its staging pair, so that the drive's latency passes behind that layer."""
+        if self._disk is None or start == 0 or self.cpu_attention:
+            return
+        state = self._state[layer]
+        state.read_ahead(start, self._disk_read(self._disk, state, start, None))
+
+    def _disk_read(self, disk: DiskRows, state: LayerKV, start: int, ahead: tuple[int, Future] | None) -> Future:
         """Disk rows' read of a layer's first ``start`` slots into its staging pair: the one made
-        ahead, or one made now."""
-        ahead = self._reads.pop(layer, None)
+        ahead (``ahead``), or one made now, once the layer's last write and the last copy out of
+        the pair are done."""
         if ahead is not None:
-            if ahead[0] == start:
-                return ahead[1]
-            ahead[1].result()  # made for a step that did not run (its batch had finished): let it land
-        return self.worker.read(partial(self._fill_staging, groups, layer, start, self._written.pop(layer, None),
-                                        self._staging_users[layer % 2]))
+            made_for, read = ahead
+            if made_for == start:
+                return read
+            read.result()  # made for a step that did not run (its batch had finished): let it land
+        layer = state.layer
+        return self.worker.read(partial(self._fill_staging, [disk], layer, start, state.take_written(),
+                                        disk.copied_out[layer % 2]))
 
     @staticmethod
     def _fill_staging(groups: list[TierRows], layer: int, start: int, written: Future | None,
@@ -259,10 +274,8 @@ class BatchKV:
             return self.attend_later(layer, start, mask, q, k, v)()
         out = self._attend_on_gpu(layer, start, mask, q, k, v)
         offloaded = self._offloaded()
-        if offloaded:
-            self.prefetch(layer, start)
+        if offloaded:  # loaded by the schedule's LOAD_CACHE
             self._attend_loaded(layer, start, start + k.shape[2], q, k, v, mask, out, offloaded)
-            self._loaded.pop(layer, None)
         return out
 
     def _attend_on_gpu(self, layer, start, mask, q, k, v) -> torch.Tensor:
@@ -298,9 +311,9 @@ class BatchKV:
         offloaded = self._offloaded()
         rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
         shape = (rows.stop - rows.start, *q.shape[1:])
-        if self._cpu_output is None or self._cpu_output.shape != shape:
-            self._cpu_output = self.host.empty(shape, q.dtype)
-        landing = self._cpu_output
+        if self._landing is None or self._landing.shape != shape:
+            self._landing = self.host.empty(shape, q.dtype)
+        landing = self._landing
 
         def attend() -> None:
             # Blocking copies, on the worker's store stream: only the worker waits for them.
@@ -324,7 +337,7 @@ class BatchKV:
 
     def _attend_loaded(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
         """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace."""
-        index, ready, from_disk = self._loaded[layer]
+        index, ready, from_disk = self._state[layer].take_load()
         self.streams.wait(self.streams.compute, ready)
         if from_disk is not None:
             self.streams.wait(self.streams.compute, from_disk.result())
@@ -360,7 +373,8 @@ class BatchKV:
                     slot = source.narrow(0, start, 1)
                     for part, target in zip(self.fmt.parts(slot), self.fmt.parts(home.narrow(0, start, 1))):
                         target.copy_(part, non_blocking=True)
-        self._stored[layer] = self.workspace.free_events[index] = streams.record(streams.store)
+        stored = self.workspace.free_events[index] = streams.record(streams.store)
+        self._state[layer].streamed(stored)
 
     def _send_to_disk(self, layer: int, start: int, runs: dict, groups: list[TierRows], index: int) -> None:
         """Send disk rows' new slot home from their ``runs`` of workspace set ``index``, where it was
@@ -386,7 +400,8 @@ class BatchKV:
             for group, ring_index in taken:
                 group.write_slot(layer, start, ring_index)
 
-        job = self._written[layer] = self.worker.submit(write, None)
+        job = self.worker.submit(write, None)
+        self._state[layer].wrote(job)
         for group, ring_index in taken:
             group.wrote_slot_pair(ring_index, job)
 

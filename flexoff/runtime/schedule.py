@@ -16,6 +16,9 @@ rules that make it overlap:
   the finish, and so does the RELEASE_WEIGHTS of the layer's weights.
 - RELEASE_WEIGHTS follows every compute (the buffers may be reloaded once the last compute reading
   them is enqueued); the cache's new slot is stored by the compute itself.
+- A travelling cache's disk rows are read a layer ahead: READ_CACHE of layer j + 1 comes right
+  after the LOAD_CACHE of layer j, so the drive works while layer j loads and computes (the first
+  layer's rows are read by its own LOAD_CACHE).
 - HEAD (sample or score) comes once the other batches' pending layers are finished; a batch that
   has finished takes no further step, and once none is left the block ends with SYNC (every host
   job done).
@@ -23,11 +26,8 @@ rules that make it overlap:
 Being pure, the schedule can be checked without a device, and the engine only interprets it.
 
 Data the schedule depends on comes back through ``active`` (which batches still run), read
-between steps; the generator stays a function of its inputs. Later steps decided by data use the
-same two parts: mixture-of-experts routing is a ROUTE step (the router runs) followed by
-LOAD_WEIGHTS steps that name the stage and a slot of the routing result, not the expert itself,
-so the interpreter resolves the target when it runs the load. Each new kind is one more handler in
-the interpreter's table.
+between steps; the generator stays a function of its inputs. A step kind is the name of the
+interpreter's method that runs it, so a new kind is one more method there.
 
 A pipeline stage runs a contiguous range of the stages (``BlockShape.first_stage`` up to
 ``stop_stage``) in the same order: RECV_ACTIVATION before the first stage here of each batch,
@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 LOAD_WEIGHTS = "load_weights"
 LOAD_CACHE = "load_cache"
+READ_CACHE = "read_cache"  # disk rows of a travelling cache: read into host staging a layer ahead of LOAD_CACHE
 LOAD_ACTIVATION = "load_activation"
 COMPUTE = "compute"
 START_ATTENTION = "start_attention"
@@ -84,6 +85,7 @@ class BlockShape:
     first_stage: int = 0  # the stages this device runs: first_stage up to stop_stage
     stop_stage: int | None = None  # None: to the last stage
     tokens: range | None = None  # the tokens run now (None: all): one at a time, blocks take turns
+    disk_reads: frozenset[int] = frozenset()  # travelling batches with disk rows, read a layer ahead
 
     @property
     def owned(self) -> range:
@@ -94,7 +96,8 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
     """The data movement of the zig-zag order, before the overlap rules: weight loads one stage
     ahead, each batch's cache and activation loads one batch ahead of its compute, and its
     activation store one batch behind. Stage 0 (fed token ids) loads no activations and the last
-    stage (which samples) stores none; caches load only to decode."""
+    stage (which samples) stores none; caches load only to decode, and disk rows are read a layer
+    ahead of their load."""
     num_batches, owned = shape.num_batches, shape.owned
     tokens = range(shape.num_tokens) if shape.tokens is None else shape.tokens
     first, last_stage = owned.start, owned.stop - 1
@@ -110,6 +113,8 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
     def cache_load(i: int, j: int, k: int) -> Iterator[Step]:
         if i > 0 and j in shape.cache_stages and k in shape.travelling_cache:
             yield Step(LOAD_CACHE, i, j, k)
+            if k in shape.disk_reads and j + 1 in shape.cache_stages and j < last_stage:
+                yield Step(READ_CACHE, i, j + 1, k)  # the drive's latency passes behind this layer's load
 
     def store(i: int, j: int, k: int) -> Iterator[Step]:
         if j < last_stage and k in shape.offloaded_activations:
@@ -148,82 +153,90 @@ def zig_zag(shape: BlockShape) -> Iterator[Step]:
 def block_schedule(shape: BlockShape, active: Sequence[bool] | None = None) -> Iterator[Step]:
     """Every step of one block, in the order the engine runs them (see the module's docstring).
 
-    ``active[k]`` says whether batch k still runs; the interpreter clears it at a HEAD step, and
-    it is read before each of the batch's steps. None: every batch runs to the end.
+    ``active[k]`` says whether batch k still runs (the interpreter passes ``batch.Running``, a view
+    of each batch's own record); it is read before each of the batch's steps. None: every batch runs to the end.
     """
-    last, owned = shape.num_stages - 1, shape.owned
-    # The head's device tells the embedding's device each batch's tokens, unless it is the same one.
-    sends_tokens = owned.start > 0
-    batches = range(shape.num_batches)
     active = [True] * shape.num_batches if active is None else active
-    pending: dict[int, tuple[int, int]] = {}  # batch -> (token, stage) of its half-run layer
-    leave_on_finish: dict[int, str] = {}  # batch -> the store or send of its output, waiting for its finish
-    deferred: list[Step] = []  # weight loads waiting for the buffers they overwrite
-
-    def finish(k: int) -> Iterator[Step]:
-        if k in pending:
-            token, stage = pending.pop(k)
-            yield Step(FINISH_ATTENTION, token, stage, k)
-            if k in leave_on_finish:
-                yield Step(leave_on_finish.pop(k), token, stage, k)
-            yield Step(RELEASE_WEIGHTS, token, stage, k)
-
-    def before(stage: int) -> int:
-        """The stage loaded just before ``stage``: the last one here comes before the first."""
-        return stage - 1 if stage > owned.start else owned.stop - 1
-
-    def issue_loads() -> Iterator[Step]:
-        # A load may reuse any stage's buffers but those of the stage just before it.
-        while deferred and all(stage == before(deferred[0].stage) for _, stage in pending.values()):
-            yield deferred.pop(0)
-
+    rules = _Overlap(shape)
     for step in zig_zag(shape):
         if not any(active):  # on a device without the head, batches finish as its peers say
             break
         if step.kind == LOAD_WEIGHTS:
-            deferred.append(step)
-            yield from issue_loads()
-            continue
+            rules.deferred.append(step)
+            yield from rules.issue_loads()
+        elif active[step.batch]:
+            yield from rules.batch_step(step)
+    for k in list(rules.pending):  # a device without the head ends on a decoder layer
+        yield from rules.finish(k)
+    yield Step(SYNC)
+
+
+class _Overlap:
+    """The overlap rules applied to one block's zig-zag steps: which layers are half run, which
+    stores or sends wait for their layer's finish, and which weight loads wait for their buffers."""
+
+    def __init__(self, shape: BlockShape):
+        self.shape = shape
+        self.pending: dict[int, tuple[int, int]] = {}  # batch -> (token, stage) of its half-run layer
+        self.leave_on_finish: dict[int, str] = {}  # batch -> the store or send of its output, waiting for its finish
+        self.deferred: list[Step] = []  # weight loads waiting for the buffers they overwrite
+
+    def finish(self, k: int) -> Iterator[Step]:
+        if k in self.pending:
+            token, stage = self.pending.pop(k)
+            yield Step(FINISH_ATTENTION, token, stage, k)
+            if k in self.leave_on_finish:
+                yield Step(self.leave_on_finish.pop(k), token, stage, k)
+            yield Step(RELEASE_WEIGHTS, token, stage, k)
+
+    def before(self, stage: int) -> int:
+        """The stage loaded just before ``stage``: the last one here comes before the first."""
+        owned = self.shape.owned
+        return stage - 1 if stage > owned.start else owned.stop - 1
+
+    def issue_loads(self) -> Iterator[Step]:
+        # A load may reuse any stage's buffers but those of the stage just before it.
+        deferred = self.deferred
+        while deferred and all(stage == self.before(deferred[0].stage) for _, stage in self.pending.values()):
+            yield deferred.pop(0)
+
+    def batch_step(self, step: Step) -> Iterator[Step]:
+        """A step of a batch that still runs, with the finishes and loads that must come around it."""
         k = step.batch
-        if not active[k]:
-            continue
-        if step.kind == LOAD_CACHE:
-            yield step
-        elif step.kind in (LOAD_ACTIVATION, RECV_ACTIVATION, RECV_TOKENS):
+        if step.kind in (LOAD_ACTIVATION, RECV_ACTIVATION, RECV_TOKENS):
             if step.kind != LOAD_ACTIVATION:
                 # A receive may wait on a peer that waits for what this device has yet to send.
-                for other in [b for b, kind in leave_on_finish.items() if kind == SEND_ACTIVATION]:
-                    yield from finish(other)
-            yield from finish(k)
+                for other in [b for b, kind in self.leave_on_finish.items() if kind == SEND_ACTIVATION]:
+                    yield from self.finish(other)
+            yield from self.finish(k)
             yield step
         elif step.kind in (STORE_ACTIVATION, SEND_ACTIVATION):
-            if k in pending:
-                leave_on_finish[k] = step.kind
+            if k in self.pending:
+                self.leave_on_finish[k] = step.kind
             else:
                 yield step
         elif step.kind == COMPUTE:
-            i, j = step.token, step.stage
-            if k in pending:
-                yield from finish(k)
-            if deferred:
-                yield from issue_loads()
-            if i > 0 and j in shape.cache_stages and k in shape.cpu_attention:
-                pending[k] = (i, j)
-                yield Step(START_ATTENTION, i, j, k)
-            else:
-                yield step
-                yield Step(RELEASE_WEIGHTS, i, j, k)
-            for other in batches:  # their CPU attention overlapped this batch's enqueued GPU work
-                if other != k and other in pending:
-                    yield from finish(other)
-            if deferred:
-                yield from issue_loads()
-            if j == last:
-                yield Step(HEAD, i, j, k)
-                if sends_tokens and i < shape.num_tokens - 1:
-                    yield Step(SEND_TOKENS, i, j, k)  # sent whether or not the batch finished here
-                if not any(active):
-                    break
-    for k in list(pending):  # a device without the head ends on a decoder layer
-        yield from finish(k)
-    yield Step(SYNC)
+            yield from self.compute(step)
+        else:  # a cache's read or load: the cache is the batch's own, nothing waits for it
+            yield step
+
+    def compute(self, step: Step) -> Iterator[Step]:
+        """A batch's stage: whole, or its first half with CPU attention; then the head, at the last stage."""
+        shape, (i, j, k) = self.shape, step[1:]
+        yield from self.finish(k)
+        yield from self.issue_loads()
+        if i > 0 and j in shape.cache_stages and k in shape.cpu_attention:
+            self.pending[k] = (i, j)
+            yield Step(START_ATTENTION, i, j, k)
+        else:
+            yield step
+            yield Step(RELEASE_WEIGHTS, i, j, k)
+        for other in range(shape.num_batches):  # their CPU attention overlapped this batch's enqueued GPU work
+            if other != k:
+                yield from self.finish(other)
+        yield from self.issue_loads()
+        if j == shape.num_stages - 1:
+            yield Step(HEAD, i, j, k)
+            # The head's device tells the embedding's device each batch's tokens, unless it is the same one.
+            if shape.owned.start > 0 and i < shape.num_tokens - 1:
+                yield Step(SEND_TOKENS, i, j, k)  # sent whether or not the batch finished here

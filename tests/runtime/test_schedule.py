@@ -7,18 +7,19 @@ import pytest
 
 from flexoff import LLM, Policy, SamplingParams, TierFractions
 from flexoff.runtime.schedule import (COMPUTE, FINISH_ATTENTION, HEAD, LOAD_ACTIVATION, LOAD_CACHE, LOAD_WEIGHTS,
-                                      RELEASE_WEIGHTS, START_ATTENTION, STORE_ACTIVATION, SYNC, BlockShape,
+                                      READ_CACHE, RELEASE_WEIGHTS, START_ATTENTION, STORE_ACTIVATION, SYNC, BlockShape,
                                       block_schedule)
 
 RUNS = (COMPUTE, START_ATTENTION)  # steps that enqueue a batch's GPU work for a stage
 
 
-def shape(num_tokens, num_stages, num_batches, cpu_attention=False, travelling=False, offloaded=False):
+def shape(num_tokens, num_stages, num_batches, cpu_attention=False, travelling=False, offloaded=False, disk=False):
     every = frozenset(range(num_batches))
     return BlockShape(num_tokens, num_stages, num_batches, frozenset(range(1, num_stages - 1)),
                       cpu_attention=every if cpu_attention else frozenset(),
                       travelling_cache=every if travelling else frozenset(),
-                      offloaded_activations=every if offloaded else frozenset())
+                      offloaded_activations=every if offloaded else frozenset(),
+                      disk_reads=every if disk else frozenset())
 
 
 SIZES = list(itertools.product([1, 3], [3, 5], [1, 2, 3]))  # tokens, stages, batches
@@ -26,6 +27,7 @@ KINDS = {  # how the caches and activations of the batches are placed
     "on-gpu": {},
     "travelling": {"travelling": True},
     "travelling-offloaded": {"travelling": True, "offloaded": True},
+    "travelling-disk": {"travelling": True, "disk": True},
     "cpu-attention": {"cpu_attention": True},
     "cpu-attention-offloaded": {"cpu_attention": True, "offloaded": True},
 }
@@ -38,7 +40,7 @@ def simulate(block: BlockShape, active=None):
     last = block.num_stages - 1
     issued = []  # weight loads
     unreleased = set()  # (token, stage, batch) computed or started, not yet released
-    started, hidden_ready, stored, cache_loaded = set(), set(), set(), set()
+    started, hidden_ready, stored, cache_loaded, cache_read = set(), set(), set(), set(), set()
     computes = []
     for n, step in enumerate(steps):
         key = (step.token, step.stage, step.batch)
@@ -49,7 +51,14 @@ def simulate(block: BlockShape, active=None):
             issued.append((step.token, step.stage))
         elif step.kind == LOAD_CACHE:
             assert step.token > 0 and step.batch in block.travelling_cache
+            # Disk rows are read while the layer before loads (the first layer's by its own load).
+            read_ahead = step.batch in block.disk_reads and step.stage - 1 in block.cache_stages
+            assert (key in cache_read) == read_ahead, f"{key}: read ahead {'missing' if read_ahead else 'unasked'}"
             cache_loaded.add(key)
+        elif step.kind == READ_CACHE:
+            assert step.batch in block.disk_reads and (step.token, step.stage - 1, step.batch) in cache_loaded
+            assert key not in cache_loaded and key not in cache_read
+            cache_read.add(key)
         elif step.kind == LOAD_ACTIVATION:
             assert (step.token, step.stage - 1, step.batch) in stored, f"{key} loads an activation not stored"
             assert step.batch not in {b for _, _, b in started}, "a half-run layer's output is loaded"
@@ -173,7 +182,7 @@ ENGINE_CASES = {
                             {"travelling": True}),
     "no-overlap-disk": (Policy(gpu_batch_size=2, num_gpu_batches=2, overlap=False, cache=TierFractions(0, 0, 1),
                                activations=TierFractions(0, 0, 1), weights=TierFractions(0, 0.5, 0.5)),
-                        {"travelling": True, "offloaded": True}),
+                        {"travelling": True, "offloaded": True, "disk": True}),
     "cpu-attention": (Policy(gpu_batch_size=2, num_gpu_batches=2, cpu_attention=True, cache=TierFractions(0, 1, 0),
                              activations=TierFractions(0, 1, 0), weights=TierFractions(0, 1, 0)),
                       {"cpu_attention": True, "offloaded": True}),
