@@ -182,10 +182,6 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params):
             raise TokenizerError("stop strings need a tokenizer, and this model has none")
 
-    def _finish(self, seqs: list[Sequence], index: int, prompt) -> RequestOutput:
-        """One prompt's output from its samples' sequences."""
-        return request_output(seqs, index, prompt, self.tokenizer)
-
     def generate(self, prompts, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  *, progress: bool | None = None,
                  on_block: Callable[[list[RequestOutput], Metrics], None] | None = None,
@@ -235,7 +231,7 @@ class LLM:
                     done.setdefault(i, []).append(seq)
                     if len(done[i]) == params[i].n:
                         samples = sorted(done.pop(i), key=lambda s: s.index)
-                        outputs[i] = self._finish(samples, i, prompts[i])
+                        outputs[i] = request_output(samples, i, prompts[i], self.tokenizer)
                         block_outputs.append(outputs[i])
                 total.add(counted)
                 if on_block is not None:  # a block may finish no prompt when its samples span blocks

@@ -32,13 +32,22 @@ def job_deployment(job: Job) -> Deployment:
 
     source = job.policy
     timeout = DEFAULT_TIMEOUT_S if job.parallel_timeout is None else job.parallel_timeout
+    named = source.hardware
+    # --hardware is read only where something is planned.
+    hardware = (lambda: _named_profile(named)) if named else None
     request = Request(job.model, job.dummy, source.file, source.overrides, dtype=job.dtype, device=job.device,
                       seed=job.seed, tokenizer=job.tokenizer, offload_dir=job.offload_root, gpu_mem=job.gpu_mem,
-                      cpu_mem=job.cpu_mem, compress=source.planning_compress, hardware=source.hardware,
+                      cpu_mem=job.cpu_mem, compress=source.planning_compress, hardware=hardware,
                       parallel=Parallel(job.pipeline_parallel, job.data_parallel, timeout), search_stages=True,
                       check=_refusals(job), log=_log, profile_log=lambda message: _log(f"profile    {message}"),
                       progress=ProgressLine("profile    measuring"))
     return resolve_deployment(request)
+
+
+def _named_profile(name: str):
+    from ..planner.hardware import resolve_hardware
+
+    return resolve_hardware(name)
 
 
 def _refusals(job: Job):

@@ -9,6 +9,7 @@ process then runs its own stage's policy.
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from ..policy import Policy
@@ -50,6 +51,8 @@ def plan_deployment(deployment: Deployment, workload) -> Deployment:
     job = workload() if callable(workload) else workload
     if job is None:
         return replace(deployment, policy=policy, capacity=capacity, layers=request.parallel.layers)
+    if isinstance(request.hardware, (str, os.PathLike)):
+        deployment.hardware()  # a profile named is read now: a wrong name is refused even where the job fits
 
     def plan():
         return _plan(deployment, job, given, default, capacity, caps)
