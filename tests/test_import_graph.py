@@ -63,9 +63,10 @@ def test_the_layout_sits_below_the_runtime_and_the_planner():
 
 
 def test_the_deployment_sits_below_the_api_and_the_api_below_the_commands():
-    """deploy resolves what the API and the commands hand it; the API neither parses nor prints."""
+    """deploy resolves (and plans) what the API and the commands hand it; the API plans nothing itself."""
     assert imports_into(PACKAGE, "deploy", ("flexoff.api", "flexoff.commands", "flexoff.harness")) == []
-    assert imports_into(PACKAGE, "api", ("flexoff.commands", "flexoff.harness")) == []
+    assert imports_into(PACKAGE, "api", ("flexoff.commands", "flexoff.harness", "flexoff.planner",
+                                         "flexoff.profiler")) == []
 
 
 # What the harness may import (docs/ARCHITECTURE.md's arrows): the API and the job, the prompts,

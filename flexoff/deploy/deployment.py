@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from ..policy import Policy
 from ..units import parse_size
 from .devices import resolve_device, resolve_dtype
 from .parallel import Parallel, Ranks, parallel_ranks
+
+if TYPE_CHECKING:
+    from ..planner.default import DefaultPlan
 
 # Everything on the compute device, in batches large enough to keep it busy.
 DEFAULT_POLICY = Policy(gpu_batch_size=32)
@@ -45,10 +49,10 @@ class Request:
     commands' policy flags). ``gpu_mem``: one cap, or as a command gives it, one per pipeline
     stage ("16GiB,24GiB"). ``hardware``: the profile planning uses (a HardwareProfile, a packaged
     profile's name or a profile file, or a callable giving one); None: this machine's saved one,
-    measured quickly (and saved) the first time, told to ``profile_log`` and ``progress``. ``search_stages``:
-    "auto" plans each pipeline stage for its own layers and GPU cap on ``hardware`` as given (the
-    commands' ``--policy auto``); otherwise it plans on this machine's capacity, the largest stage
-    for all."""
+    measured quickly (and saved) the first time, told to ``profile_log`` and ``progress``.
+    ``search_stages``: "auto" plans each pipeline stage for its own layers and GPU cap on
+    ``hardware`` as given (the commands' ``--policy auto``); otherwise it plans on this machine's
+    capacity, the largest stage for all."""
 
     model: str
     dummy: bool = False
@@ -97,7 +101,7 @@ class Deployment:
     offload_dir: str  # where the disk tier goes, used only where a policy puts data there
     hardware: Callable  # the planning profile, resolved (or measured) on the first call only
     policy: Policy | None = None
-    plan: object = None  # planner.default.DefaultPlan, where a workload was planned or checked
+    plan: DefaultPlan | None = None  # where a workload was planned or checked
     capacity: Capacity | None = None
     layers: tuple[int, ...] | None = None
 
@@ -115,8 +119,8 @@ class Deployment:
         return make() if self.ranks is None else self.ranks.on_rank0(make)
 
     def stage_caps(self) -> tuple[int | None, ...]:
-        """Each pipeline stage's GPU cap in bytes (None: the device's); a count of caps that fits no
-        stage count is refused (once, by rank 0)."""
+        """Each pipeline stage's GPU cap in bytes (None: the device's); caps given neither once nor
+        once per stage are refused."""
         from ..job import stage_sizes
 
         gpu = self.request.gpu_mem
