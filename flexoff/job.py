@@ -18,7 +18,7 @@ DEFAULT_MODEL = "opt-125m"  # what `flexoff run` alone runs, with dummy weights
 # The longest wait for a parallel job's peers: torch.distributed's clocks count it in nanoseconds
 # from now, and its rendezvous times out at once past about 9.2e9 s (timedelta holds 8.6e13 s).
 MAX_PARALLEL_TIMEOUT_S = 10**9
-# The names the API resolves (flexoff.llm_args.resolve_dtype); checked here so that a job is refused
+# The names the API resolves (flexoff.deploy.devices.resolve_dtype); checked here so that a job is refused
 # before torch is imported.
 DTYPES = ("auto", "float16", "fp16", "half", "bfloat16", "bf16", "float32", "fp32")
 POLICY_FLAGS = ("gpu_batch_size", "num_gpu_batches", "cpu_attention", "overlap", "pin_cpu_memory")
@@ -112,8 +112,8 @@ class Job:
     offload_dir: str | None = None
     gpu_mem: str | None = None  # sizes as given ("16GiB"); the API parses them
     cpu_mem: str | None = None
-    # A parallel job's pipeline stages and replicas (None: from the launch; see flexoff.parallel),
-    # and how long a process waits for its peers (None: flexoff.parallel's default).
+    # A parallel job's pipeline stages and replicas (None: from the launch; see flexoff.deploy.parallel),
+    # and how long a process waits for its peers (None: flexoff.deploy.parallel's default).
     pipeline_parallel: int | None = None
     data_parallel: int | None = None
     parallel_timeout: float | None = None

@@ -159,3 +159,21 @@ def test_the_python_api_plans_for_a_workload_it_is_given(tiny):
         assert llm.policy == expected and llm.plan.message.startswith("planned    ")
     with LLM(str(path), dtype="bfloat16", workload=WORKLOAD, hardware=never) as llm:
         assert llm.policy == DEFAULT_POLICY and llm.plan.message is None
+
+
+def test_the_python_api_measuring_a_profile_logs_it_and_prints_nothing(tiny, tmp_path, capsys, caplog, monkeypatch):
+    """The API says what it measures through the ``flexoff`` logger; only the commands print."""
+    from flexoff import LLM
+    from flexoff.profiler import machine as profiler
+
+    path, config = tiny
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(profiler, "profile_machine", lambda **kwargs: H100)
+    cap = job_needs(config, DEFAULT_POLICY, torch.bfloat16, WORKLOAD)["gpu"] // 4
+    capsys.readouterr()
+    with caplog.at_level("INFO", logger="flexoff"):
+        with LLM(str(path), dtype="bfloat16", gpu_mem=cap, workload=WORKLOAD) as llm:
+            assert llm.plan.search is not None  # planned, on the profile just measured
+    assert capsys.readouterr() == ("", "")
+    said = [record.getMessage() for record in caplog.records if record.name == "flexoff"]
+    assert said[0].startswith("no hardware profile saved at ") and said[-1].startswith("measured in ")

@@ -132,4 +132,4 @@ def test_import_flexoff_loads_no_torch():
 def test_the_top_level_names_still_import():
     code = "from flexoff import LLM, SamplingParams, Policy, FlexoffError, Metrics; print(LLM.__module__)"
     proc = processes.run([sys.executable, "-c", code], cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip() == "flexoff.api", proc.stderr
+    assert proc.returncode == 0 and proc.stdout.strip() == "flexoff.api.llm", proc.stderr

@@ -62,6 +62,37 @@ def test_the_layout_sits_below_the_runtime_and_the_planner():
                                             "flexoff.api")) == []
 
 
+def test_the_deployment_sits_below_the_api_and_the_api_below_the_commands():
+    """deploy resolves (and plans) what the API and the commands hand it; the API plans nothing itself."""
+    assert imports_into(PACKAGE, "deploy", ("flexoff.api", "flexoff.commands", "flexoff.harness")) == []
+    assert imports_into(PACKAGE, "api", ("flexoff.commands", "flexoff.harness", "flexoff.planner",
+                                         "flexoff.profiler")) == []
+
+
+# What the harness may import (docs/ARCHITECTURE.md's arrows): the API and the job, the prompts,
+# records and progress it hands on, the runtime's SamplingParams and Metrics, the model's files
+# and tokenizer (a job's identity; the lm-eval adapter's config and chat template), the small
+# shared pieces, and for the lm-eval adapter the API's argument checks, the dtype resolution and
+# the planner's Workload (it plans policy=auto per call).
+HARNESS_MAY_IMPORT = (
+    "flexoff.harness", "flexoff.api", "flexoff.job", "flexoff.prompts", "flexoff.records", "flexoff.progress",
+    "flexoff.runtime.sampling", "flexoff.runtime.metrics", "flexoff.models", "flexoff.tokenizer",
+    "flexoff.gguf_format", "flexoff.generation_config", "flexoff.chat", "flexoff.fileio", "flexoff.errors",
+    "flexoff.checks", "flexoff.deploy.devices", "flexoff.planner.cost_model",
+)
+
+
+def test_the_harness_imports_only_what_its_arrows_say():
+    bad = []
+    for path in sorted((PACKAGE / "harness").rglob("*.py")):
+        source = module_name(path, PACKAGE)
+        for target in sorted(imports(path, PACKAGE)):
+            top = target in ("flexoff", "flexoff.LLM")  # `from .. import LLM`: the API's, loaded lazily
+            if within(target, ("flexoff",)) and not top and not within(target, HARNESS_MAY_IMPORT):
+                bad.append(f"{source} imports {target}")
+    assert bad == []
+
+
 def test_the_walk_finds_module_and_function_level_imports(tmp_path):
     planner = tmp_path / "flexoff" / "planner"
     planner.mkdir(parents=True)

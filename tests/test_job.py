@@ -52,7 +52,7 @@ def test_the_flags_become_one_job():
 
 def test_a_parallel_timeout_is_the_flags_or_else_the_parallel_default(monkeypatch):
     from flexoff.commands import llm
-    from flexoff.parallel import DEFAULT_TIMEOUT_S
+    from flexoff.deploy.parallel import DEFAULT_TIMEOUT_S
 
     given = job_from_args(build_parser().parse_args(["run", "--parallel-timeout", "5"]))
     assert given.parallel_timeout == 5.0
@@ -61,9 +61,10 @@ def test_a_parallel_timeout_is_the_flags_or_else_the_parallel_default(monkeypatc
         Job(parallel_timeout=0)
     # A parallel job's processes wait for their peers that long.
     seen = []
-    monkeypatch.setattr("flexoff.parallel.parallel_ranks", lambda parallel, config, device: seen.append(parallel))
+    monkeypatch.setattr("flexoff.deploy.deployment.parallel_ranks",
+                        lambda parallel, config, device: seen.append(parallel))
     for timeout in (5.0, None):
-        llm.job_ranks(Job(pipeline_parallel=2, parallel_timeout=timeout))
+        llm.job_deployment(Job(pipeline_parallel=2, parallel_timeout=timeout))
     assert [parallel.timeout_s for parallel in seen] == [5.0, DEFAULT_TIMEOUT_S]
 
 
@@ -74,6 +75,7 @@ def test_without_a_model_the_job_is_the_default_one_with_dummy_weights():
 
 def test_the_batch_harness_runs_a_job_and_prints_nothing(tiny_model_dir, tmp_path, capsys):
     from flexoff import LLM
+    from flexoff.commands.llm import job_deployment
     from flexoff.harness.batch import open_batch
 
     path, _ = tiny_model_dir("opt-pre")
@@ -81,10 +83,11 @@ def test_the_batch_harness_runs_a_job_and_prints_nothing(tiny_model_dir, tmp_pat
     source.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[:3])))
     job = Job(model=str(path), dummy=False, device="cpu", ignore_eos=True)
     capsys.readouterr()  # building the checkpoint shows transformers' own bar
-    batch = open_batch(job, source, tmp_path / "out.jsonl", max_new_tokens=3)
+    deployment = job_deployment(job)
+    batch = open_batch(job, deployment, source, tmp_path / "out.jsonl", max_new_tokens=3)
     try:
         assert batch.already == 0 and len(batch.pending) == 3 and batch.workload().gen_len == 3
-        with LLM(job.model, device="cpu") as llm:
+        with LLM.from_deployment(deployment, batch.workload) as llm:
             metrics = batch.run(llm)
         assert metrics.generated_tokens == 9 and batch.done == 3 and batch.failures() is None
     finally:

@@ -17,7 +17,7 @@ import torch
 from flexoff.commands.main import main
 from flexoff.errors import ConfigError, FlexoffError
 from flexoff.layout.stage_split import range_layers, stage_ranges
-from flexoff.parallel import Launch, Parallel, check_parallel, rounds
+from flexoff.deploy.parallel import Launch, Parallel, check_parallel, rounds
 from tests import processes
 from tests.conftest import build_model
 

@@ -35,7 +35,7 @@ def test_the_largest_timeout_joins_a_process_group():
         port = probe.getsockname()[1]
     code = ("import os, torch\n"
             "from flexoff.job import MAX_PARALLEL_TIMEOUT_S\n"
-            "from flexoff.parallel import Launch, Parallel, Ranks\n"
+            "from flexoff.deploy.parallel import Launch, Parallel, Ranks\n"
             "ranks = Ranks(Parallel(1, 1, float(MAX_PARALLEL_TIMEOUT_S)), Launch.from_env(os.environ), 2,\n"
             "              torch.device('cpu'))\n"
             "ranks.join()\n"

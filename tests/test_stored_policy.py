@@ -38,17 +38,17 @@ def test_the_rule():
 def stored(tiny_model_dir, tmp_path, monkeypatch):
     """A tiny checkpoint whose config says it stores its matrices in STORED (its source hands none
     over compressed, so the store quantizes them), wherever flexoff resolves it; (path, prompts file)."""
-    import flexoff.api as api
+    import flexoff.deploy.deployment as deployment
     import flexoff.models as models
 
     path, _ = tiny_model_dir("opt-pre")
-    resolve = api.resolve_model
+    resolve = deployment.resolve_model
 
     def as_stored(model, dummy=False):
         config, checkpoint = resolve(model, dummy)
         return config.replace(stored_compression=STORED), checkpoint
 
-    monkeypatch.setattr(api, "resolve_model", as_stored)
+    monkeypatch.setattr(deployment, "resolve_model", as_stored)
     monkeypatch.setattr(models, "resolve_model_config", lambda model: as_stored(model, True)[0])
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": i, "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[:3])))

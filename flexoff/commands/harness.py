@@ -14,7 +14,7 @@ from ..errors import FlexoffError, OutputError
 from ..progress import TOKEN_BAR_FORMAT
 from .args import (COUNT, SEED, add_model_args, add_parallel_args, add_policy_args, add_quiet_arg, add_sampling_args,
                    integer, job_from_args)
-from .llm import job_ranks, make_llm
+from .llm import job_deployment, make_llm
 from .paths import check_outputs
 from .report import format_summary, format_table
 
@@ -85,10 +85,10 @@ def run_batch(args) -> int:
         raise FlexoffError("batch needs --model (a registry name with --dummy, or a checkpoint directory)")
     check_outputs(args, {"--output": args.output})
     job = job_from_args(args)
-    ranks = job_ranks(job)
+    deployment = job_deployment(job)
     # In a parallel job rank 0 holds the output and speaks; every process runs the same prompts.
-    speaks = ranks is None or ranks.rank == 0
-    batch = open_batch(job, args.input, args.output, args.max_new_tokens, ranks)
+    speaks = deployment.ranks is None or deployment.ranks.rank == 0
+    batch = open_batch(job, deployment, args.input, args.output, args.max_new_tokens)
     try:
         _dropped(batch.store)
         total = len(batch.lines)
@@ -98,7 +98,7 @@ def run_batch(args) -> int:
             print(f"all {total} prompts are already in {args.output}; nothing to do")
             return _failures(batch.failures(), batch.store.path)
         started = time.perf_counter()
-        llm = make_llm(batch.job, batch.workload, args)
+        llm = make_llm(deployment, batch.job, batch.workload, args)
         try:
             try:
                 metrics = batch.run(llm, TqdmProgress(not args.quiet and speaks))
@@ -129,11 +129,12 @@ def run_bench(args) -> int:
         raise FlexoffError("bench needs --model (a checkpoint directory with a tokenizer)")
     output_dir = bench_output_dir(args.scenario, args.output_dir)
     check_outputs(args, {}, {"--output-dir": output_dir})
-    bench = open_bench(job, args.scenario, args.data, output_dir, max_instances=args.max_instances,
+    deployment = job_deployment(job)
+    bench = open_bench(job, deployment, args.scenario, args.data, output_dir, max_instances=args.max_instances,
                        num_in_context=args.num_in_context, subject=args.subject)
     try:
         _dropped(bench.store)
-        llm = make_llm(job, args=args)
+        llm = make_llm(deployment, job, args=args)
         try:
             metrics = bench.run(llm, TqdmProgress(not args.quiet))
         except KeyboardInterrupt:

@@ -16,7 +16,7 @@ from ..errors import FlexoffError
 def needs_launch(args) -> int:
     """The processes a command asks for, where it must start them itself; 0 where it runs here
     (alone, or as one of a launch's processes)."""
-    from ..parallel import Launch
+    from ..deploy.parallel import Launch
 
     if not getattr(args, "launches", False):
         return 0
@@ -27,7 +27,7 @@ def needs_launch(args) -> int:
 def check_before_launch(job, size: int) -> None:
     """What each process would refuse before loading a weight, refused once, here."""
     from ..models import resolve_model_config
-    from ..parallel import Launch, Parallel, checked_device
+    from ..deploy.parallel import Launch, Parallel, checked_device
 
     launch = Launch(0, size, 0, size)
     parallel = Parallel(job.pipeline_parallel, job.data_parallel).resolved(launch)

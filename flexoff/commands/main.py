@@ -19,7 +19,7 @@ from . import harness, search
 from .args import (COUNT, Parser, add_model_args, add_parallel_args, add_policy_args, add_quiet_arg, add_sampling_args,
                    job_from_args)
 from .launch import check_before_launch, launch, needs_launch
-from .llm import make_llm
+from .llm import job_deployment, make_llm
 from .paths import check_outputs
 from .report import format_summary
 
@@ -46,7 +46,7 @@ def cmd_run(args) -> int:
         return prompt_workload([line.prompt if line.messages is None else line.messages for line in lines],
                                [line.max_new_tokens or args.gen_len for line in lines], job.model, job.tokenizer)
 
-    llm = make_llm(job, workload, args)
+    llm = make_llm(job_deployment(job), job, workload, args)
     blocks: dict[int, Block] = {}  # each output's block, for its record
 
     def on_block(outputs, metrics) -> None:

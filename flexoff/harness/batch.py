@@ -217,18 +217,16 @@ class BatchJob:
         self.store.close()
 
 
-def open_batch(job: Job, source: str | Path, output: str | Path, max_new_tokens: int, ranks=None) -> BatchJob:
+def open_batch(job: Job, deployment, source: str | Path, output: str | Path, max_new_tokens: int) -> BatchJob:
     """Read and check the input, and open (or resume) the output; the model is not loaded yet.
-    ``ranks``: this process is one of a parallel job's (``flexoff.parallel.Ranks``): rank 0 owns the
-    output and its lock, and the others learn which ids it holds."""
-    from ..llm_args import resolve_device, resolve_dtype
-    from ..models import resolve_model_config
-
+    ``deployment``: the job's, resolved (``flexoff.deploy.Deployment``), whose dtype the job's
+    identity names; in a parallel job (its ``ranks``) rank 0 owns the output and its lock, and the
+    others learn which ids it holds."""
     lines, digest, requests = read_batch_requests(source)
     defaults = job.sampling(max_new_tokens)
-    dtype = resolve_dtype(job.dtype, resolve_device(job.device), resolve_model_config(job.model))
+    ranks = deployment.ranks
     identity = {
-        "model": model_identity(job.model, job.dummy, job.seed), "dtype": str(dtype).removeprefix("torch."),
+        "model": model_identity(job.model, job.dummy, job.seed), "dtype": str(deployment.dtype).removeprefix("torch."),
         "input_sha256": digest, "sampling": sampling_identity(defaults, job.seed),
     }
     # Check the output before loading the model: a mismatch should fail in a second, not a minute.

@@ -173,13 +173,12 @@ class BenchResult:
     failures: str | None  # 'N of M sequences failed', or None
 
 
-def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str | Path | None, *,
+def open_bench(job: Job, deployment, scenario_name: str, data: str | None, output_dir: str | Path | None, *,
                max_instances: int | None = None, num_in_context: int | None = None,
                subject: str | None = None) -> BenchRun:
-    """Check the output directory, load the instances and open (or resume) the results."""
-    from ..llm_args import resolve_device, resolve_dtype
-    from ..models import resolve_model_config
-
+    """Check the output directory, load the instances and open (or resume) the results.
+    ``deployment``: the job's, resolved (``flexoff.deploy.Deployment``), whose dtype the results'
+    identity names."""
     started = time.perf_counter()
     scenario = get_scenario(scenario_name)
     output_dir = _check_output_dir(bench_output_dir(scenario_name, output_dir))
@@ -199,8 +198,7 @@ def open_bench(job: Job, scenario_name: str, data: str | None, output_dir: str |
     examples = choose_examples([i for i in instances if i.split == "train"], k, job.seed)
     subject = subject or (default_subject(data) if scenario.multiple_choice else "")
     digest = hashlib.sha256(Path(data).read_bytes()).hexdigest() if data else None
-    dtype = str(resolve_dtype(job.dtype, resolve_device(job.device), resolve_model_config(job.model))
-                ).removeprefix("torch.")
+    dtype = str(deployment.dtype).removeprefix("torch.")
     header = make_header("bench", bench_identity(scenario, job, digest, dtype, subject, k))
     store = ResultStore.open(output_dir / "results.jsonl", header, fresh_hint="choose another --output-dir",
                              flag="--output-dir")

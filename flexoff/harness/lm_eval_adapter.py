@@ -89,7 +89,7 @@ def _seed(value) -> int:
 
 def _check_llm_values(values: dict) -> None:
     """LLM's arguments by type and range, each checked alone so that a refusal names its key."""
-    from ..llm_args import check_llm_args
+    from ..api.args import check_llm_args
 
     for key, value in values.items():
         try:
@@ -100,7 +100,7 @@ def _check_llm_values(values: dict) -> None:
 
 def _check_auto_dtype(dtype, device) -> None:
     """policy=auto plans 16-bit weights and cache; say so in model_args' words, before anything loads."""
-    from ..llm_args import resolve_device, resolve_dtype
+    from ..deploy.devices import resolve_device, resolve_dtype
 
     resolved = resolve_dtype(dtype, resolve_device(device), planned=True)  # auto: the 16-bit format it plans
     if resolved.itemsize != 2:

@@ -43,3 +43,25 @@ def grow_segments_in_place(device: torch.device) -> bool:
         warnings.simplefilter("ignore")
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     return True
+
+
+class DeviceMemoryCap:
+    """A CUDA device's caching allocator capped at ``limit`` bytes, emulating a smaller card: it
+    refuses anything past the cap. The cap is the whole process's, so its owner lifts it when done
+    (else the next model of this process, capped or not, inherits it); lifting twice is fine."""
+
+    def __init__(self, device: torch.device, limit: int):
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
+        self.device: torch.device | None = device
+
+    @classmethod
+    def for_device(cls, device: torch.device, limit: int | None) -> "DeviceMemoryCap | None":
+        """The cap where one is asked for on a CUDA device; None elsewhere (the CPU's "gpu" tier is a
+        budget the layout keeps, not an allocator's)."""
+        return cls(device, limit) if limit and device.type == "cuda" else None
+
+    def lift(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self.device = None

@@ -84,7 +84,9 @@ def test_max_instances_on_helms_draw_picks_what_helm_picked(tiny_opt, tmp_path):
 
 
 def test_without_max_instances_synthetic_reasoning_evaluates_helms_draw_of_1000(tmp_path):
-    run = bench.open_bench(Job(), "synthetic_reasoning", None, tmp_path / "out")
+    from flexoff.commands.llm import job_deployment
+
+    run = bench.open_bench(Job(), job_deployment(Job()), "synthetic_reasoning", None, tmp_path / "out")
     try:
         ids = [instance.id for instance in run.evaluated]
     finally:

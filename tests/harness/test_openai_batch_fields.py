@@ -130,12 +130,14 @@ def test_a_prompt_of_a_list_too_long_for_the_model_is_named_by_its_place(chat_op
 
 
 def test_the_planners_workload_counts_every_prompt_of_a_list(chat_opt, tmp_path):
+    from flexoff.commands.llm import job_deployment
     from flexoff.harness.batch import open_batch
     from flexoff.job import Job
 
     source = write_jsonl(tmp_path / "in.jsonl", [completion("m", [[5] * 9, [5, 6]], max_tokens=4),
                                                  completion("o", [5, 6, 7], max_tokens=2)])
-    batch = open_batch(Job(model=str(chat_opt[0]), device="cpu"), source, tmp_path / "out.jsonl", 32)
+    job = Job(model=str(chat_opt[0]), device="cpu")
+    batch = open_batch(job, job_deployment(job), source, tmp_path / "out.jsonl", 32)
     try:
         workload = batch.workload()
     finally:

@@ -135,7 +135,7 @@ def test_the_runtimes_stage_weights_are_an_expert_fetch():
 def test_auto_dtype_is_the_models_own_on_cuda(tiny_model_dir, tmp_path):
     """bfloat16 checkpoints run in bfloat16 on a GPU (fp16 may overflow them), float16 and float32
     ones in fp16; the CPU computes fp32 whatever the model."""
-    from flexoff.llm_args import resolve_dtype
+    from flexoff.deploy.devices import resolve_dtype
     from flexoff.models import config_from_dir
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

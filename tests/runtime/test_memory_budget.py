@@ -70,9 +70,9 @@ def test_weights_that_cannot_fit_the_ram_are_refused_before_they_load(ram, monke
 def test_the_cli_refuses_a_job_whose_cache_cannot_fit_before_loading_anything(ram, monkeypatch, capsys):
     """The weights fit; a block's KV cache (1.2 GiB for 32 x 544 tokens) does not: refused up front."""
     ram(int(1.25 * GiB))
-    import flexoff.api
+    import flexoff.api.llm
 
-    monkeypatch.setattr(flexoff.api, "Engine", lambda *a, **k: pytest.fail("the engine was built"))
+    monkeypatch.setattr(flexoff.api.llm, "Engine", lambda *a, **k: pytest.fail("the engine was built"))
     code = main(["run", "--quiet", "--prompt-len", "512", "--gen-len", "32", "--num-prompts", "64"])
     err = capsys.readouterr().err
     assert code == 2

@@ -75,9 +75,10 @@ def stored_model(monkeypatch):
     """stored_model(source, stored): LLM(path) then reads the checkpoint through ``source`` (a class
     over the checkpoint's path), its config saying it stores its matrices in ``stored``; returns
     the sources made. Called again, it patches anew."""
-    import flexoff.api as api
+    import flexoff.api.llm as api
+    import flexoff.deploy.deployment as deployment
 
-    resolve = api.resolve_model
+    resolve = deployment.resolve_model
 
     def patch(source=None, stored=STORED):
         sources = []
@@ -86,7 +87,7 @@ def stored_model(monkeypatch):
             config, checkpoint = resolve(model, dummy)
             return config.replace(stored_compression=stored), checkpoint
 
-        monkeypatch.setattr(api, "resolve_model", as_stored)
+        monkeypatch.setattr(deployment, "resolve_model", as_stored)
         monkeypatch.setattr(api, "checkpoint_weights", lambda path: sources.append((source or StoredSource)(path))
                             or sources[-1])
         return sources

@@ -17,9 +17,9 @@ from datetime import timedelta
 
 import torch
 
-from .checks import check_int
-from .errors import ConfigError, FlexoffError
-from .layout.stage_split import check_counts, range_layers, stage_ranges, stage_view
+from ..checks import check_int
+from ..errors import ConfigError, FlexoffError
+from ..layout.stage_split import check_counts, range_layers, stage_ranges, stage_view
 
 # How long a process waits for a peer before the job ends (a rank that died, a stuck collective).
 DEFAULT_TIMEOUT_S = 600.0
@@ -110,10 +110,11 @@ class Ranks:
     """This process's place in a parallel job."""
 
     def __init__(self, parallel: Parallel, launch: Launch, num_layers: int, device: torch.device):
-        from .runtime.pipeline import PipelinePlace
+        from ..runtime.pipeline import PipelinePlace
 
         self.parallel = parallel
         self.launch = launch
+        self.num_layers = num_layers
         self.replica, self.stage = divmod(launch.rank, parallel.pipeline)
         first = self.replica * parallel.pipeline
         self.place = PipelinePlace(self.stage, stage_ranges(num_layers, parallel.pipeline, parallel.layers),
@@ -128,6 +129,13 @@ class Ranks:
     def reports(self) -> bool:
         """Whether this process holds the results of the blocks its replica runs (its first stage)."""
         return self.place.first
+
+    def with_layers(self, layers: tuple[int, ...]) -> "Ranks":
+        """This process's place once the stages' layers are planned (``layers``: decoder layers of
+        each stage); the process group it joined stays."""
+        check_counts(layers, self.num_layers, self.parallel.pipeline)
+        parallel = Parallel(self.parallel.pipeline, self.parallel.data, self.parallel.timeout_s, tuple(layers))
+        return Ranks(parallel, self.launch, self.num_layers, self.device)
 
     def join(self) -> None:
         """Join the job's process group (NCCL between GPUs, gloo between CPUs; once a process: the
@@ -195,7 +203,7 @@ def rounds(num_blocks: int, pipeline: int, data: int) -> list[list[list[int]]]:
 def checked_device(parallel: Parallel, config, launch: Launch | None, device: str | torch.device) -> torch.device:
     """The kind of device a parallel job computes on, once the job's shape is checked for it
     (``parallel`` resolved), before any weight is loaded."""
-    from .llm_args import parse_device, resolve_device
+    from .devices import parse_device, resolve_device
 
     resolve_device(device)  # refuses CUDA where there is none
     asked = parse_device(device) or torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,66 +1,45 @@
-"""The Python batch API: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+"""``LLM``: a model ready to generate, score and chat, over one resolved deployment."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence as SequenceOf
-from dataclasses import dataclass, replace
+from dataclasses import replace
 import math
-import os
-import sys
 
 import torch
 
-from .chat import chat_prompt, check_template_args, conversation_list
-from .checks import check_bool
-from .errors import (ArgumentTypeError, ClosedError, FlexoffError, NonFiniteError, PromptError,
-                     SamplingError, TokenizerError)
-from .fileio import offload_root
-from .generation_config import read_generation_config
-from .llm_args import check_llm_args, one_of, resolve_device, resolve_dtype, unwrap_prompt
-from .models import ModelConfig, resolve_model, stage_specs, stages
-from .parallel import Parallel, parallel_ranks, rounds
-from .outputs import CompletionOutput, Logprob, RequestOutput
-from .progress import TokenBar
-from .prompts import check_room, prompt_ids
-from .runtime.block_forming import form_blocks
-from .runtime.batch import Sequence
-from .runtime.engine import Engine
-from .runtime.memory import machine_capacity
-from .runtime.metrics import Metrics
-from .policy import Policy
-from .runtime.sampling import SamplingParams
-from .tokenizer import Tokenizer
-from .units import parse_size
-from .weights import DummyWeights, checkpoint_weights
-
-# Everything on the compute device, in batches large enough to keep it busy.
-DEFAULT_POLICY = Policy(gpu_batch_size=32)
-
-
-@dataclass
-class ScoreOutput:
-    token_ids: list[int]
-    logprobs: list[float]
-
-    @property
-    def total(self) -> float:
-        return sum(self.logprobs)
-
-
-class GenerationResult(list):
-    """The outputs in input order, with the run's metrics record."""
-
-    def __init__(self, outputs: list[RequestOutput], metrics: Metrics):
-        super().__init__(outputs)
-        self.metrics = metrics
+from ..chat import chat_prompt, check_template_args, conversation_list
+from ..checks import check_bool
+from ..deploy.deployment import Deployment, Request, resolve_deployment
+from ..deploy.parallel import Parallel, rounds
+from ..deploy.planning import plan_deployment
+from ..errors import (ArgumentTypeError, ClosedError, FlexoffError, NonFiniteError, PromptError, SamplingError,
+                      TokenizerError)
+from ..generation_config import read_generation_config
+from ..models import ModelConfig, stage_specs, stages
+from ..outputs import RequestOutput
+from ..policy import Policy
+from ..progress import TokenBar
+from ..prompts import check_room, prompt_ids
+from ..runtime.batch import Sequence
+from ..runtime.block_forming import form_blocks
+from ..runtime.engine import Engine
+from ..runtime.memory import DeviceMemoryCap
+from ..runtime.metrics import Metrics
+from ..runtime.sampling import SamplingParams
+from ..tokenizer import Tokenizer
+from ..weights import DummyWeights, checkpoint_weights
+from .args import check_llm_args, one_of, unwrap_prompt
+from .results import GenerationResult, ScoreOutput, request_output
 
 
 class LLM:
     """A model ready to generate: weights from a checkpoint directory, or seeded dummy weights."""
 
     _closed = False  # set by close()
-    _capped = None  # the CUDA device whose allocator this LLM capped at gpu_mem
-    ranks = None  # this process's place in a parallel job (flexoff.parallel)
+    _cap: DeviceMemoryCap | None = None  # the process's GPU allocator cap at gpu_mem, lifted by close()
+    ranks = None  # this process's place in a parallel job (flexoff.deploy.parallel)
+    engine = None
 
     def __init__(self, model: str, *, dummy: bool = False, policy: Policy | str | None = None,
                  dtype: str | torch.dtype = "auto", device: str | torch.device = "auto", seed: int = 0,
@@ -73,105 +52,64 @@ class LLM:
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
         planned on ``hardware`` (a HardwareProfile, a packaged profile's name or a profile file, or
         a callable giving a profile; default: this machine's saved profile, measured quickly and
-        saved the first time); ``self.plan`` tells. ``policy="auto"`` always runs the planned
-        policy, as ``flexoff run --policy auto`` does.
+        saved the first time, which is told to the ``flexoff`` logger); ``self.plan`` tells.
+        ``policy="auto"`` always runs the planned policy.
         ``compress`` is what that planning may do with lossy 4-bit compression: "off" (lossless),
         "auto" (try both) or "on"; of the cache alone for a model stored compressed, read as stored.
         ``pipeline_parallel_size`` and ``data_parallel_size``: this process is one of a parallel
-        job's, started by torchrun (see ``flexoff.parallel``); None takes them from the launch
+        job's, started by torchrun (see ``flexoff.deploy.parallel``); None takes them from the launch
         (all its processes one pipeline); ``pipeline_layers``, the decoder layers of each stage
         (default: split evenly). Every process calls the same methods with the same prompts, and
         every one returns the same outputs."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                        offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress)
-        # A local directory, a registry name (dummy only) or a Hugging Face Hub id (fetched as needed).
-        self.config: ModelConfig
-        self.config, checkpoint = resolve_model(model, dummy)
-        self.device = resolve_device(device)
         layers = tuple(pipeline_layers) if pipeline_layers is not None else None
-        self.ranks = parallel_ranks(Parallel(pipeline_parallel_size, data_parallel_size, layers=layers), self.config,
-                                    device)
-        if self.ranks is not None:
-            self.device = self.ranks.device
-        searched = policy == "auto"
-        self.dtype = resolve_dtype(dtype, self.device, self.config, planned=searched)
-        self.seed = seed
-        if searched and workload is None:
-            raise FlexoffError("policy 'auto' plans for a job: pass workload=Workload(prompt_len, gen_len, "
-                               "num_prompts) too, or pass the policy flexoff.planner.search_policy(config, "
-                               "Workload(...), hardware).policy")
-        given = policy if isinstance(policy, Policy) else Policy.load(policy) if policy and not searched else None
-        default = DEFAULT_POLICY
-        if self.config.stored_compression is not None:  # else the planner (and its solver) loads only to plan
-            from .planner.default import weights_as_stored
+        request = Request(model, dummy, policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
+                          offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress,
+                          hardware=hardware, parallel=Parallel(pipeline_parallel_size, data_parallel_size,
+                                                               layers=layers))
+        self._start(resolve_deployment(request), workload)
 
-            # Read as the checkpoint stores them, refused where a policy would recompress them.
-            given, default = (weights_as_stored(p, self.config) if p is not None else None for p in (given, default))
-        self.policy = given or default
-        self.tokenizer = Tokenizer.for_model(checkpoint, tokenizer)
-        self.generation_config = read_generation_config(checkpoint)
+    @classmethod
+    def from_deployment(cls, deployment: Deployment, workload=None) -> "LLM":
+        """The LLM of a deployment resolved already (``flexoff.deploy.resolve_deployment``), planned
+        here for ``workload`` as ``LLM(...)`` plans it."""
+        llm = cls.__new__(cls)
+        llm._start(deployment, workload)
+        return llm
+
+    def _start(self, deployment: Deployment, workload) -> None:
+        """Load the tokenizer, check the weights, plan the deployment for ``workload`` and build the engine."""
+        request = deployment.request
+        self.seed, self.device, self.dtype = request.seed, deployment.device, deployment.dtype
+        self.tokenizer = Tokenizer.for_model(deployment.checkpoint, request.tokenizer)
+        self.generation_config = read_generation_config(deployment.checkpoint)
+        self.config: ModelConfig = deployment.config
         more_eos = tuple(i for i in self.generation_config.eos_token_ids if i not in self.config.eos_token_ids)
         if more_eos:
             self.config = self.config.replace(eos_token_ids=self.config.eos_token_ids + more_eos)
-        source = DummyWeights(seed) if dummy else checkpoint_weights(checkpoint)
+        source = DummyWeights(request.seed) if request.dummy else checkpoint_weights(deployment.checkpoint)
         source.check({stage.name: stage_specs(self.config, stage) for stage in stages(self.config)})
-        offload_dir = offload_root(offload_dir)  # used only where a policy puts data on disk
-        caps = [parse_size(value) if value else None for value in (gpu_mem, cpu_mem)]
-        capacity = self._capacity(caps, offload_dir if self.policy.uses_disk else None)
-        self.plan = None
-        job = workload() if callable(workload) else workload
-        if job is not None:
-            from .planner.default import fit_job  # the planner loads its solver: only when asked for
-            from .profiler.machine import saved_or_measured_profile
-
-            if hardware is None:
-                disk_dir, device = offload_dir, self.device
-
-                def hardware():
-                    return saved_or_measured_profile(device, disk_dir, lambda message: print(message, file=sys.stderr))
-            elif isinstance(hardware, (str, os.PathLike)):
-                from .planner.hardware import resolve_hardware
-
-                hardware = resolve_hardware(str(hardware))
-            def plan():
-                config = self.config if self.ranks is None else self.ranks.largest_stage(self.config)
-                return fit_job(config, job, given, self.dtype, capacity, hardware, default, offload_dir,
-                               compress, search=searched)
-
-            # A pipeline's stages must agree on batch sizes: rank 0 plans for all of them.
-            self.plan = plan() if self.ranks is None else self.ranks.on_rank0(plan)
-            self.policy = self.plan.policy
-            if self.policy.uses_disk and capacity.disk is None:  # a plan put data on disk
-                capacity = self._capacity(caps, offload_dir)
-        if gpu_mem and self.device.type == "cuda":
-            # Emulate a smaller card: the allocator refuses anything past the cap.
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, capacity.gpu / total), self.device)
-            self._capped = self.device  # the cap is the process's: close() lifts it
+        deployment = plan_deployment(deployment, workload)
+        self.deployment = deployment
+        self.ranks, self.policy, self.plan = deployment.ranks, deployment.policy, deployment.plan
+        capacity = deployment.capacity
+        self._cap = DeviceMemoryCap.for_device(self.device, capacity.gpu if request.gpu_mem else None)
         link = None
         if self.ranks is not None and self.ranks.parallel.pipeline > 1:
-            from .runtime.pipeline import PipelineLink
+            from ..runtime.pipeline import PipelineLink
 
             link = PipelineLink(self.ranks.place, self.device, self.dtype)
-        self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, seed,
-                             offload_dir=offload_dir, capacity=capacity, link=link)
-
-    def _capacity(self, caps, offload_dir):
-        """This process's memory: a parallel job's processes on one host share its RAM (--cpu-mem
-        is the host's)."""
-        capacity = machine_capacity(self.device, *caps, offload_dir)
-        if self.ranks is not None and capacity.cpu is not None:
-            capacity = replace(capacity, cpu=capacity.cpu // self.ranks.launch.local_world)
-        return capacity
+        self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, request.seed,
+                             offload_dir=deployment.offload_dir, capacity=capacity, link=link)
 
     def close(self) -> None:
         """Free the model's memory and offload files; later calls raise ClosedError. Closing twice is fine."""
         self._closed = True
-        if getattr(self, "engine", None) is not None:
+        if self.engine is not None:
             self.engine.close()
-        if self._capped is not None:  # else the next LLM of this process, capped or not, inherits the cap
-            torch.cuda.set_per_process_memory_fraction(1.0, self._capped)
-            self._capped = None
+        if self._cap is not None:
+            self._cap.lift()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -244,35 +182,6 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params):
             raise TokenizerError("stop strings need a tokenizer, and this model has none")
 
-    # Generation
-    def _completion(self, seq: Sequence, sample: int) -> CompletionOutput:
-        if seq.finish_reason == "error":
-            return CompletionOutput(sample, None, [], None, None, "error")
-        text = _output_text(self.tokenizer.decode, seq) if self.tokenizer is not None else None
-        top = [self._logprob_dict(t) for t in seq.top_logprobs] if seq.params.logprobs is not None else None
-        return CompletionOutput(sample, text, list(seq.token_ids), math.fsum(seq.logprobs), top,
-                                seq.finish_reason or "length", seq.stop_reason)
-
-    def _logprob_dict(self, entries) -> dict[int, Logprob]:
-        """vLLM's logprobs of one position: the token first, then its alternatives, each with its
-        token's spelling in the vocabulary."""
-        texts = self.tokenizer.tokens([e[0] for e in entries]) if self.tokenizer is not None else [None] * len(entries)
-        return {token: Logprob(logprob, rank, text) for (token, logprob, rank), text in zip(entries, texts)}
-
-    def _finish(self, seqs: list[Sequence], index: int, prompt) -> RequestOutput:
-        """One prompt's output from its samples' sequences (sample 0 gives the flat fields)."""
-        first = seqs[0]
-        samples = [self._completion(seq, j) for j, seq in enumerate(seqs)]
-        prompt_logprobs = None
-        if first.prompt_logprobs is not None:
-            prompt_logprobs = [None if e is None else self._logprob_dict(e) for e in first.prompt_logprobs]
-        out = samples[0]
-        return RequestOutput(
-            index=index, prompt=prompt if isinstance(prompt, str) else None, prompt_token_ids=first.prompt_ids,
-            text=out.text, token_ids=out.token_ids, logprobs=list(first.logprobs), finish_reason=out.finish_reason,
-            error=first.error, stop_reason=out.stop_reason,
-            top_logprobs=out.logprobs, prompt_logprobs=prompt_logprobs, more_outputs=samples[1:])
-
     def generate(self, prompts, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  *, progress: bool | None = None,
                  on_block: Callable[[list[RequestOutput], Metrics], None] | None = None,
@@ -322,7 +231,7 @@ class LLM:
                     done.setdefault(i, []).append(seq)
                     if len(done[i]) == params[i].n:
                         samples = sorted(done.pop(i), key=lambda s: s.index)
-                        outputs[i] = self._finish(samples, i, prompts[i])
+                        outputs[i] = request_output(samples, i, prompts[i], self.tokenizer)
                         block_outputs.append(outputs[i])
                 total.add(counted)
                 if on_block is not None:  # a block may finish no prompt when its samples span blocks
@@ -481,19 +390,3 @@ class LLM:
         results = self._from_head(results)
         self._check_finite([all(math.isfinite(v) for v in r.logprobs) for r in results], "log-probabilities")
         return results
-
-
-def _output_text(decode, seq: Sequence) -> str:
-    """The generated text as vLLM gives it: a stop token (EOS or a stop token id) and the stop
-    string that ended it left out, unless include_stop_str_in_output."""
-    include = seq.params.include_stop_str_in_output
-    ended_by_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
-    text = decode(seq.token_ids[:-1] if ended_by_token and not include else seq.token_ids)
-    stop = seq.stop_reason
-    if seq.finish_reason == "stop" and isinstance(stop, str):
-        # Tokens before the min_tokens-th cannot stop a sequence: a stop string ending in their text did not.
-        after = len(decode(seq.token_ids[:seq.params.min_tokens - 1])) if seq.params.min_tokens > 1 else 0
-        at = text.find(stop, max(0, after - len(stop) + 1))
-        if at >= 0:
-            text = text[:at + len(stop) if include else at]
-    return text
