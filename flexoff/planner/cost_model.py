@@ -190,7 +190,7 @@ class CostModel(MemoryTerms):
                     1 if dequantizes_once(frame) else nb, host)
         return {"prefill": (self._prefill_io(q), self._prefill_compute(q)), "decode": self._decode_terms(q)}
 
-    def _activation_copies(self, q: "_Shares", tokens: int):
+    def _activation_copies(self, q: _Shares, tokens: int):
         """Seconds per layer of moving offloaded hidden states out and back. The runtime does it on
         the compute stream, between one batch's layer and the next (disk rows through the host,
         waiting), so it adds to the compute instead of overlapping it."""
@@ -198,7 +198,7 @@ class CostModel(MemoryTerms):
         return (q.h_off * size * (1 / hw.gpu_to_cpu_bandwidth + 1 / hw.cpu_to_gpu_bandwidth)
                 + q.p.hd * size * (1 / hw.cpu_to_disk_bandwidth + 1 / q.disk_read))
 
-    def _prefill_io(self, q: "_Shares") -> dict:
+    def _prefill_io(self, q: _Shares) -> dict:
         hw, p, act, kv = self.hardware, q.p, q.act, q.kv
         s, bls = self.workload.prompt_len, q.frame.block_size
         # Weight bytes loaded per layer: a prefill pass sees the block's s x bls tokens.
@@ -213,7 +213,7 @@ class CostModel(MemoryTerms):
             "host": q.host,
         }
 
-    def _prefill_compute(self, q: "_Shares") -> dict:
+    def _prefill_compute(self, q: _Shares) -> dict:
         """Prefill attention always runs on the GPU: the cache is produced there."""
         hw, frame = self.hardware, q.frame
         s, gbs, bls = self.workload.prompt_len, frame.gpu_batch_size, frame.block_size
@@ -231,7 +231,7 @@ class CostModel(MemoryTerms):
             "activation_copies": self._activation_copies(q, s),
         }
 
-    def _decode_terms(self, q: "_Shares") -> tuple[dict, dict]:
+    def _decode_terms(self, q: _Shares) -> tuple[dict, dict]:
         hw, p, frame, act, kv, c_off = self.hardware, q.p, q.frame, q.act, q.kv, q.c_off
         bls, cpu_att = frame.block_size, frame.cpu_attention
         s_avg = self.workload.prompt_len + self.workload.gen_len / 2  # mean cache length over the decode steps (A.3)
@@ -253,7 +253,7 @@ class CostModel(MemoryTerms):
         }
         return io, self._decode_compute(q, gpu_att, host, q.w_off * weights / hw.cpu_to_gpu_bandwidth)
 
-    def _decode_host(self, q: "_Shares", shipped, gpu_att, disk_cache_read):
+    def _decode_host(self, q: _Shares, shipped, gpu_att, disk_cache_read):
         """The host's seconds per decode layer. It issues more per batch where the cache travels or
         attention reads a compressed one, and per pass over compressed weights (as measured: rows
         off the GPU in proportion)."""
@@ -269,7 +269,7 @@ class CostModel(MemoryTerms):
                 # page cache serves them, not beside it as another stream.
                 + disk_cache_read / hw.disk_to_cpu_bandwidth)
 
-    def _decode_compute(self, q: "_Shares", gpu_att, host, weight_copy) -> dict:
+    def _decode_compute(self, q: _Shares, gpu_att, host, weight_copy) -> dict:
         hw, frame = self.hardware, q.frame
         gbs, bls, cc = frame.gpu_batch_size, frame.block_size, frame.compress_cache is not None
         s_avg = self.workload.prompt_len + self.workload.gen_len / 2
