@@ -36,27 +36,23 @@ fractions and streamed once per token like a layer's weights.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 
-import torch
-
 from ..errors import ConfigError
-from ..layout import (CPU_ATTENTION_ROWS, HOST_JOBS_IN_FLIGHT, block_host_requests, compressible,
-                      dequantize_scratch_numel,
-                      dequantizes_once, has_dense_mlp, head_step_bytes, largest_matrix_numel,
-                      largest_stage_matrix_numel, registered_bytes, routes_first,
-                      sampler_state_bytes, slab_bytes, sparse_mlp_bytes, step_state_bytes, weight_buffer_bytes,
-                      weight_host_requests, working_bytes)
+from ..layout import (CPU_ATTENTION_ROWS, compressible, dequantizes_once, has_dense_mlp, largest_matrix_numel,
+                      largest_stage_matrix_numel, routes_first)
 from ..models import stage_specs, stages
 from ..models.moe import chunk_tokens
 from .sparse_rate import expert_shape
 from ..models.config import ModelConfig
-from ..policy import TIERS, Policy, TierFractions
+from ..policy import TIERS, Policy
 # The frame types are named here too: code plans and predicts through this module.
 from .frame import Placement, PhaseBreakdown, PolicyFrame, Prediction, Workload  # noqa: F401
 from .hardware import HardwareProfile
 from .experts import expected_expert_bytes, expert_bytes_per_layer
+from .memory import MemoryTerms
 from .sizes import (
     FP16_BYTES, bytes_per_element, embedding_matrix_numel, embedding_vector_numel, head_matmul_numel,
     layer_active_matmul_numel, layer_elementwise_bytes_per_token, layer_matrix_numel, layer_routed_matmul_numel,
@@ -68,10 +64,24 @@ IO_TERMS = ("cpu_to_gpu", "gpu_to_cpu", "disk_to_cpu", "cpu_to_disk")
 STREAM_TERMS = IO_TERMS + ("host",)
 COMPUTE_TERMS = ("gpu_matmul", "gpu_attention", "gpu_elementwise", "dequantize", "cpu_attention")
 PHASES = ("prefill", "decode")
-FP32_BYTES = 4
 
 
-class CostModel:
+class _Shares(NamedTuple):
+    """What both phases' time terms of one frame and placement read."""
+
+    frame: PolicyFrame
+    p: Placement
+    disk_read: float  # bytes per second read back from disk
+    kv: float  # stored KV bytes of one token in one layer
+    act: int  # bytes of one token's hidden state
+    w_off: object  # the weights' share off the GPU
+    c_off: object  # the cache's
+    h_off: object  # the activations'
+    dequantized: int  # passes over a stage's compressed weights
+    host: float  # the host's seconds per layer issuing the block's GPU batches
+
+
+class CostModel(MemoryTerms):
     """Predicts time and memory of policies for one model, workload and machine."""
 
     def __init__(self, config: ModelConfig, workload: Workload, hardware: HardwareProfile,
@@ -157,55 +167,6 @@ class CostModel:
         """Stored KV bytes of one token in one layer."""
         return self.kv_numel * bytes_per_element(frame.compress_cache)
 
-    def weight_buffer_bytes(self, frame: PolicyFrame, wg):
-        """GPU bytes of the buffers the runtime assembles streamed weights in, affine in ``wg``.
-
-        The layout's figure with every weight off the GPU (a layer's ring of two, plus the
-        embedding's and head's buffers, at stored size) scales with the share off the GPU.
-        The one tensor a fraction splits is assembled whole: up to two of the largest matrix more
-        (of a MoE model, the largest stage's), priced as ``wg`` x that, which is exact with nothing
-        on the GPU, close for a small share off it (where it matters), and two matrices too many
-        with everything on it. Compressed
-        weights add their dequantization scratch: one matrix, or one stage where the batches share
-        its dequantization (in the layout's figure)."""
-        key = (frame.compress_weight, dequantizes_once(frame))
-        if key not in self._buffer_bytes:
-            off_gpu = Policy(1, 1, TierFractions(0, 1, 0), TierFractions(1, 0, 0), TierFractions(1, 0, 0),
-                             compress_weight=frame.compress_weight)
-            streamed = float(weight_buffer_bytes(self.config, off_gpu, torch.float16)
-                             - dequantize_scratch_numel(self.config, frame.compress_weight) * FP16_BYTES)
-            scratch = float(dequantize_scratch_numel(self.config, *key) * FP16_BYTES)
-            split = max(self.split_numel * bytes_per_element(frame.compress_weight),
-                        self.exact_split_numel * FP16_BYTES)
-            self._buffer_bytes[key] = (streamed, scratch, 2 * split)
-        streamed, scratch, split = self._buffer_bytes[key]
-        return (1 - wg) * streamed + wg * split + scratch
-
-    def pinned_host_factors(self, frame: PolicyFrame) -> tuple[float, float]:
-        """Host bytes reserved per byte stored, for the weights and for the cache, as the runtime
-        pins its own allocations with everything of the kind on the CPU: the weights in whole pages
-        (a factor of 1 but for the smallest models), the cache in slabs whose unused ends are taken
-        all the same. 1 where host memory is not pinned."""
-        if not self.hardware.pinned_host_memory:
-            return 1.0, 1.0
-        on_cpu = Policy(frame.gpu_batch_size, 1, TierFractions(0, 1, 0), TierFractions(0, 1, 0),
-                        TierFractions(1, 0, 0), compress_weight=frame.compress_weight,
-                        compress_cache=frame.compress_cache)
-        w = self.workload
-
-        def factor(key, requests, reserved) -> float:
-            # The weights' factor depends on their compression alone, the cache's on the batch too.
-            if key not in self._pinned_factors:
-                listed = requests()
-                self._pinned_factors[key] = reserved(listed) / sum(listed)
-            return self._pinned_factors[key]
-
-        return (factor(("weights", frame.compress_weight),
-                       lambda: weight_host_requests(self.config, on_cpu, torch.float16), registered_bytes),
-                factor(("cache", frame.gpu_batch_size, frame.compress_cache),
-                       lambda: block_host_requests(self.config, on_cpu, w.prompt_len, w.prompt_len + w.gen_len,
-                                                   FP16_BYTES), slab_bytes))
-
     # ---- time
 
     def disk_rows_host_seconds(self, frame: PolicyFrame) -> float:
@@ -221,104 +182,126 @@ class CostModel:
 
         ``disk_read_bandwidth`` overrides the profile's cold disk read rate (page-cache hits).
         """
-        hw, w = self.hardware, self.workload
-        disk_read = disk_read_bandwidth or hw.disk_to_cpu_bandwidth
-        s, n = w.prompt_len, w.gen_len
-        gbs, nb, bls = frame.gpu_batch_size, frame.num_gpu_batches, frame.block_size
-        # Weight bytes loaded per layer: a prefill pass sees the block's s x bls tokens, a decode step bls.
-        W_prefill, W_decode = self.moved_weight_bytes(frame, s * bls), self.moved_weight_bytes(frame, bls)
-        kv = self.kv_bytes_per_token(frame)
-        kv16 = self.kv_numel * FP16_BYTES
-        act = FP16_BYTES * self.hidden  # one token's hidden state
-        s_avg = s + n / 2  # mean cache length over the decode steps (A.3)
-        w_off, c_off, h_off = p.wc + p.wd, p.cc + p.cd, p.hc + p.hd
-        cw, cc, cpu_att = frame.compress_weight is not None, frame.compress_cache is not None, frame.cpu_attention
-        dequantized = 1 if dequantizes_once(frame) else nb  # passes over a stage's compressed weights
+        hw, nb = self.hardware, frame.num_gpu_batches
         # Per layer: every GPU batch's layer, and its share of the step's embedding, head and sampling.
-        host = nb * (self.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers) + 0.0 * w_off
+        host = nb * (self.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers)
+        q = _Shares(frame, p, disk_read_bandwidth or hw.disk_to_cpu_bandwidth, self.kv_bytes_per_token(frame),
+                    FP16_BYTES * self.hidden, p.wc + p.wd, p.cc + p.cd, p.hc + p.hd,
+                    1 if dequantizes_once(frame) else nb, host)
+        return {"prefill": (self._prefill_io(q), self._prefill_compute(q)), "decode": self._decode_terms(q)}
 
-        def activation_copies(tokens: int):
-            """Seconds per layer of moving offloaded hidden states out and back. The runtime does it on
-            the compute stream, between one batch's layer and the next (disk rows through the host,
-            waiting), so it adds to the compute instead of overlapping it."""
-            size = act * tokens * bls
-            return (h_off * size * (1 / hw.gpu_to_cpu_bandwidth + 1 / hw.cpu_to_gpu_bandwidth)
-                    + p.hd * size * (1 / hw.cpu_to_disk_bandwidth + 1 / disk_read))
+    def _activation_copies(self, q: _Shares, tokens: int):
+        """Seconds per layer of moving offloaded hidden states out and back. The runtime does it on
+        the compute stream, between one batch's layer and the next (disk rows through the host,
+        waiting), so it adds to the compute instead of overlapping it."""
+        hw, size = self.hardware, q.act * tokens * q.frame.block_size
+        return (q.h_off * size * (1 / hw.gpu_to_cpu_bandwidth + 1 / hw.cpu_to_gpu_bandwidth)
+                + q.p.hd * size * (1 / hw.cpu_to_disk_bandwidth + 1 / q.disk_read))
 
-        prefill_io = {
-            "cpu_to_gpu": (w_off * W_prefill + h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
-            "gpu_to_cpu": c_off * kv * s * bls / hw.gtoc_cache_bandwidth
-            + h_off * act * s * bls / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * W_prefill + p.hd * act * s * bls) / disk_read,
+    def _prefill_io(self, q: _Shares) -> dict:
+        hw, p, act, kv = self.hardware, q.p, q.act, q.kv
+        s, bls = self.workload.prompt_len, q.frame.block_size
+        # Weight bytes loaded per layer: a prefill pass sees the block's s x bls tokens.
+        weights = self.moved_weight_bytes(q.frame, s * bls)
+        return {
+            "cpu_to_gpu": (q.w_off * weights + q.h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
+            "gpu_to_cpu": q.c_off * kv * s * bls / hw.gtoc_cache_bandwidth
+            + q.h_off * act * s * bls / hw.gpu_to_cpu_bandwidth,
+            "disk_to_cpu": (p.wd * weights + p.hd * act * s * bls) / q.disk_read,
             "cpu_to_disk": p.cd * kv * s * bls / hw.ctod_cache_bandwidth
             + p.hd * act * s * bls / hw.cpu_to_disk_bandwidth,
-            "host": host,
+            "host": q.host,
         }
-        # Prefill attention always runs on the GPU: the cache is produced there.
-        prefill_compute = {
+
+    def _prefill_compute(self, q: _Shares) -> dict:
+        """Prefill attention always runs on the GPU: the cache is produced there."""
+        hw, frame = self.hardware, q.frame
+        s, gbs, bls = self.workload.prompt_len, frame.gpu_batch_size, frame.block_size
+        return {
             "gpu_matmul": self.matmul_seconds(s * bls, bls, gbs * s),
             "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
             # Norms, residual adds and activations stream every prompt token through GPU memory
             # (about 4% of an OPT-30B prefill layer on an H200); a decode step's are launches.
             "gpu_elementwise": s * bls * self.elementwise_bytes / hw.gpu_memory_bandwidth,
             # Weights are dequantized once or for every GPU batch; the new cache is quantized once.
-            "dequantize": (dequantized * self.matrix_numel / hw.gpu_dequant_throughput if cw else 0.0)
-            + (bls * s * self.kv_numel / hw.kv_quant_throughput if cc else 0.0),
-            "cpu_attention": 0.0 * c_off,
-            "activation_copies": activation_copies(s),
+            "dequantize": (q.dequantized * self.matrix_numel / hw.gpu_dequant_throughput
+                           if frame.compress_weight is not None else 0.0)
+            + (bls * s * self.kv_numel / hw.kv_quant_throughput if frame.compress_cache is not None else 0.0),
+            "cpu_attention": 0.0,
+            "activation_copies": self._activation_copies(q, s),
         }
 
-        shipped = 0.0 * c_off if cpu_att else c_off  # off-GPU cache that travels to be attended on the GPU
+    def _decode_terms(self, q: _Shares) -> tuple[dict, dict]:
+        hw, p, frame, act, kv, c_off = self.hardware, q.p, q.frame, q.act, q.kv, q.c_off
+        bls, cpu_att = frame.block_size, frame.cpu_attention
+        s_avg = self.workload.prompt_len + self.workload.gen_len / 2  # mean cache length over the decode steps (A.3)
+        weights = self.moved_weight_bytes(frame, bls)  # a decode step sees the block's bls tokens
+        shipped = 0.0 if cpu_att else c_off  # off-GPU cache that travels to be attended on the GPU
         gpu_att = p.cg + shipped  # share of decode attention on the GPU
-        cpu_share = c_off if cpu_att else 0.0 * c_off
         disk_cache_read = p.cd * kv * s_avg * bls  # bytes of the cache's disk rows a decode layer reads
-        # The host issues more per batch where the cache travels or attention reads a compressed
-        # one, and per pass over compressed weights (as measured: rows off the GPU in proportion).
-        decode_host = (host + nb * (shipped * hw.host_seconds_per_travelling_layer
-                                    + (gpu_att * hw.host_seconds_per_compressed_cache_layer if cc else 0.0 * gpu_att))
-                       + (dequantized * hw.host_seconds_per_compressed_weight_layer if cw else 0.0)
-                       + self.disk_rows_host_seconds(frame) * has_any(p.cd)
-                       # Disk rows' reads hold up the batches they feed, a layer ahead at most: measured
-                       # in series with the host's work, at about the disk's cold read rate although the
-                       # page cache serves them, not beside it as another stream.
-                       + disk_cache_read / hw.disk_to_cpu_bandwidth)
-        decode_io = {
-            "cpu_to_gpu": (w_off * W_decode + h_off * act * bls
+        host = self._decode_host(q, shipped, gpu_att, disk_cache_read)
+        io = {
+            "cpu_to_gpu": (q.w_off * weights + q.h_off * act * bls
                            + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))
             / hw.cpu_to_gpu_bandwidth,
             # New keys and values go to the cache's home; with CPU attention the query goes too.
             "gpu_to_cpu": c_off * kv * bls / hw.gtoc_cache_bandwidth
-            + (h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * W_decode + p.hd * act * bls + disk_cache_read) / disk_read,
+            + (q.h_off * act * bls + (c_off * act * bls if cpu_att else 0.0)) / hw.gpu_to_cpu_bandwidth,
+            "disk_to_cpu": (p.wd * weights + p.hd * act * bls + disk_cache_read) / q.disk_read,
             "cpu_to_disk": p.cd * kv * bls / hw.ctod_cache_bandwidth + p.hd * act * bls / hw.cpu_to_disk_bandwidth,
-            "host": decode_host,
+            "host": host,
         }
+        return io, self._decode_compute(q, gpu_att, host, q.w_off * weights / hw.cpu_to_gpu_bandwidth)
+
+    def _decode_host(self, q: _Shares, shipped, gpu_att, disk_cache_read):
+        """The host's seconds per decode layer. It issues more per batch where the cache travels or
+        attention reads a compressed one, and per pass over compressed weights (as measured: rows
+        off the GPU in proportion)."""
+        hw, frame = self.hardware, q.frame
+        compressed_cache = (gpu_att * hw.host_seconds_per_compressed_cache_layer
+                            if frame.compress_cache is not None else 0.0)
+        return (q.host + frame.num_gpu_batches * (shipped * hw.host_seconds_per_travelling_layer + compressed_cache)
+                + (q.dequantized * hw.host_seconds_per_compressed_weight_layer
+                   if frame.compress_weight is not None else 0.0)
+                + self.disk_rows_host_seconds(frame) * has_any(q.p.cd)
+                # Disk rows' reads hold up the batches they feed, a layer ahead at most: measured
+                # in series with the host's work, at about the disk's cold read rate although the
+                # page cache serves them, not beside it as another stream.
+                + disk_cache_read / hw.disk_to_cpu_bandwidth)
+
+    def _decode_compute(self, q: _Shares, gpu_att, host, weight_copy) -> dict:
+        hw, frame = self.hardware, q.frame
+        gbs, bls, cc = frame.gpu_batch_size, frame.block_size, frame.compress_cache is not None
+        s_avg = self.workload.prompt_len + self.workload.gen_len / 2
         attention_flops = 4 * s_avg * self.query_width  # per sequence: q.K^T and p.V
-        gpu_attention_seconds = max(attention_flops / hw.decode_attention_flops, s_avg * kv16 / hw.gpu_memory_bandwidth)
+        gpu_attention_seconds = max(attention_flops / hw.decode_attention_flops,
+                                    s_avg * (self.kv_numel * FP16_BYTES) / hw.gpu_memory_bandwidth)
         cpu_attention_seconds = attention_flops / hw.cpu_attention_flops
         if cc:
             cpu_attention_seconds += s_avg * self.kv_numel / hw.cpu_dequant_throughput
         # Each GPU batch attends in calls of up to CPU_ATTENTION_ROWS sequences, each with a fixed cost.
-        cpu_attention_calls = nb * math.ceil(gbs / CPU_ATTENTION_ROWS) * hw.cpu_attention_seconds_per_call
-        decode_compute = {
+        cpu_attention_calls = (frame.num_gpu_batches * math.ceil(gbs / CPU_ATTENTION_ROWS)
+                               * hw.cpu_attention_seconds_per_call)
+        cpu_share = q.c_off if frame.cpu_attention else 0.0
+        compute = {
             "gpu_matmul": self.matmul_seconds(bls, bls, gbs),
             "gpu_attention": gpu_att * bls * gpu_attention_seconds,
-            "dequantize": ((dequantized * self.matrix_numel / hw.gpu_dequant_throughput) if cw else 0.0)
-            + ((gpu_att * bls * s_avg * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0 * gpu_att),
+            "dequantize": ((q.dequantized * self.matrix_numel / hw.gpu_dequant_throughput)
+                           if frame.compress_weight is not None else 0.0)
+            + ((gpu_att * bls * s_avg * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0),
             # The host joins CPU attention's time instead of running beside it: it finishes each
             # batch's layer only once that batch's attention is back, and the worker thread waits for
             # the interpreter while the host issues work.
-            "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + decode_host),
-            "activation_copies": activation_copies(1),
+            "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + host),
+            "activation_copies": self._activation_copies(q, 1),
         }
-        if cpu_att:
+        if frame.cpu_attention:
             # While the weights stream, CPU attention runs at a share f of its speed: it finishes
             # (1 - f) x the copy time later than alone, unless the copy is the longer anyway (the
             # phase's max over the I/O terms covers that case).
-            weight_copy = w_off * W_decode / hw.cpu_to_gpu_bandwidth
-            decode_compute["cpu_attention"] = (decode_compute["cpu_attention"]
-                                               + (1 - hw.cpu_attention_share_under_copy) * weight_copy)
-        return {"prefill": (prefill_io, prefill_compute), "decode": (decode_io, decode_compute)}
+            compute["cpu_attention"] = (compute["cpu_attention"]
+                                        + (1 - hw.cpu_attention_share_under_copy) * weight_copy)
+        return compute
 
     @staticmethod
     def phase_seconds(io: dict, compute: dict, overlap: bool):
@@ -330,86 +313,6 @@ class CostModel:
                 result = _maximum(result, value)
             return result
         return compute_total + sum(io.values())
-
-    # ---- memory
-
-    def memory_terms(self, frame: PolicyFrame, p: Placement) -> dict:
-        """{(tier, phase): peak bytes}, affine in ``p``."""
-        w, c = self.workload, self.config
-        s, n, layers = w.prompt_len, w.gen_len, self.num_layers
-        gbs, bls = frame.gpu_batch_size, frame.block_size
-        W = self.weight_bytes_per_layer(frame)
-        kv = self.kv_bytes_per_token(frame)
-        kv16 = self.kv_numel * FP16_BYTES
-        act = FP16_BYTES * self.hidden
-        s_max = s + n  # the cache is sized for the whole sequence (A.3)
-        weights_total = W * layers
-        kv_total = kv * s_max * bls * layers
-        c_off = p.cc + p.cd
-        gpu_att = p.cg + (0.0 if frame.cpu_attention else c_off)
-        # Held through both phases: the weight buffers and the block's token samplers' state.
-        buffers = self.weight_buffer_bytes(frame, p.wg) + sampler_state_bytes(bls, c.vocab_size)
-        # The block's cache workspace (layout.workspace_layout): a ring of two for travelling cache,
-        # and with a compressed cache one batch's decompressed keys and values.
-        workspace = ((0.0 * c_off if frame.cpu_attention else 2 * c_off * kv * s_max * gbs)
-                     + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0 * gpu_att))
-
-        def intermediates(rows: int, keys: int) -> float:
-            """Largest transient of one GPU batch: attention, the MLP's working memory or the head step (the
-            last position's logits and the sampler's work on them, as the layout counts it)."""
-            # The memory-efficient kernel keeps no scores: q, k, v and the output, the boolean mask
-            # and its fp16 bias over the keys, and a float32 log-sum-exp per query and head.
-            attention = rows * ((2 * self.query_width + 2 * self.kv_width) * FP16_BYTES
-                                + keys * (1 + FP16_BYTES) + c.num_heads * FP32_BYTES)
-            # A MoE model's sparse layers (experts, routing) and its dense ones, if any, differ.
-            dense = self.mlp_buffers * rows * c.intermediate_size * FP16_BYTES if self.dense_mlp else 0
-            mlp = max(dense, sparse_mlp_bytes(c, rows, FP16_BYTES))
-            logits = head_step_bytes(gbs, c.vocab_size, FP16_BYTES)
-            hidden_copies = 2 * rows * act  # normalized input and residual
-            transient = max(attention, mlp, logits) + hidden_copies
-            if not c.num_experts:
-                return transient
-            # A MoE model's figure has no dense MLP's three buffers to spare: it never goes below
-            # the layout's working memory, by which the runtime checks a job.
-            return max(transient, working_bytes(c, rows, gbs, FP16_BYTES))
-
-        # Buffers of off-GPU data come in pairs: the batch computed now and the one being loaded.
-        # The workspace is the block's, allocated before its prefill; a dense model's prefill
-        # figure leaves it out, as its policies were searched and calibrated with (the MLP's
-        # three buffers cover it), a MoE model's counts it.
-        prefill_workspace = workspace if c.num_experts else 0.0 * c_off
-        gpu_prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
-                       + buffers
-                       + 2 * (1 - p.hg) * act * s * gbs
-                       # new cache waiting to be stored, in the compute dtype whatever the stored
-                       # format: this batch's, and the host worker's queue
-                       + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16 * s * gbs
-                       + prefill_workspace
-                       + frame.num_gpu_batches * step_state_bytes(c, gbs, s, s, FP16_BYTES)
-                       + intermediates(gbs * s, s))
-        gpu_decode = (p.wg * weights_total + p.hg * act * bls + p.cg * kv_total
-                      + buffers
-                      + 2 * (1 - p.hg) * act * gbs
-                      + workspace
-                      + frame.num_gpu_batches * step_state_bytes(c, gbs, 1, s_max, FP16_BYTES, decode=True)
-                      + intermediates(gbs, s_max))
-        # The CPU stages what moves between disk and GPU.
-        weight_factor, cache_factor = self.pinned_host_factors(frame)
-        cpu_home = p.wc * weights_total * weight_factor + p.cc * kv_total * cache_factor
-        cpu_prefill = (cpu_home + p.hc * act * s * bls + 2 * p.wd * W
-                       + 2 * p.hd * act * s * gbs + 2 * p.cd * kv * s * gbs)
-        cpu_workspace = 0.0 * c_off
-        if frame.cpu_attention:
-            # fp32 copy of one batch's keys and values, and its scores
-            cpu_workspace = c_off * gbs * s_max * (self.kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES)
-        cpu_decode = (cpu_home + p.hc * act * bls + 2 * p.wd * W
-                      + 2 * p.hd * act * gbs + 2 * p.cd * kv * s_max * gbs + cpu_workspace)
-        disk = p.wd * weights_total + p.hd * act * s * bls + p.cd * kv_total
-        return {
-            ("gpu", "prefill"): gpu_prefill, ("gpu", "decode"): gpu_decode,
-            ("cpu", "prefill"): cpu_prefill, ("cpu", "decode"): cpu_decode,
-            ("disk", "prefill"): disk, ("disk", "decode"): disk,
-        }
 
     def capacities(self) -> dict:
         return {t: self.hardware.capacity(t) for t in TIERS}
