@@ -17,7 +17,7 @@ from unittest import mock
 
 import torch
 
-from flexoff.runtime import block_run
+from flexoff.runtime import engine as engine_module
 from flexoff.runtime.batch import Sequence
 from flexoff.runtime.sampler import Choice
 from flexoff.runtime.sampling import SamplingParams
@@ -46,7 +46,7 @@ def decode_logprobs(llm, prompts: list[list[int]], targets: list[list[int]]) -> 
     seqs = [Sequence(index, prompt, SamplingParams(max_new_tokens=len(target), ignore_eos=True), 0)
             for index, (prompt, target) in enumerate(zip(prompts, targets))]
     by_index = dict(enumerate(targets))
-    with mock.patch.object(block_run, "BatchSampler", lambda seqs, *_: TeacherForcing(by_index, seqs)):
+    with mock.patch.object(engine_module, "BatchSampler", lambda seqs, *_: TeacherForcing(by_index, seqs)):
         llm.engine.generate_block(seqs)
     for seq, target in zip(seqs, targets):
         if seq.token_ids != target:  # every true token was fed back, none sampled
