@@ -69,6 +69,21 @@ def test_the_deployment_sits_below_the_api_and_the_api_below_the_commands():
                                          "flexoff.profiler")) == []
 
 
+def test_the_runtime_runs_a_policy_it_is_given_and_plans_nothing():
+    """The runtime sits below the planner, the profiler that times it, and everything that resolves a job."""
+    assert imports_into(PACKAGE, "runtime", ("flexoff.planner", "flexoff.profiler", "flexoff.deploy", "flexoff.api",
+                                             "flexoff.commands", "flexoff.harness")) == []
+
+
+def test_the_profiler_reads_only_the_planners_profile_types():
+    """The profiler measures for the planner: it writes a hardware profile (and its sparse rates) and
+    runs the runtime's own kernels, but plans nothing and knows nothing above it."""
+    bad = imports_into(PACKAGE, "profiler", ("flexoff.planner", "flexoff.deploy", "flexoff.api", "flexoff.commands",
+                                             "flexoff.harness"))
+    allowed = ("flexoff.planner.hardware", "flexoff.planner.sparse_rate")
+    assert [line for line in bad if not within(line.rpartition(" imports ")[2], allowed)] == []
+
+
 # What the harness may import (docs/ARCHITECTURE.md's arrows): the API and the job, the prompts,
 # records and progress it hands on, the runtime's SamplingParams and Metrics, the model's files
 # and tokenizer (a job's identity; the lm-eval adapter's config and chat template), the small
