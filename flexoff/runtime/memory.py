@@ -52,6 +52,9 @@ class DeviceMemoryCap:
 
     def __init__(self, device: torch.device, limit: int):
         total = torch.cuda.get_device_properties(device).total_memory
+        # The allocator checks the cap only when it reserves memory anew: blocks this process freed
+        # earlier but keeps cached would be handed out past the cap.
+        torch.cuda.empty_cache()
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
         self.device: torch.device | None = device
 
