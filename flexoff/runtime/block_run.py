@@ -36,11 +36,11 @@ class BlockRun:
     per sequence, by ``id``); ``run`` takes it through a range of its tokens (all of them, or one
     at a time in rotation with other blocks)."""
 
-    def __init__(self, seqs: list[Sequence], batches: list[GpuBatch], samplers: list[BatchSampler],
-                 stops: dict[int, StopCondition], interpreter: BlockInterpreter, context: BlockContext,
+    def __init__(self, seqs: list[Sequence], interpreter: BlockInterpreter, samplers: list[BatchSampler],
+                 stops: dict[int, StopCondition], context: BlockContext,
                  on_step: Callable[[int], None] | None = None, on_prefill: Callable[[], None] | None = None):
         self.seqs = seqs
-        self.batches = batches
+        self.batches: list[GpuBatch] = interpreter.batches  # the ones its schedule runs
         self.samplers = samplers
         self.stops = stops
         self.interpreter = interpreter

@@ -166,7 +166,7 @@ class Engine:
         eos, vocab = self.cfg.eos_token_ids, self.cfg.vocab_size
         samplers = [BatchSampler(batch.seqs, eos, vocab, self.device) for batch in batches]
         stops = {id(seq): StopCondition(seq.params, eos, decode) for seq in seqs}
-        return BlockRun(seqs, batches, samplers, stops, self.interpreter(batches), context, on_step, on_prefill)
+        return BlockRun(seqs, self.interpreter(batches), samplers, stops, context, on_step, on_prefill)
 
     def generate_block(self, seqs: list[Sequence], decode: Decode | None = None,
                        on_step: Callable[[int], None] | None = None,

@@ -221,12 +221,11 @@ class BatchKV:
                 return read
             read.result()  # made for a step that did not run (its batch had finished): let it land
         layer = state.layer
-        return self.worker.read(partial(self._fill_staging, [disk], layer, start, state.take_written(),
+        return self.worker.read(partial(self._fill_staging, disk, layer, start, state.take_written(),
                                         disk.copied_out[layer % 2]))
 
     @staticmethod
-    def _fill_staging(groups: list[TierRows], layer: int, start: int, written: Future | None,
-                      user: Future | None) -> None:
+    def _fill_staging(disk: DiskRows, layer: int, start: int, written: Future | None, user: Future | None) -> None:
         """A reader's job: once the worker has written this layer's last slot (``written``) and the
         last copy out of its staging pair (``user``'s) has finished, refill the pair from the files."""
         if written is not None:
@@ -234,8 +233,7 @@ class BatchKV:
         copied = user.result() if user is not None else None
         if copied is not None:
             copied.synchronize()
-        for group in groups:
-            group.load(layer, start)
+        disk.load(layer, start)
 
     def _copy_staged(self, groups: list[TierRows], layer: int, start: int, index: int, first: int):
         """Once the read has landed (on its reader thread, or here if it already had): copy the
