@@ -60,9 +60,10 @@ def logprob_chunks(rows: int, positions: int, per_chunk: int):
 class Engine:
     def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
                  seed: int = 0, offload_dir: str | None = None, capacity: Capacity | None = None,
-                 link: PipelineLink | None = None):
+                 link: PipelineLink | None = None, share_prefixes: bool = True):
         """``link``: this device is one stage of a pipeline, running its range of the model's
-        stages (``link.place``); it holds only their weights and caches."""
+        stages (``link.place``); it holds only their weights and caches. ``share_prefixes``: a GPU
+        batch whose rows begin alike runs that prefix once (``flexoff.prefixes``)."""
         self.cfg = cfg
         self.policy = policy
         self.device = device
@@ -71,6 +72,7 @@ class Engine:
         self.capacity = capacity or Capacity(None, None, None)
         self.stages = stages(cfg)
         self.link = link
+        self.share_prefixes = share_prefixes
         self.owned = link.place.owned if link is not None else None
         grow_segments_in_place(device)
         self.streams = Streams(device, policy.overlap)

@@ -23,6 +23,8 @@ class Metrics:
     generated_tokens: int = 0
     padded_prompt_tokens: int = 0
     padded_generated_tokens: int = 0
+    # Prompt tokens whose prefill and cache a GPU batch's rows shared: counted once, not per row.
+    shared_prompt_tokens: int = 0
     peak_memory: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -65,7 +67,7 @@ class Metrics:
     def add(self, other: "Metrics") -> None:
         """Accumulate another block's counts and times; peaks take the maximum."""
         for name in ("prefill_time", "decode_time", "num_sequences", "prompt_tokens", "generated_tokens",
-                     "padded_prompt_tokens", "padded_generated_tokens"):
+                     "padded_prompt_tokens", "padded_generated_tokens", "shared_prompt_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for tier, value in other.peak_memory.items():
             self.peak_memory[tier] = max(self.peak_memory.get(tier, 0), value)
@@ -86,7 +88,7 @@ class Metrics:
             "prefill_time": self.prefill_time, "decode_time": self.decode_time, "total_time": self.total_time,
             "num_sequences": self.num_sequences, "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens, "padded_prompt_tokens": self.padded_prompt_tokens,
-            "padded_generated_tokens": self.padded_generated_tokens,
+            "padded_generated_tokens": self.padded_generated_tokens, "shared_prompt_tokens": self.shared_prompt_tokens,
             "prefill_throughput": self.prefill_throughput, "decode_throughput": self.decode_throughput,
             "total_throughput": self.total_throughput, "actual_throughput": self.actual_throughput,
             "padded_throughput": self.padded_throughput, "efficiency": self.efficiency,
