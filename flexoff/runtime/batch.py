@@ -5,13 +5,16 @@ from __future__ import annotations
 from collections import abc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from ..models import ModelConfig, architecture
-from ..models.common import attention_bias, attention_mask
+from ..models.common import attention_bias, attention_mask, merge_attention
+from ..prefixes import batch_prefix
 from .activations import BatchActivations
 from .kv import BatchKV
+from .prefix_kv import PrefixKV
 from .sampler import Ranked
 from .sampling import SamplingParams
 from .weight_store import StageWeights
@@ -34,6 +37,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why it failed (finish_reason "error"); its tokens are then dropped
+    keep: int = 1  # how many of the prompt's last positions the head reads (a score's continuation and one)
 
     @property
     def finished(self) -> bool:
@@ -50,6 +54,12 @@ class Sequence:
         for name, value in zip(self.OUTCOME, outcome, strict=True):
             setattr(self, name, value)
 
+    @property
+    def head_reads(self) -> int:
+        """The prompt's last positions whose hidden states the head reads: all of them for prompt
+        log-probabilities."""
+        return len(self.prompt_ids) if self.params.prompt_logprobs is not None else self.keep
+
     def fail(self, error: str) -> None:
         self.finish_reason, self.error = "error", error
         self.token_ids.clear()
@@ -57,48 +67,78 @@ class Sequence:
         self.top_logprobs.clear()
 
 
+def shared_prefix(seqs: list[Sequence]) -> int:
+    """The prefix a GPU batch of ``seqs`` shares (``flexoff.prefixes.batch_prefix``)."""
+    return batch_prefix([s.prompt_ids for s in seqs], [s.head_reads for s in seqs])
+
+
+class Prefix:
+    """A GPU batch's shared prefix in flight: its ids, one copy of its cache, and at the prefill
+    its hidden state and step context."""
+
+    def __init__(self, ids: list[int], device: torch.device, kv: PrefixKV, activations: BatchActivations):
+        self.length = len(ids)
+        self.ids = torch.tensor([ids], device=device)
+        self.positions = torch.arange(self.length, device=device)[None]
+        self.kv = kv
+        kv.merges = False
+        self.activations = activations
+        self.hidden: torch.Tensor | None = None
+        self.context = None
+
+
 class GpuBatch:
     """One GPU batch of a block: left-padded inputs, its cache and activations, and the state of the
     token in flight.
 
-    The cache has a slot per prompt position (padding included) and per generated token. The
-    block schedule says which of these methods run, and when.
+    The cache has a slot per prompt position (padding included) and per generated token. Where
+    the rows share a prefix (``prefix_len`` tokens), it is held once (``Prefix``) and the rows'
+    cache, inputs and ``prompt_len`` cover the rest of each prompt. The block schedule says which
+    of these methods run, and when.
     """
 
     def __init__(self, cfg: ModelConfig, seqs: list[Sequence], device: torch.device, dtype: torch.dtype,
-                 extra_slots: int, make_kv, make_activations):
+                 extra_slots: int, make_kv, make_activations, prefix_len: int = 0, make_prefix=None):
         self.cfg = cfg
         self.arch = architecture(cfg)
         self.seqs = seqs
         self.device = device
         self.dtype = dtype
-        self.prompt_len = max(len(s.prompt_ids) for s in seqs)
+        self.prefix: Prefix | None = None
+        if prefix_len:
+            self.prefix = Prefix(seqs[0].prompt_ids[:prefix_len], device, *make_prefix(prefix_len))
+        own = [s.prompt_ids[prefix_len:] for s in seqs]
+        self.prompt_len = max(len(ids) for ids in own)
         self.slots = self.prompt_len + extra_slots
         pad = self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-        rows = [[pad] * (self.prompt_len - len(s.prompt_ids)) + s.prompt_ids for s in seqs]
+        rows = [[pad] * (self.prompt_len - len(ids)) + ids for ids in own]
         self.prompt_ids = torch.tensor(rows, device=device)  # (batch, prompt_len)
         self.lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=device)
+        own_lengths = self.lengths - prefix_len
         # Rows with one prompt (a prompt's n samples) share its prefill: the prefill computes each
         # distinct prompt once, from its first row, and every row's cache is filled from its prompt's.
         place: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in the prefill
         firsts: list[int] = []  # the first row of each distinct prompt
         source: list[int] = []  # row -> its prompt's row in the prefill
-        for row, seq in enumerate(seqs):
-            key = tuple(seq.prompt_ids)
+        for row, ids in enumerate(own):
+            key = tuple(ids)
             if key not in place:
                 place[key] = len(firsts)
                 firsts.append(row)
             source.append(place[key])
         self.prefill_rows = len(firsts)
-        self.prefill_tokens = sum(len(seqs[row].prompt_ids) for row in firsts)  # tokens the prefill computes
-        shared = len(firsts) < len(seqs)
+        # Tokens the prefill computes, and those it computed once for all rows.
+        self.prefill_tokens = prefix_len + sum(len(own[row]) for row in firsts)
+        self.shared_tokens = prefix_len * (len(seqs) - 1)
+        shared = len(firsts) < len(seqs) and not prefix_len
         self._source = source if shared else None
         self._expand = torch.tensor(source, device=device) if shared else None
         self._firsts = torch.tensor(firsts, device=device) if shared else None
         slot = torch.arange(self.slots, device=device)
         # (batch, slots): False on left padding; every generated slot is real.
-        self.valid = slot[None, :] >= (self.prompt_len - self.lengths)[:, None]
+        self.valid = slot[None, :] >= (self.prompt_len - own_lengths)[:, None]
         self.kv: BatchKV = make_kv(len(seqs), self.slots)
+        self.kv.merges = self.prefix is not None
         self.activations: BatchActivations = make_activations(len(seqs), self.prompt_len)
         self._active = True
         # The token in flight (set by begin_token): its inputs, first cache slot, mask and the
@@ -133,7 +173,12 @@ class GpuBatch:
                 valid = valid[self._firsts]
             self.input_ids = self.prompt_ids if self._firsts is None else self.prompt_ids[self._firsts]
             self.positions = (torch.cumsum(valid[:, :self.prompt_len].long(), dim=1) - 1).clamp(min=0)
+            if self.prefix is not None:
+                self.positions += self.prefix.length
+                self.prefix.context = self.arch.step_context(self.cfg, self.prefix.positions, self.dtype)
         else:
+            if self.prefix is not None:
+                self.prefix.hidden = None  # the prefix is cached; its last layer's output is not read
             # A failed sequence has no tokens; its row, isolated from the others, is fed padding.
             last = [s.token_ids[-1] if s.token_ids else self.pad for s in self.seqs]
             self.input_ids = torch.tensor(last, device=self.device)[:, None]
@@ -157,12 +202,43 @@ class GpuBatch:
 
     def embed(self, weights: dict) -> None:
         self.hidden = self.arch.embed(self.cfg, weights, self.input_ids, self.positions)
+        prefix = self.prefix
+        if prefix is not None and self.start == 0:
+            prefix.hidden = self.arch.embed(self.cfg, weights, prefix.ids, prefix.positions)
 
     def layer(self, layer: int, weights: StageWeights) -> None:
         """Decoder layer ``layer``, attention included (on the GPU, or waited for); a sparse layer's
-        experts load into ``weights`` once routed, where they load route first."""
+        experts load into ``weights`` once routed, where they load route first. A shared prefix's
+        rows run first at the prefill; the rows then attend over it and over their own tokens."""
         attend = self.kv.attender(layer, self.start, self.mask, self._expand if self.start == 0 else None)
+        prefix = self.prefix
+        if prefix is not None:
+            attend = self._prefill_prefix(layer, weights, attend) if self.start == 0 else \
+                self._merged(attend, partial(prefix.kv.attend_shared, layer))
         self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
+
+    def _prefill_prefix(self, layer: int, weights: StageWeights, own):
+        """Run the prefix's layer once; returns the rows' attention, merged with the prefix's."""
+        prefix, kept = self.prefix, []
+
+        def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            kept.append((k, v))
+            return prefix.kv.attend_prefill(layer, q, k, v)
+
+        prefix.hidden = self.arch.layer(self.cfg, weights, prefix.hidden, prefix.context, attend_prefix, weights)
+        (k_prefix, v_prefix), = kept
+        return self._merged(own, lambda q: prefix.kv.attend_fresh(q, k_prefix, v_prefix))
+
+    @staticmethod
+    def _merged(own, shared):
+        """Attention of the rows over their own tokens (``own``, with its log-sum-exp) and over the
+        prefix (``shared(q)``, which starts it and returns its finish), merged."""
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            finish = shared(q)
+            out, lse = own(q, k, v)
+            return merge_attention(out, lse, *finish())
+
+        return attend
 
     def start_attention(self, layer: int, weights: StageWeights) -> None:
         """Decoder layer ``layer`` up to attention, which the host worker runs meanwhile; the rest
@@ -170,7 +246,12 @@ class GpuBatch:
         hidden, self.hidden = self.hidden, None
         arch, cfg = self.arch, self.cfg
         q, k, v = arch.attention_inputs(cfg, weights, hidden, self.context)
-        attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
+        if self.prefix is None:
+            attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
+        else:
+            shared = self.prefix.kv.attend_shared(layer, q)
+            own = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
+            attended = lambda: merge_attention(*own(), *shared())  # noqa: E731
         # Closed over locals, not self: the batch holding its own closure would be a cycle.
         self._finish = lambda: arch.after_attention(cfg, weights, hidden, attended(), weights)
 
@@ -180,13 +261,32 @@ class GpuBatch:
         self.hidden = finish()
 
     def store_activation(self) -> None:
-        """Send the hidden state to its tiers."""
+        """Send the hidden state (and at the prefill, a shared prefix's) to its tiers."""
         self.activations.put(self.hidden)
         self.hidden = None
+        if self.prefix is not None and self.prefix.hidden is not None:
+            self.prefix.activations.put(self.prefix.hidden)
+            self.prefix.hidden = None
 
     def load_activation(self) -> None:
         """Bring the hidden state back to the compute device."""
         self.hidden = self.activations.get()
+        if self.prefix is not None and self.start == 0:
+            self.prefix.hidden = self.prefix.activations.get()
+
+    def prefetch(self, layer: int, token: int) -> None:
+        """LOAD_CACHE of ``layer`` for ``token``: the rows' cache, and a shared prefix's."""
+        start = self.slot_start(token)
+        self.kv.prefetch(layer, start)
+        if self.prefix is not None and start:
+            self.prefix.kv.prefetch(layer, self.prefix.length)
+
+    def read_ahead(self, layer: int, token: int) -> None:
+        """READ_CACHE of ``layer`` for ``token``: disk rows read ahead, a shared prefix's too."""
+        start = self.slot_start(token)
+        self.kv.read_ahead(layer, start)
+        if self.prefix is not None and start:
+            self.prefix.kv.read_ahead(layer, self.prefix.length)
 
 
 class Running(abc.Sequence[bool]):

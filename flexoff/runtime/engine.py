@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from contextlib import closing
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ..errors import PolicyError
 from ..models import ModelConfig, architecture, stages
 from ..weights import WeightSource
 from .activations import BatchActivations
-from .batch import GpuBatch, Sequence
+from .batch import GpuBatch, Sequence, shared_prefix
 from .block_run import BlockContext, BlockRun
 from .interpreter import BlockInterpreter, HeadReady, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
@@ -25,6 +26,7 @@ from .memory import grow_segments_in_place
 from .metrics import MemoryMeter, Metrics
 from .offload_dir import remove_dead_folders
 from .pipeline import PipelineLink
+from .prefix_kv import PrefixKV
 from ..policy import Policy
 from .sampler import BatchSampler
 from .sampling import SamplingParams
@@ -136,14 +138,20 @@ class Engine:
         what = f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens"
         check_fits(job_bytes(self.cfg, policy, self.dtype, prompt_len, extra_slots, self.pins_host, self.owned, blocks),
                    self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
+        groups = [seqs[start:start + size] for start in range(0, len(seqs), size)]
+        # Sharing is one batch's business; a pipeline's stages pass one hidden state a batch.
+        prefixes = [shared_prefix(group) if self.share_prefixes and self.link is None else 0 for group in groups]
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
                                           self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
         layers = None if self.owned is None else tuple(owned_layers(self.cfg, self.owned))
         shared = BlockKV(self.cfg, policy, self.device, self.dtype, self.streams, host, self.disk, self.worker,
                          workspace, layers=layers)
+        # The prefixes' one row each travels through a workspace of its own, sized for the longest.
+        prefix_block = replace(shared, workspace=KVWorkspace.for_block(
+            self.cfg, policy, 1, max(prefixes), self.device, self.dtype, self.streams)) if any(prefixes) else None
         batches = []
-        for number, start in enumerate(range(0, len(seqs), size)):
+        for number, (group, prefix_len) in enumerate(zip(groups, prefixes)):
             name = f"b{number}" if block == 0 else f"r{block}.b{number}"
 
             def make_kv(count, slots, name=name):
@@ -153,8 +161,11 @@ class Engine:
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,
                                         self.dtype, host, self.disk, name)
 
-            batches.append(GpuBatch(self.cfg, seqs[start:start + size], self.device, self.dtype, extra_slots,
-                                    make_kv, make_activations))
+            def make_prefix(length, name=f"{name}.prefix"):  # its cache and its hidden state's one row
+                return PrefixKV(prefix_block, 1, length, name), make_activations(1, length, name)
+
+            batches.append(GpuBatch(self.cfg, group, self.device, self.dtype, extra_slots, make_kv, make_activations,
+                                    prefix_len, make_prefix))
         return batches
 
     def interpreter(self, batches: list[GpuBatch]) -> BlockInterpreter:
@@ -226,10 +237,11 @@ class Engine:
         and the process's resident set, and the bytes reserved on disk."""
         return self.memory.peaks()
 
-    def _prefill_only(self, token_lists: list[list[int]], on_head: HeadHook) -> None:
-        """One prefill of the token lists, ``on_head`` taking each batch at its head step."""
+    def _prefill_only(self, token_lists: list[list[int]], on_head: HeadHook, keep: list[int] | None = None) -> None:
+        """One prefill of the token lists, ``on_head`` taking each batch at its head step (which reads
+        ``keep[i]`` of list i's last positions, default 1)."""
         greedy = SamplingParams(max_new_tokens=1)
-        seqs = [Sequence(i, ids, greedy, self.seed) for i, ids in enumerate(token_lists)]
+        seqs = [Sequence(i, ids, greedy, self.seed, keep=keep[i] if keep else 1) for i, ids in enumerate(token_lists)]
         batches = self.make_batches(seqs, 0)
         with closing(self.interpreter(batches).run(1)) as events:
             for event in events:
@@ -271,5 +283,5 @@ class Engine:
                 n = lengths[seq.index]
                 results[seq.index] = picked[row, span - n:].tolist()
 
-        self._prefill_only([p + c for p, c in zip(prompts, continuations)], score)
+        self._prefill_only([p + c for p, c in zip(prompts, continuations)], score, [n + 1 for n in lengths])
         return results

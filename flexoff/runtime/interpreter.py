@@ -104,12 +104,10 @@ class BlockInterpreter:
         self.weights.prefetch(self.stages[step.stage])
 
     def load_cache(self, step: Step) -> None:
-        batch = self.batches[step.batch]
-        batch.kv.prefetch(step.stage - 1, batch.slot_start(step.token))
+        self.batches[step.batch].prefetch(step.stage - 1, step.token)
 
     def read_cache(self, step: Step) -> None:
-        batch = self.batches[step.batch]
-        batch.kv.read_ahead(step.stage - 1, batch.slot_start(step.token))
+        self.batches[step.batch].read_ahead(step.stage - 1, step.token)
 
     def load_activation(self, step: Step) -> None:
         self.batches[step.batch].load_activation()

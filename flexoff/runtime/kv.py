@@ -31,7 +31,7 @@ import torch
 
 from ..layout import CPU_ATTENTION_ROWS, split_rows
 from ..models import ModelConfig
-from ..models.common import attention
+from ..models.common import attention, attention_lse
 from .kv_groups import DiskRows, KVWorkspace, RowsHome, TierRows, copy_async, own_rows, tier_rows
 from .kv_state import LayerKV, Load
 from .kv_storage import SLOT_MAJOR, kv_format
@@ -39,19 +39,34 @@ from ..policy import TIERS, Policy
 from .tiers import DiskTier, HostMemory, HostWorker, StoreQueue, Streams, read_pinned
 
 
+def attend_rows(out: torch.Tensor, lse: torch.Tensor | None, rows: slice, q: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, mask: torch.Tensor) -> None:
+    """Attention of ``rows`` into ``out`` and, where a shared prefix's attention is merged in
+    afterwards, their log-sum-exp into ``lse``."""
+    if lse is None:
+        out[rows] = attention(q, keys, values, mask)
+    else:
+        out[rows], lse[rows] = attention_lse(q, keys, values, mask)
+
+
 def cpu_attention(q: torch.Tensor, read_keys, read_values, mask: torch.Tensor,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> torch.Tensor:
     """Attention on host tensors, chunked over sequences so no copy of the whole cache is made.
 
     ``read_keys(rows)`` gives those rows' keys (rows, kv_heads, keys, head_dim): a view of a
     plain cache, or the rows of a compressed one decompressed for this call. The output goes to
-    ``out`` (q's shape) when given.
+    ``out`` (q's shape) when given, the log-sum-exp to ``lse`` when given.
     """
     out = torch.empty_like(q) if out is None else out
     for start in range(0, q.shape[0], CPU_ATTENTION_ROWS):
         rows = slice(start, min(start + CPU_ATTENTION_ROWS, q.shape[0]))
-        out[rows] = attention(q[rows], read_keys(rows), read_values(rows), mask[rows])
+        attend_rows(out, lse, rows, q[rows], read_keys(rows), read_values(rows), mask[rows])
     return out
+
+
+def lse_like(q: torch.Tensor, merges: bool) -> torch.Tensor | None:
+    """Where a batch's attention is merged with its shared prefix's: room for each query's log-sum-exp."""
+    return torch.empty((*q.shape[:-1], 1), dtype=torch.float32, device=q.device) if merges else None
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,9 @@ class BatchKV:
         self.workspace = block.workspace
         self.stores = block.stores
         self.fmt = kv_format(policy.compress_cache, block.dtype)
+        self.slots = slots
+        # Whether attention also gives its log-sum-exp, to be merged with a shared prefix's.
+        self.merges = False
         layers = range(block.cfg.num_layers) if block.layers is None else block.layers
         home = RowsHome(block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk)
         self.groups = [tier_rows(p, home, policy.cpu_attention, f"{name}.{p.tier}")
@@ -103,7 +121,7 @@ class BatchKV:
         self._state = {j: LayerKV(j) for j in layers}
         # CPU attention's output, (offloaded rows, heads, 1, head_dim), pinned: written by the
         # worker's job, read by the main thread once it has waited for that job.
-        self._landing: torch.Tensor | None = None
+        self._landing: tuple[torch.Tensor, torch.Tensor | None] | None = None  # and the log-sum-exp's
 
     @property
     def decodes_on_host(self) -> bool:
@@ -255,48 +273,49 @@ class BatchKV:
     def attender(self, layer: int, start: int, mask: torch.Tensor, expand: torch.Tensor | None = None):
         """What a layer calls to store its new keys and values and attend. ``expand`` (prefill only):
         the prefill computed each distinct prompt once; row r's cache comes from its row expand[r]."""
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
             return self._attend(layer, start, mask, q, k, v, expand)
 
         return attend
 
-    def _attend(self, layer, start, mask, q, k, v, expand=None) -> torch.Tensor:
+    def _attend(self, layer, start, mask, q, k, v, expand=None):
+        """The output, or with ``merges`` (output, log-sum-exp)."""
         if start == 0:
             # Prefill: attend on the fresh keys, then send them to their tiers.
-            out = attention(q, k, v, mask)
+            out = attention_lse(q, k, v, mask) if self.merges else attention(q, k, v, mask)
             if expand is not None:
                 k, v = k.index_select(0, expand), v.index_select(0, expand)
             self._store(layer, 0, k, v, self.groups)
             return out
         if self.attends_on_cpu(start):
             return self.attend_later(layer, start, mask, q, k, v)()
-        out = self._attend_on_gpu(layer, start, mask, q, k, v)
+        out, lse = self._attend_on_gpu(layer, start, mask, q, k, v)
         offloaded = self._offloaded()
         if offloaded:  # loaded by the schedule's LOAD_CACHE
-            self._attend_loaded(layer, start, start + k.shape[2], q, k, v, mask, out, offloaded)
-        return out
+            self._attend_loaded(layer, start, start + k.shape[2], q, k, v, mask, (out, lse), offloaded)
+        return out if lse is None else (out, lse)
 
-    def _attend_on_gpu(self, layer, start, mask, q, k, v) -> torch.Tensor:
-        """Decode attention of the GPU rows, in place; returns the output (q's shape), whose other
-        rows the caller fills."""
+    def _attend_on_gpu(self, layer, start, mask, q, k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode attention of the GPU rows, in place; returns the output (q's shape) and, with
+        ``merges``, its log-sum-exp, whose other rows the caller fills."""
         end = start + k.shape[2]
-        out = torch.empty_like(q)
+        out, lse = torch.empty_like(q), lse_like(q, self.merges)
         for group in self.groups:
             if group.tier == "gpu":
                 group.put(layer, start, k[group.rows], v[group.rows])
                 keys, values = (group.read(buffer, end, out=space)
                                 for buffer, space in zip(group.pair(layer), self._dequantized()))
-                out[group.rows] = attention(q[group.rows], keys, values, mask[group.rows])
-        return out
+                attend_rows(out, lse, group.rows, q[group.rows], keys, values, mask[group.rows])
+        return out, lse
 
     def attends_on_cpu(self, start: int) -> bool:
         """Whether a step from slot ``start`` runs attention on the CPU (decode, with rows off the GPU)."""
         return start > 0 and self.decodes_on_host
 
     def attend_later(self, layer: int, start: int, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> Callable[[], torch.Tensor]:
+                     v: torch.Tensor) -> Callable[[], torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         """Start a decode step's attention with CPU attention; returns ``finish()``, which gives the
-        output (q's shape) on the device.
+        output (q's shape) on the device (with ``merges``, and its log-sum-exp).
 
         GPU rows attend now. The worker stores the other rows' new slot and attends for them on the
         CPU while the main thread goes on enqueuing other batches' GPU work; ``finish`` waits for it
@@ -305,13 +324,14 @@ class BatchKV:
         overwrites an output still in flight.
         """
         end = start + k.shape[2]
-        out = self._attend_on_gpu(layer, start, mask, q, k, v)
+        out, lse = self._attend_on_gpu(layer, start, mask, q, k, v)
         offloaded = self._offloaded()
         rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
         shape = (rows.stop - rows.start, *q.shape[1:])
-        if self._landing is None or self._landing.shape != shape:
-            self._landing = self.host.empty(shape, q.dtype)
-        landing = self._landing
+        if self._landing is None or self._landing[0].shape != shape:
+            self._landing = (self.host.empty(shape, q.dtype),
+                             self.host.empty((*shape[:-1], 1), torch.float32) if self.merges else None)
+        landing, landing_lse = self._landing
 
         def attend() -> None:
             # Blocking copies, on the worker's store stream: only the worker waits for them.
@@ -322,19 +342,24 @@ class BatchKV:
                 keys, values = group.pair(layer)
                 local = slice(group.rows.start - rows.start, group.rows.stop - rows.start)
                 cpu_attention(queries[local], partial(group.read, keys, end), partial(group.read, values, end),
-                              allowed[local], out=landing[local])
+                              allowed[local], out=landing[local],
+                              lse=None if landing_lse is None else landing_lse[local])
 
         job = self.worker.submit(attend, self.streams.record(self.streams.compute))
 
-        def finish() -> torch.Tensor:
+        def finish():
             job.result()
             read_pinned(out[rows], landing)
-            return out
+            if lse is None:
+                return out
+            read_pinned(lse[rows], landing_lse)
+            return out, lse
 
         return finish
 
-    def _attend_loaded(self, layer, start, end, q, k, v, mask, out, offloaded) -> None:
-        """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace."""
+    def _attend_loaded(self, layer, start, end, q, k, v, mask, outputs, offloaded) -> None:
+        """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace, into
+        ``outputs`` (the output, and the log-sum-exp or None)."""
         index, ready, from_disk = self._state[layer].take_load()
         self.streams.wait(self.streams.compute, ready)
         if from_disk is not None:
@@ -346,7 +371,7 @@ class BatchKV:
                 SLOT_MAJOR.write(self.fmt, buffer, start, new[group.rows])
             keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
                             for buffer, space in zip(loaded, self._dequantized()))
-            out[group.rows] = attention(q[group.rows], keys, values, mask[group.rows])
+            attend_rows(*outputs, group.rows, q[group.rows], keys, values, mask[group.rows])
         self.workspace.free_events[index] = self.streams.record(self.streams.compute)
         streamed = [group for group in offloaded if self._on_store_stream(group)]
         if streamed:

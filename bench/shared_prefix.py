@@ -1,0 +1,136 @@
+"""Shared prefixes on and off, in one run: the jobs whose prompts repeat a prefix.
+
+Shapes (token-id prompts drawn from a seeded generator, so nothing is tokenized or downloaded):
+
+- ``mmlu``: 57 subjects, each a 480-token prefix of in-context examples shared by its 12
+  questions, a 40-120-token question of its own, 4 new tokens each (684 prompts);
+- ``chat``: 240 requests behind one 300-token system prompt, 20-200 tokens of their own, 32-128
+  new tokens each;
+- ``choices``: an lm-eval-shaped multiple-choice job, 200 contexts of 300-500 tokens with four
+  continuations of 1-8 tokens each, scored through ``LLM.score`` (both arms in one process: the
+  time is the scoring's alone).
+
+Each batch shape runs ``flexoff batch`` twice, sharing on then ``--no-prefix-sharing``, with the
+same flags (default ``--policy auto --gpu-mem 16GiB --compress auto``), and reports each arm's
+whole-job wall time, prompts per second, the summary's lines and their ratio.
+
+    python bench/shared_prefix.py --model opt-30b --shapes mmlu chat choices --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VOCAB = (4, 50000)
+
+
+def ids(rng: random.Random, count: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(count)]
+
+
+def mmlu(rng: random.Random) -> list[dict]:
+    lines = []
+    for subject in range(57):
+        head = ids(rng, 480)
+        for question in range(12):
+            lines.append({"id": f"{subject}.{question}", "prompt": head + ids(rng, rng.randint(40, 120)),
+                          "max_new_tokens": 4})
+    return lines
+
+
+def chat(rng: random.Random) -> list[dict]:
+    system = ids(rng, 300)
+    return [{"id": n, "prompt": system + ids(rng, rng.randint(20, 200)), "max_new_tokens": rng.randint(32, 128)}
+            for n in range(240)]
+
+
+SHAPES = {"mmlu": mmlu, "chat": chat}
+SUMMARY_WORDS = ("tokens", "throughput", "prefill", "decode", "searched", "predict", "block", "shared")
+
+
+def run_batch(args, shape: str, share: bool, out: Path) -> dict:
+    job = out / f"{shape}.jsonl"
+    result = out / f"{shape}.{'shared' if share else 'alone'}.out.jsonl"
+    result.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "flexoff", "batch", "--model", args.model, "--dummy", "--input", str(job),
+               "--output", str(result), "--policy", "auto", "--gpu-mem", args.gpu_mem, "--compress", args.compress,
+               "--ignore-eos", "--quiet", "--offload-dir", args.offload_dir]
+    if args.hardware:
+        command += ["--hardware", args.hardware]
+    if not share:
+        command.append("--no-prefix-sharing")
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    wall = time.perf_counter() - start
+    log = done.stdout + done.stderr
+    (out / f"{shape}.{'shared' if share else 'alone'}.log").write_text(" ".join(command) + "\n" + log)
+    prompts = sum(1 for _ in job.open())
+    return {"shape": shape, "sharing": share, "rc": done.returncode, "wall_s": round(wall, 2),
+            "prompts_per_s": round(prompts / wall, 3),
+            "summary": [line for line in log.splitlines() if any(w in line for w in SUMMARY_WORDS)][-20:]}
+
+
+def choices(args, out: Path) -> list[dict]:
+    """Both arms of the multiple-choice job in one process, through LLM.score."""
+    from flexoff import LLM
+
+    rng = random.Random(7)
+    contexts = [ids(rng, rng.randint(300, 500)) for _ in range(200)]
+    prompts = [c for c in contexts for _ in range(4)]
+    continuations = [ids(rng, rng.randint(1, 8)) for _ in prompts]
+    rows = []
+    with LLM(args.model, dummy=True, policy="auto", gpu_mem=args.gpu_mem, compress=args.compress,
+             offload_dir=args.offload_dir, workload=None) as llm:
+        for share in (True, False):
+            llm.engine.share_prefixes = share
+            start = time.perf_counter()
+            llm.score(prompts, continuations)
+            wall = time.perf_counter() - start
+            rows.append({"shape": "choices", "sharing": share, "rc": 0, "wall_s": round(wall, 2),
+                         "prompts_per_s": round(len(contexts) / wall, 3), "policy": str(llm.policy)})
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="opt-30b")
+    parser.add_argument("--shapes", nargs="+", default=["mmlu", "chat"], choices=[*SHAPES, "choices"])
+    parser.add_argument("--gpu-mem", default="16GiB")
+    parser.add_argument("--compress", default="auto")
+    parser.add_argument("--hardware", default=None)
+    parser.add_argument("--offload-dir", default="/tmp")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for shape in args.shapes:
+        if shape == "choices":
+            rows += choices(args, args.out)
+            continue
+        rng = random.Random(0)
+        with (args.out / f"{shape}.jsonl").open("w") as job:
+            for line in SHAPES[shape](rng):
+                job.write(json.dumps(line) + "\n")
+        for share in (True, False):
+            rows.append(run_batch(args, shape, share, args.out))
+            print(json.dumps(rows[-1]), flush=True)
+    for shape in args.shapes:
+        on = next((r for r in rows if r["shape"] == shape and r["sharing"]), None)
+        off = next((r for r in rows if r["shape"] == shape and not r["sharing"]), None)
+        if on and off and on["rc"] == 0 and off["rc"] == 0:
+            print(f"{shape}: sharing {on['prompts_per_s']} prompt/s, alone {off['prompts_per_s']} prompt/s, "
+                  f"x{on['prompts_per_s'] / off['prompts_per_s']:.2f}")
+    (args.out / "shared_prefix.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
