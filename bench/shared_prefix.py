@@ -69,7 +69,7 @@ def run_batch(args, shape: str, share: bool, out: Path) -> dict:
     if not share:
         command.append("--no-prefix-sharing")
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
     wall = time.perf_counter() - start
     log = done.stdout + done.stderr
     (out / f"{shape}.{'shared' if share else 'alone'}.log").write_text(" ".join(command) + "\n" + log)
@@ -88,8 +88,11 @@ def choices(args, out: Path) -> list[dict]:
     prompts = [c for c in contexts for _ in range(4)]
     continuations = [ids(rng, rng.randint(1, 8)) for _ in prompts]
     rows = []
+    from flexoff.planner.frame import Workload
+
+    workload = Workload(max(len(p) + len(c) for p, c in zip(prompts, continuations)), 1, len(prompts))
     with LLM(args.model, dummy=True, policy="auto", gpu_mem=args.gpu_mem, compress=args.compress,
-             offload_dir=args.offload_dir, workload=None) as llm:
+             offload_dir=args.offload_dir, workload=workload, hardware=args.hardware) as llm:
         for share in (True, False):
             llm.engine.share_prefixes = share
             start = time.perf_counter()

@@ -251,7 +251,9 @@ class GpuBatch:
         else:
             shared = self.prefix.kv.attend_shared(layer, q)
             own = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
-            attended = lambda: merge_attention(*own(), *shared())  # noqa: E731
+
+            def attended() -> torch.Tensor:
+                return merge_attention(*own(), *shared())
         # Closed over locals, not self: the batch holding its own closure would be a cycle.
         self._finish = lambda: arch.after_attention(cfg, weights, hidden, attended(), weights)
 
