@@ -41,3 +41,37 @@ def batch_prefix(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = 
     tails = keep if keep is not None else [1] * len(prompts)
     shared = min(shared, min(len(p) - t for p, t in zip(prompts, tails)))
     return shared if shared >= minimum else 0
+
+
+def batch_groups(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
+                 minimum: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
+    """The groups of one GPU batch's rows that each share a prefix: (rows, prefix length) pairs,
+    each of two rows or more and a prefix of at least ``minimum`` ids that leaves every row its
+    ``keep`` last ids (default 1). Rows in no group share nothing. The rows are cut, in the order of
+    their ids, into the runs that save the most prefill tokens (a run of m rows sharing P saves
+    (m - 1) * P), so that two subjects with a short preamble in common stay two groups."""
+    count = len(prompts)
+    tails = keep if keep is not None else [1] * count
+    order = sorted(range(count), key=lambda r: list(prompts[r]))
+    room = [len(prompts[r]) - tails[r] for r in order]  # the longest prefix each row may share
+    near = [common_prefix(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
+    best = [0] * (count + 1)  # best[i]: the most saved over the first i rows of the order
+    cut: list[tuple[int, int]] = [(0, 0)] * (count + 1)  # where best[i]'s last run starts, its prefix
+    for stop in range(1, count + 1):
+        best[stop], cut[stop] = best[stop - 1], (stop - 1, 0)  # row stop-1 alone
+        shared = room[stop - 1]
+        for start in range(stop - 2, -1, -1):  # the run order[start:stop]
+            shared = min(shared, near[start], room[start])
+            if shared < minimum:
+                break
+            saved = best[start] + (stop - start - 1) * shared
+            if saved > best[stop]:
+                best[stop], cut[stop] = saved, (start, shared)
+    groups = []
+    stop = count
+    while stop > 0:
+        start, shared = cut[stop]
+        if shared:
+            groups.append(([order[i] for i in range(start, stop)], shared))
+        stop = start
+    return groups[::-1]

@@ -1,6 +1,6 @@
 import random
 
-from flexoff.prefixes import MIN_SHARED_PREFIX, batch_prefix, common_prefix
+from flexoff.prefixes import MIN_SHARED_PREFIX, batch_groups, batch_prefix, common_prefix
 
 
 def _naive_common(prompts):
@@ -38,3 +38,49 @@ def test_every_row_keeps_its_last_tokens():
     assert batch_prefix([same]) == 0  # one row shares with nobody
     short = list(range(MIN_SHARED_PREFIX))
     assert batch_prefix([short, short]) == 0  # what is left to share is under the minimum
+
+
+def test_batch_groups_keep_subjects_apart():
+    preamble = list(range(100, 120))
+    physics, history = preamble + list(range(40)), preamble + list(range(50, 90))
+    prompts = [physics + [1], history + [2], physics + [3, 4], history + [5], [7] * 30, physics + [6]]
+    groups = batch_groups(prompts)
+    # Three physics rows and two history rows, each group its subject's prefix; the odd row out alone.
+    assert sorted((sorted(rows), shared) for rows, shared in groups) == [([0, 2, 5], 60), ([1, 3], 60)]
+
+
+def test_batch_groups_match_an_exhaustive_search():
+    rng = random.Random(1)
+    for _ in range(60):
+        heads = [[rng.randrange(3) for _ in range(rng.randrange(2, 9))] for _ in range(2)]
+        prompts = [rng.choice(heads) + [rng.randrange(3) for _ in range(rng.randrange(1, 4))]
+                   for _ in range(rng.randrange(1, 6))]
+        groups = batch_groups(prompts, minimum=2)
+        seen = [r for rows, _ in groups for r in rows]
+        assert len(seen) == len(set(seen))
+        for rows, shared in groups:
+            assert len(rows) >= 2 and shared >= 2
+            assert shared == min(_naive_common([prompts[r] for r in rows]), min(len(prompts[r]) - 1 for r in rows))
+        saved = sum((len(rows) - 1) * shared for rows, shared in groups)
+        assert saved == _best_saving(prompts, 2)
+
+
+def _best_saving(prompts, minimum):
+    """The most prefill tokens any split of the sorted rows into runs saves, by brute force."""
+    order = sorted(range(len(prompts)), key=lambda r: prompts[r])
+    best = 0
+    for mask in range(1 << max(0, len(order) - 1)):
+        runs, run = [], [order[0]] if order else []
+        for i in range(1, len(order)):
+            if mask >> (i - 1) & 1:
+                runs.append(run)
+                run = []
+            run.append(order[i])
+        runs.append(run)
+        total = 0
+        for run in runs:
+            if len(run) > 1:
+                shared = min(_naive_common([prompts[r] for r in run]), min(len(prompts[r]) - 1 for r in run))
+                total += (len(run) - 1) * shared if shared >= minimum else 0
+        best = max(best, total)
+    return best

@@ -134,7 +134,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     folded = q.reshape(batch, kv_heads, groups * seq, head_dim)
-    if mask is not None and groups > 1:
+    if mask is not None and groups > 1 and mask.shape[2] > 1:  # a mask of one query row broadcasts
         mask = mask.repeat(1, 1, groups, 1)
     keys_t, values = k.float().transpose(-1, -2), v.float()
     out = torch.empty(folded.shape, dtype=torch.float32, device=q.device)

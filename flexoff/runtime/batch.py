@@ -10,11 +10,11 @@ from functools import partial
 import torch
 
 from ..models import ModelConfig, architecture
-from ..models.common import attention_bias, attention_mask, merge_attention
-from ..prefixes import batch_prefix
+from ..models.common import attention_bias, attention_mask
+from ..prefixes import batch_groups
 from .activations import BatchActivations
 from .kv import BatchKV
-from .prefix_kv import PrefixKV
+from .prefix_kv import Prefixes
 from .sampler import Ranked
 from .sampling import SamplingParams
 from .weight_store import StageWeights
@@ -67,24 +67,18 @@ class Sequence:
         self.top_logprobs.clear()
 
 
-def shared_prefix(seqs: list[Sequence]) -> int:
-    """The prefix a GPU batch of ``seqs`` shares (``flexoff.prefixes.batch_prefix``)."""
-    return batch_prefix([s.prompt_ids for s in seqs], [s.head_reads for s in seqs])
-
-
-class Prefix:
-    """A GPU batch's shared prefix in flight: its ids, one copy of its cache, and at the prefill
-    its hidden state and step context."""
-
-    def __init__(self, ids: list[int], device: torch.device, kv: PrefixKV, activations: BatchActivations):
-        self.length = len(ids)
-        self.ids = torch.tensor([ids], device=device)
-        self.positions = torch.arange(self.length, device=device)[None]
-        self.kv = kv
-        kv.merges = False
-        self.activations = activations
-        self.hidden: torch.Tensor | None = None
-        self.context = None
+def arrange(seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple[int, int, int]]]:
+    """A GPU batch's rows in the order it runs them, and the groups that share a prefix
+    (``flexoff.prefixes.batch_groups``): each group's rows [start, stop) and prefix length, the
+    groups first."""
+    groups = batch_groups([s.prompt_ids for s in seqs], [s.head_reads for s in seqs])
+    order, spans = [], []
+    for rows, length in groups:
+        spans.append((len(order), len(order) + len(rows), length))
+        order += sorted(rows)
+    grouped = set(order)
+    order += [r for r in range(len(seqs)) if r not in grouped]
+    return [seqs[r] for r in order], spans
 
 
 class GpuBatch:
@@ -92,29 +86,34 @@ class GpuBatch:
     token in flight.
 
     The cache has a slot per prompt position (padding included) and per generated token. Where
-    the rows share a prefix (``prefix_len`` tokens), it is held once (``Prefix``) and the rows'
-    cache, inputs and ``prompt_len`` cover the rest of each prompt. The block schedule says which
-    of these methods run, and when.
+    groups of rows share a prefix (``spans``, from ``arrange``), each is held once (``Prefixes``) and
+    the rows' cache, inputs and ``prompt_len`` cover the rest of each prompt. The block schedule
+    says which of these methods run, and when.
     """
 
     def __init__(self, cfg: ModelConfig, seqs: list[Sequence], device: torch.device, dtype: torch.dtype,
-                 extra_slots: int, make_kv, make_activations, prefix_len: int = 0, make_prefix=None):
+                 extra_slots: int, make_kv, make_activations, spans=(), make_prefix=None):
         self.cfg = cfg
         self.arch = architecture(cfg)
         self.seqs = seqs
         self.device = device
         self.dtype = dtype
-        self.prefix: Prefix | None = None
-        if prefix_len:
-            self.prefix = Prefix(seqs[0].prompt_ids[:prefix_len], device, *make_prefix(prefix_len))
-        own = [s.prompt_ids[prefix_len:] for s in seqs]
+        pad = self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+        self.prefix: Prefixes | None = None
+        prefix_lengths = [0] * len(seqs)
+        if spans:
+            self.prefix = Prefixes(list(spans), [seqs[start].prompt_ids[:length] for start, _, length in spans],
+                                   pad, device, make_prefix)
+            for start, stop, length in spans:
+                prefix_lengths[start:stop] = [length] * (stop - start)
+        own = [s.prompt_ids[n:] for s, n in zip(seqs, prefix_lengths)]
         self.prompt_len = max(len(ids) for ids in own)
         self.slots = self.prompt_len + extra_slots
-        pad = self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         rows = [[pad] * (self.prompt_len - len(ids)) + ids for ids in own]
         self.prompt_ids = torch.tensor(rows, device=device)  # (batch, prompt_len)
         self.lengths = torch.tensor([len(s.prompt_ids) for s in seqs], device=device)
-        own_lengths = self.lengths - prefix_len
+        self._prefix_lengths = torch.tensor(prefix_lengths, device=device)
+        own_lengths = self.lengths - self._prefix_lengths
         # Rows with one prompt (a prompt's n samples) share its prefill: the prefill computes each
         # distinct prompt once, from its first row, and every row's cache is filled from its prompt's.
         place: dict[tuple[int, ...], int] = {}  # each distinct prompt -> its row in the prefill
@@ -128,9 +127,9 @@ class GpuBatch:
             source.append(place[key])
         self.prefill_rows = len(firsts)
         # Tokens the prefill computes, and those it computed once for all rows.
-        self.prefill_tokens = prefix_len + sum(len(own[row]) for row in firsts)
-        self.shared_tokens = prefix_len * (len(seqs) - 1)
-        shared = len(firsts) < len(seqs) and not prefix_len
+        self.prefill_tokens = sum(length for _, _, length in spans) + sum(len(own[row]) for row in firsts)
+        self.shared_tokens = sum((stop - start - 1) * length for start, stop, length in spans)
+        shared = len(firsts) < len(seqs) and not spans
         self._source = source if shared else None
         self._expand = torch.tensor(source, device=device) if shared else None
         self._firsts = torch.tensor(firsts, device=device) if shared else None
@@ -174,7 +173,7 @@ class GpuBatch:
             self.input_ids = self.prompt_ids if self._firsts is None else self.prompt_ids[self._firsts]
             self.positions = (torch.cumsum(valid[:, :self.prompt_len].long(), dim=1) - 1).clamp(min=0)
             if self.prefix is not None:
-                self.positions += self.prefix.length
+                self.positions += self._prefix_lengths[:, None]
                 self.prefix.context = self.arch.step_context(self.cfg, self.prefix.positions, self.dtype)
         else:
             if self.prefix is not None:
@@ -214,7 +213,7 @@ class GpuBatch:
         prefix = self.prefix
         if prefix is not None:
             attend = self._prefill_prefix(layer, weights, attend) if self.start == 0 else \
-                self._merged(attend, partial(prefix.kv.attend_shared, layer))
+                prefix.merged(attend, partial(prefix.kv.attend_shared, layer, mask=prefix.key_mask))
         self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
 
     def _prefill_prefix(self, layer: int, weights: StageWeights, own):
@@ -223,22 +222,11 @@ class GpuBatch:
 
         def attend_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             kept.append((k, v))
-            return prefix.kv.attend_prefill(layer, q, k, v)
+            return prefix.kv.attender(layer, 0, prefix.prefill_mask)(q, k, v)
 
         prefix.hidden = self.arch.layer(self.cfg, weights, prefix.hidden, prefix.context, attend_prefix, weights)
         (k_prefix, v_prefix), = kept
-        return self._merged(own, lambda q: prefix.kv.attend_fresh(q, k_prefix, v_prefix))
-
-    @staticmethod
-    def _merged(own, shared):
-        """Attention of the rows over their own tokens (``own``, with its log-sum-exp) and over the
-        prefix (``shared(q)``, which starts it and returns its finish), merged."""
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            finish = shared(q)
-            out, lse = own(q, k, v)
-            return merge_attention(out, lse, *finish())
-
-        return attend
+        return prefix.merged(own, prefix.attend_fresh(k_prefix, v_prefix))
 
     def start_attention(self, layer: int, weights: StageWeights) -> None:
         """Decoder layer ``layer`` up to attention, which the host worker runs meanwhile; the rest
@@ -249,11 +237,12 @@ class GpuBatch:
         if self.prefix is None:
             attended = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
         else:
-            shared = self.prefix.kv.attend_shared(layer, q)
+            prefix = self.prefix
+            shared = prefix.kv.attend_shared(layer, prefix.fold(q), prefix.key_mask)
             own = self.kv.attend_later(layer, self.start, self.mask, q, k, v)
 
             def attended() -> torch.Tensor:
-                return merge_attention(*own(), *shared())
+                return prefix.merge(*own(), shared)
         # Closed over locals, not self: the batch holding its own closure would be a cycle.
         self._finish = lambda: arch.after_attention(cfg, weights, hidden, attended(), weights)
 

@@ -147,7 +147,7 @@ class BlockRun:
         # Prompt tokens the prefill computed: rows sharing a prompt in a GPU batch count it once.
         metrics.prompt_tokens = sum(b.prefill_tokens for b in batches)
         metrics.padded_prompt_tokens = sum(b.prompt_len * b.prefill_rows for b in batches)
-        metrics.padded_prompt_tokens += sum(b.prefix.length for b in batches if b.prefix is not None)
+        metrics.padded_prompt_tokens += sum(len(b.prefix.spans) * b.prefix.length for b in batches if b.prefix is not None)
         metrics.shared_prompt_tokens = sum(b.shared_tokens for b in batches)
         metrics.generated_tokens = sum(len(s.token_ids) for s in seqs)
         metrics.peak_memory = context.meter.peaks()

@@ -17,7 +17,7 @@ from ..errors import PolicyError
 from ..models import ModelConfig, architecture, stages
 from ..weights import WeightSource
 from .activations import BatchActivations
-from .batch import GpuBatch, Sequence, shared_prefix
+from .batch import GpuBatch, Sequence, arrange
 from .block_run import BlockContext, BlockRun
 from .interpreter import BlockInterpreter, HeadReady, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
@@ -140,18 +140,21 @@ class Engine:
                    self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
         groups = [seqs[start:start + size] for start in range(0, len(seqs), size)]
         # Sharing is one batch's business; a pipeline's stages pass one hidden state a batch.
-        prefixes = [shared_prefix(group) if self.share_prefixes and self.link is None else 0 for group in groups]
+        shares = self.share_prefixes and self.link is None
+        arranged = [arrange(group) if shares else (group, []) for group in groups]
+        longest = max((length for _, spans in arranged for _, _, length in spans), default=0)
+        most = max((len(spans) for _, spans in arranged), default=0)
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
                                           self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
         layers = None if self.owned is None else tuple(owned_layers(self.cfg, self.owned))
         shared = BlockKV(self.cfg, policy, self.device, self.dtype, self.streams, host, self.disk, self.worker,
                          workspace, layers=layers)
-        # The prefixes' one row each travels through a workspace of its own, sized for the longest.
+        # The prefixes (a row each) travel through a workspace of their own, sized for the most and longest.
         prefix_block = replace(shared, workspace=KVWorkspace.for_block(
-            self.cfg, policy, 1, max(prefixes), self.device, self.dtype, self.streams)) if any(prefixes) else None
+            self.cfg, policy, most, longest, self.device, self.dtype, self.streams)) if longest else None
         batches = []
-        for number, (group, prefix_len) in enumerate(zip(groups, prefixes)):
+        for number, (group, spans) in enumerate(arranged):
             name = f"b{number}" if block == 0 else f"r{block}.b{number}"
 
             def make_kv(count, slots, name=name):
@@ -161,11 +164,11 @@ class Engine:
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,
                                         self.dtype, host, self.disk, name)
 
-            def make_prefix(length, name=f"{name}.prefix"):  # its cache and its hidden state's one row
-                return PrefixKV(prefix_block, 1, length, name), make_activations(1, length, name)
+            def make_prefix(rows, length, name=f"{name}.prefix"):  # their cache and hidden state, a row each
+                return PrefixKV(prefix_block, rows, length, name), make_activations(rows, length, name)
 
             batches.append(GpuBatch(self.cfg, group, self.device, self.dtype, extra_slots, make_kv, make_activations,
-                                    prefix_len, make_prefix))
+                                    spans, make_prefix))
         return batches
 
     def interpreter(self, batches: list[GpuBatch]) -> BlockInterpreter:

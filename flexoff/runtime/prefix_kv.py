@@ -1,99 +1,157 @@
-"""The one copy of a GPU batch's shared prefix: its keys and values, and attention over them.
+"""The prefixes a GPU batch's rows share: one copy of each one's keys and values, and attention
+over them.
 
-A prefix is one row of cache on the tier a single row of the policy's cache goes to, in the cache's
-format. Its prefill stores it like any batch's (it is a :class:`~.kv.BatchKV` of one row); after
-that it takes no new slot. Each decode step every row of the batch attends over it in one call,
-its queries folded into one row's, wherever the batch's own rows attend: in place on the GPU,
-in the prefix's own GPU workspace once ``LOAD_CACHE`` has brought it (the cache travels), or on the
-host worker (CPU attention). The caller merges the result with the rows' own attention by
-log-sum-exp (``models.common.merge_attention``), so the prefix crosses PCIe once per batch and
-step, not once per row.
+The rows of a batch that begin alike form groups (``flexoff.prefixes.batch_groups``), put first
+in the batch, group by group. Each group's prefix is one row of a :class:`PrefixKV`, left-padded to
+the longest prefix and placed on the tiers like any batch's rows, in the cache's format. The
+prefill computes the prefixes as a batch of their own and stores them; after that they take no new
+slot. Every attention of the rows is then two: over their own slots as before, and over their
+group's prefix, each group's rows' queries folded into its prefix row's (:meth:`Prefixes.fold`), in
+place on the GPU, in the prefix's own GPU workspace once ``LOAD_CACHE`` has brought it (the cache
+travels), or on the host worker (CPU attention). The two merge exactly by their log-sum-exp
+(``models.common.merge_attention``), so a prefix crosses PCIe once per batch and step, not once per
+row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
-from ..models.common import attention_lse, fold_rows, unfold_rows
-from .kv import BatchKV
+from ..models.common import attention_lse, attention_mask, merge_attention
+from .kv import BatchKV, attend_rows, cpu_attention
 from .kv_storage import SLOT_MAJOR
 from .tiers import read_pinned
 
-Shared = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # finish() -> (output, log-sum-exp) per row
+Shared = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # finish() -> (output, log-sum-exp), folded
 
 
 class PrefixKV(BatchKV):
-    """One row of cache holding a prefix the batch's rows share (``slots``: its length)."""
+    """The prefixes of one batch's groups, a row each (``slots``: the longest prefix)."""
 
-    def attend_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The prefix's own prefill attention (causal), its keys and values stored to its tiers
-        like any batch's."""
-        mask = torch.ones((1, 1, self.slots, self.slots), dtype=torch.bool, device=q.device).tril_()
-        return self._attend(layer, 0, mask, q, k, v)
+    def attend_shared(self, layer: int, q: torch.Tensor, mask: torch.Tensor) -> Shared:
+        """A decode step's attention of the folded queries ``q`` (prefix rows, heads, queries,
+        head_dim) over the prefixes' slots allowed by ``mask`` (prefix rows, 1, 1, slots)."""
+        end = self.slots
+        out = torch.empty_like(q)
+        lse = torch.empty((*q.shape[:-1], 1), dtype=torch.float32, device=q.device)
+        for group in self.groups:
+            if group.tier == "gpu":
+                keys, values = (group.read(buffer, end, out=space)
+                                for buffer, space in zip(group.pair(layer), self._dequantized()))
+                attend_rows(out, lse, group.rows, q[group.rows], keys, values, mask[group.rows])
+        offloaded = self._offloaded()
+        if offloaded and self.cpu_attention:
+            return self._attend_on_host(layer, q, mask, out, lse, offloaded)
+        if offloaded:
+            self._attend_travelled(layer, q, mask, out, lse, offloaded)
+        return lambda: (out, lse)
 
-    @staticmethod
-    def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Shared:
-        """At the prefill, the rows' queries ``q`` over the prefix's fresh keys and values
-        (1, kv_heads, prefix, head_dim): finish() -> (output, log-sum-exp) in q's rows."""
-        shared = attention_lse(fold_rows(q), k, v)
-        return lambda: tuple(unfold_rows(x, q.shape[0]) for x in shared)
-
-    def attend_shared(self, layer: int, q: torch.Tensor) -> Shared:
-        """A decode step's attention of every row's queries ``q`` (rows, heads, 1, head_dim) over
-        the prefix; returns finish() -> (output, log-sum-exp) in q's rows."""
-        rows, folded = q.shape[0], fold_rows(q)
-        group, end = self.groups[0], self.slots
-        if group.tier == "gpu":
-            keys, values = (group.read(buffer, end, out=space)
-                            for buffer, space in zip(group.pair(layer), self._dequantized()))
-            shared = attention_lse(folded, keys, values)
-        elif not self.cpu_attention:
-            shared = self._attend_travelled(layer, folded)
-        else:
-            return self._attend_on_host(layer, folded, rows)
-        return lambda: tuple(unfold_rows(x, rows) for x in shared)
-
-    def _attend_travelled(self, layer: int, folded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention over the copy ``prefetch`` loaded into the prefix's workspace."""
+    def _attend_travelled(self, layer, q, mask, out, lse, offloaded) -> None:
+        """Attention over the copy ``prefetch`` loaded into the prefixes' workspace."""
         index, ready, from_disk = self._state[layer].take_load()
         self.streams.wait(self.streams.compute, ready)
         if from_disk is not None:
             self.streams.wait(self.streams.compute, from_disk.result())
-        loaded = self._workspace_rows(index, self.groups[0], 0)
-        keys, values = (SLOT_MAJOR.read(self.fmt, buffer, self.slots, out=space)
-                        for buffer, space in zip(loaded, self._dequantized()))
-        shared = attention_lse(folded, keys, values)
+        first = offloaded[0].rows.start
+        for group in offloaded:
+            keys, values = (SLOT_MAJOR.read(self.fmt, buffer, self.slots, out=space)
+                            for buffer, space in zip(self._workspace_rows(index, group, first), self._dequantized()))
+            attend_rows(out, lse, group.rows, q[group.rows], keys, values, mask[group.rows])
         self.workspace.free_events[index] = self.streams.record(self.streams.compute)
-        return shared
 
-    def _attend_on_host(self, layer: int, folded: torch.Tensor, rows: int) -> Shared:
-        """CPU attention over the prefix on the host worker (disk rows read in first); the output
-        and log-sum-exp land in pinned buffers of the batch's, which the next job waits to reuse
-        as ``attend_later``'s do."""
-        group, end = self.groups[0], self.slots
-        shape = folded.shape
+    def _attend_on_host(self, layer, q, mask, out, lse, offloaded) -> Shared:
+        """CPU attention over the off-GPU prefixes on the host worker (disk rows read in first),
+        landing in pinned buffers that the next job waits to reuse, as ``attend_later``'s do."""
+        end = self.slots
+        rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
+        shape = (rows.stop - rows.start, *q.shape[1:])
         if self._landing is None or self._landing[0].shape != shape:
-            self._landing = (self.host.empty(shape, folded.dtype), self.host.empty((*shape[:-1], 1), torch.float32))
+            self._landing = (self.host.empty(shape, q.dtype), self.host.empty((*shape[:-1], 1), torch.float32))
         landing, landing_lse = self._landing
 
         def attend() -> None:
-            queries = folded.to("cpu", self.dtype)
-            group.load(layer, end)
-            keys, values = (group.read(buffer, end) for buffer in group.pair(layer))
-            out, lse = attention_lse(queries, keys, values)
-            landing.copy_(out)
-            landing_lse.copy_(lse)
+            queries, allowed = q[rows].to("cpu", self.dtype), mask[rows].cpu()
+            for group in offloaded:
+                group.load(layer, end)
+                keys, values = group.pair(layer)
+                local = slice(group.rows.start - rows.start, group.rows.stop - rows.start)
+                cpu_attention(queries[local], partial(group.read, keys, end), partial(group.read, values, end),
+                              allowed[local], out=landing[local], lse=landing_lse[local])
 
         job = self.worker.submit(attend, self.streams.record(self.streams.compute))
 
         def finish() -> tuple[torch.Tensor, torch.Tensor]:
             job.result()
-            out = torch.empty(shape, dtype=folded.dtype, device=folded.device)
-            lse = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=folded.device)
-            read_pinned(out, landing)
-            read_pinned(lse, landing_lse)
-            return unfold_rows(out, rows), unfold_rows(lse, rows)
+            read_pinned(out[rows], landing)
+            read_pinned(lse[rows], landing_lse)
+            return out, lse
 
         return finish
+
+
+class Prefixes:
+    """A GPU batch's shared prefixes in flight: each group's rows (the batch's first rows, group by
+    group) and prefix, their cache, and at the prefill their inputs, hidden state and context."""
+
+    def __init__(self, spans: list[tuple[int, int, int]], ids: list[list[int]], pad: int, device: torch.device,
+                 make_prefix):
+        """``spans``: each group's rows [start, stop) and prefix length; ``ids``: each group's prefix;
+        ``make_prefix(rows, slots)`` -> (its PrefixKV, its activations)."""
+        self.spans = spans
+        self.length = max(length for _, _, length in spans)
+        self.rows = spans[-1][1]  # the rows with a prefix: [0, rows)
+        width = self.width = max(stop - start for start, stop, _ in spans)
+        padded = [[pad] * (self.length - len(p)) + p for p in ids]
+        self.ids = torch.tensor(padded, device=device)
+        lengths = torch.tensor([len(p) for p in ids], device=device)
+        self.valid = torch.arange(self.length, device=device)[None] >= (self.length - lengths)[:, None]
+        self.positions = (torch.cumsum(self.valid.long(), dim=1) - 1).clamp(min=0)
+        self.prefill_mask = attention_mask(self.valid, 0, self.length)
+        self.key_mask = self.valid[:, None, None, :]  # every query of a group sees its whole prefix
+        # Row r of the batch is query row _place[r] of the folded (groups * width) rows.
+        self._place = torch.tensor([g * width + j for g, (start, stop, _) in enumerate(spans)
+                                    for j in range(stop - start)], device=device)
+        self.kv, self.activations = make_prefix(len(spans), self.length)
+        self.hidden: torch.Tensor | None = None
+        self.context = None
+
+    def fold(self, q: torch.Tensor) -> torch.Tensor:
+        """The grouped rows' queries (rows, heads, seq, head_dim) as their prefix rows' (groups,
+        heads, width * seq, head_dim), a group's rows side by side (padded with zeros)."""
+        _, heads, seq, head_dim = q.shape
+        folded = q.new_zeros((len(self.spans) * self.width, heads, seq, head_dim))
+        folded.index_copy_(0, self._place, q[:self.rows])
+        return folded.view(len(self.spans), self.width, heads, seq, head_dim).transpose(1, 2).reshape(
+            len(self.spans), heads, self.width * seq, head_dim)
+
+    def unfold(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`fold` for an output or log-sum-exp: (rows, heads, seq, last)."""
+        groups, heads, length, last = x.shape
+        rows = x.view(groups, heads, self.width, length // self.width, last).transpose(1, 2)
+        return rows.reshape(groups * self.width, heads, length // self.width, last).index_select(0, self._place)
+
+    def merged(self, own, shared):
+        """Attention of the rows over their own tokens (``own``, giving its log-sum-exp) and over
+        their group's prefix (``shared(folded q)``, which starts it and returns its finish)."""
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            finish = shared(self.fold(q))
+            return self.merge(*own(q, k, v), finish)
+
+        return attend
+
+    def merge(self, out: torch.Tensor, lse: torch.Tensor, finish: Shared) -> torch.Tensor:
+        shared_out, shared_lse = finish()
+        out[:self.rows] = merge_attention(out[:self.rows], lse[:self.rows], self.unfold(shared_out),
+                                          self.unfold(shared_lse))
+        return out
+
+    def attend_fresh(self, k: torch.Tensor, v: torch.Tensor):
+        """At the prefill: folded queries over the prefixes' fresh keys and values."""
+        def shared(q: torch.Tensor) -> Shared:
+            result = attention_lse(q, k, v, self.key_mask)
+            return lambda: result
+
+        return shared

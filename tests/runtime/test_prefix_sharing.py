@@ -42,7 +42,7 @@ POLICIES = {
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def few_shot(seed: int = 0, subjects: int = 1, questions: int = 8) -> list[list[int]]:
+def few_shot(seed: int = 0, subjects: int = 3, questions: int = 3) -> list[list[int]]:
     """Subjects of questions that share their subject's in-context examples, each a head of
     MIN_SHARED_PREFIX + 6 ids, then a question of its own of 1 to 7 ids."""
     rng = random.Random(seed)
@@ -152,7 +152,7 @@ def test_a_decode_step_moves_the_prefix_once(tiny_model_dir, tmp_path, monkeypat
 
     monkeypatch.setattr(BatchKV, "_copy_in", counting)
     path, _ = tiny_model_dir("llama-gqa")
-    prompts = [{"prompt_token_ids": p} for p in few_shot(5)]
+    prompts = [{"prompt_token_ids": p} for p in few_shot(5, subjects=1, questions=8)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     for share in (True, False):
         moved.append(0)
