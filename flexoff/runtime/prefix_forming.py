@@ -99,12 +99,11 @@ def carve(index: PrefixIndex, p: np.ndarray, g: np.ndarray, items: np.ndarray, s
         carry: list[int] = []
         while stack[-1][0] > height:
             node_depth, rows = stack.pop()
-            rows = rows + carry
-            carry = rows
-            if node_depth >= max(threshold, MIN_SHARED_PREFIX) and len(rows) >= size:
-                cut, carry = _carve_node(np.array(rows, dtype=np.int64), node_depth, p, g, size)
+            carry = rows + carry  # a node holds its own rows and what its children left
+            if node_depth >= max(threshold, MIN_SHARED_PREFIX) and len(carry) >= size:
+                cut, left = _carve_node(np.array(carry, dtype=np.int64), node_depth, p, g, size)
                 batches.extend(cut)
-                carry = carry.tolist()
+                carry = left.tolist()
         if stack[-1][0] < height:
             stack.append((height, carry))
         else:
