@@ -46,7 +46,8 @@ class LLM:
                  tokenizer: str | None = None, offload_dir: str | None = None,
                  gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
                  workload=None, hardware=None, compress: str = "off", pipeline_parallel_size: int | None = None,
-                 data_parallel_size: int | None = None, pipeline_layers: SequenceOf[int] | None = None):
+                 data_parallel_size: int | None = None, pipeline_layers: SequenceOf[int] | None = None,
+                 prefix_sharing: bool = True):
         """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
         With it, a job that cannot fit the machine is refused before anything is allocated, and with
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
@@ -60,27 +61,32 @@ class LLM:
         job's, started by torchrun (see ``flexoff.deploy.parallel``); None takes them from the launch
         (all its processes one pipeline); ``pipeline_layers``, the decoder layers of each stage
         (default: split evenly). Every process calls the same methods with the same prompts, and
-        every one returns the same outputs."""
+        every one returns the same outputs. ``prefix_sharing``: rows whose prompts begin alike run
+        in one GPU batch, which prefills that prefix once and keeps one copy of its cache
+        (``flexoff.prefixes``); the outputs are those of False, which runs every row whole."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
-                       offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress)
+                       offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress,
+                       prefix_sharing=prefix_sharing)
         layers = tuple(pipeline_layers) if pipeline_layers is not None else None
         request = Request(model, dummy, policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                           offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress,
                           hardware=hardware, parallel=Parallel(pipeline_parallel_size, data_parallel_size,
                                                                layers=layers))
-        self._start(resolve_deployment(request), workload)
+        self._start(resolve_deployment(request), workload, prefix_sharing)
 
     @classmethod
-    def from_deployment(cls, deployment: Deployment, workload=None) -> "LLM":
+    def from_deployment(cls, deployment: Deployment, workload=None, prefix_sharing: bool = True) -> "LLM":
         """The LLM of a deployment resolved already (``flexoff.deploy.resolve_deployment``), planned
         here for ``workload`` as ``LLM(...)`` plans it."""
+        check_bool(prefix_sharing, "prefix_sharing")
         llm = cls.__new__(cls)
-        llm._start(deployment, workload)
+        llm._start(deployment, workload, prefix_sharing)
         return llm
 
-    def _start(self, deployment: Deployment, workload) -> None:
+    def _start(self, deployment: Deployment, workload, prefix_sharing: bool) -> None:
         """Load the tokenizer, check the weights, plan the deployment for ``workload`` and build the engine."""
         request = deployment.request
+        self.prefix_sharing = prefix_sharing
         self.seed, self.device, self.dtype = request.seed, deployment.device, deployment.dtype
         self.tokenizer = Tokenizer.for_model(deployment.checkpoint, request.tokenizer)
         self.generation_config = read_generation_config(deployment.checkpoint)
@@ -101,7 +107,8 @@ class LLM:
 
             link = PipelineLink(self.ranks.place, self.device, self.dtype)
         self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, request.seed,
-                             offload_dir=deployment.offload_dir, capacity=capacity, link=link)
+                             offload_dir=deployment.offload_dir, capacity=capacity, link=link,
+                             share_prefixes=prefix_sharing)
 
     def close(self) -> None:
         """Free the model's memory and offload files; later calls raise ClosedError. Closing twice is fine."""
@@ -182,6 +189,16 @@ class LLM:
         if self.tokenizer is None and any(p.stop for p in params):
             raise TokenizerError("stop strings need a tokenizer, and this model has none")
 
+    def _form_blocks(self, prompts: list[list[int]], budgets: list[int], keep: list[int], *,
+                     by_gpu_batch: bool = False) -> list[list[int]]:
+        """The job's blocks (``runtime.block_forming``): with prefix sharing, the rows sharing a long
+        prefix in one GPU batch, ``keep[r]`` of row r's last positions its own; without, by length,
+        and by GPU batch inside a block where ``by_gpu_batch`` asks."""
+        sharing = self.prefix_sharing
+        return form_blocks([len(p) for p in prompts], budgets, self.policy.block_size,
+                           gpu_batch_size=self.policy.gpu_batch_size if sharing or by_gpu_batch else None,
+                           prompts=prompts if sharing else None, keep=keep if sharing else None)
+
     def generate(self, prompts, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  *, progress: bool | None = None,
                  on_block: Callable[[list[RequestOutput], Metrics], None] | None = None,
@@ -215,8 +232,10 @@ class LLM:
         # The prompt's logprobs come from its first sample's row only.
         row_params = [params[i] if j == 0 or params[i].prompt_logprobs is None
                       else replace(params[i], prompt_logprobs=None) for i, j in rows]
-        blocks = form_blocks([len(ids[i]) for i, _ in rows], [params[i].max_new_tokens for i, _ in rows],
-                             self.policy.block_size, gpu_batch_size=self.policy.gpu_batch_size)
+        # A row with prompt logprobs reads its whole prompt at the head: it shares none of it.
+        blocks = self._form_blocks([ids[i] for i, _ in rows], [params[i].max_new_tokens for i, _ in rows],
+                                   [len(ids[i]) if p.prompt_logprobs is not None else 1
+                                    for (i, _), p in zip(rows, row_params)], by_gpu_batch=True)
         outputs: list[RequestOutput | None] = [None] * len(ids)
         done: dict[int, list[Sequence]] = {}  # a prompt's finished samples, until all n are
         total = Metrics()
@@ -334,7 +353,7 @@ class LLM:
         ids = self._encode(prompts)
         self._check_lengths(ids, [SamplingParams(max_new_tokens=1)] * len(ids))
         out = torch.empty(len(ids), self.config.vocab_size)
-        for block in form_blocks([len(p) for p in ids], [1] * len(ids), self.policy.block_size):
+        for block in self._form_blocks(ids, [1] * len(ids), [1] * len(ids)):
             out[block] = self.engine.last_logits([ids[i] for i in block])
         out = self._from_head(out)
         self._check_finite(torch.isfinite(out).all(dim=-1).tolist(), "logits")
@@ -380,8 +399,9 @@ class LLM:
             if isinstance(cont, str) and self.config.bos_token_id is not None and len(cont_ids[i]) > 1 \
                     and cont_ids[i][0] == self.config.bos_token_id:
                 cont_ids[i] = cont_ids[i][1:]
-        blocks = form_blocks([len(p) + len(c) for p, c in zip(prompt_ids, cont_ids)], [1] * len(prompt_ids),
-                             self.policy.block_size)
+        # The head reads each continuation's positions and the one before them.
+        blocks = self._form_blocks([p + c for p, c in zip(prompt_ids, cont_ids)], [1] * len(prompt_ids),
+                                   [len(c) + 1 for c in cont_ids])
         results: list[ScoreOutput | None] = [None] * len(prompt_ids)
         for block in blocks:
             logprobs = self.engine.score_block([prompt_ids[i] for i in block], [cont_ids[i] for i in block])

@@ -122,8 +122,9 @@ def add_compress_arg(group, default: str | None) -> None:
                             "cache's compression alone")
 
 
-def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> None:
-    """The policy flags; ``planning`` adds --compress, for commands that plan a policy for their job."""
+def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True):
+    """The policy flags, in the group it returns; ``planning`` adds --compress, for commands that
+    plan a policy for their job."""
     group = parser.add_argument_group(
         "policy", "Where weights, KV cache and activations live, and how blocks are batched. Flags given "
                   "here override the --policy file; without either, everything stays on the GPU.")
@@ -168,6 +169,15 @@ def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True) -> N
                        help="cap flexoff's GPU memory, e.g. 16GiB (emulates a smaller card); with --pipeline-parallel, "
                             "one size for every GPU or one per stage, e.g. 16GiB,24GiB")
     group.add_argument("--cpu-mem", metavar="SIZE", type=SIZE, help="cap flexoff's host memory, e.g. 200GiB")
+    return group
+
+
+def add_prefix_sharing_arg(group) -> None:
+    """``--no-prefix-sharing``, the same on every command that generates."""
+    group.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false",
+                       help="prefill and cache every prompt whole, even where prompts begin alike (by default "
+                            "rows sharing a long prefix run in one GPU batch, which prefills it once and keeps one "
+                            "copy of its KV cache; the outputs are the same)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -226,7 +236,7 @@ def job_from_args(args) -> Job:
                top_p=flag("top_p", 1.0), stop=tuple(flag("stop", ())), ignore_eos=flag("ignore_eos", False),
                offload_dir=flag("offload_dir"), gpu_mem=flag("gpu_mem"), cpu_mem=flag("cpu_mem"),
                pipeline_parallel=flag("pipeline_parallel"), data_parallel=flag("data_parallel"),
-               parallel_timeout=flag("parallel_timeout"))
+               parallel_timeout=flag("parallel_timeout"), prefix_sharing=flag("prefix_sharing", True))
 
 
 def unused_flags(args, llm) -> list[str]:

@@ -96,7 +96,7 @@ def make_llm(deployment: Deployment, job: Job, workload: Callable[[], Workload] 
             return None
 
     planned = workload if job.policy.searched else measured_workload if workload is not None else None
-    llm = LLM.from_deployment(deployment, planned)
+    llm = LLM.from_deployment(deployment, planned, prefix_sharing=job.prefix_sharing)
     if llm.ranks is None or llm.ranks.rank == 0:
         if llm.plan is not None and llm.plan.message:
             _log(llm.plan.message)

@@ -301,7 +301,8 @@ def format_summary(llm, metrics, ranks_memory: list[dict] | None = None) -> str:
         f"decode     {metrics.decode_throughput:12.1f} token/s  ({metrics.decode_time:.3f} s)",
         f"total      {metrics.total_throughput:12.1f} token/s  ({metrics.total_time:.3f} s)",
         f"tokens     prompt {metrics.prompt_tokens} actual / {metrics.padded_prompt_tokens} padded · "
-        f"generated {metrics.generated_tokens} actual / {metrics.padded_generated_tokens} padded · "
+        + (f"{metrics.shared_prompt_tokens} shared · " if metrics.shared_prompt_tokens > 0 else "")
+        + f"generated {metrics.generated_tokens} actual / {metrics.padded_generated_tokens} padded · "
         f"efficiency {100 * metrics.efficiency:.1f}%",
         "peak mem   " + " · ".join(memory),
     ]

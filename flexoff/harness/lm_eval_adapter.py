@@ -12,7 +12,9 @@ Needs ``pip install lm-eval``.
 ``policy`` (a policy JSON file, or ``auto``: planned once per request type for its longest
 request, on ``hardware``, a packaged profile's name or a profile file, by default this machine's
 saved profile), ``dtype``, ``device``, ``seed``, ``tokenizer``, ``gpu_mem``, ``cpu_mem``,
-``offload_dir``, ``compress`` (as the command line's flags), and ``greedy_check`` (default true:
+``offload_dir``, ``compress`` (as the command line's flags), ``prefix_sharing`` (default true:
+requests whose prompts begin alike, a context's choices among them, share that prefix's prefill
+and cache; false is ``--no-prefix-sharing``), and ``greedy_check`` (default true:
 loglikelihood's is-greedy flag costs one greedy generation of the continuation's length; false
 reports it as false and skips that work). lm_eval's ``--device`` is taken where model_args names
 no ``device`` (model_args' wins: lm_eval's own defaults to cuda:0, asked for or not). lm_eval's
@@ -48,10 +50,10 @@ except ImportError:  # pragma: no cover - exercised only without the optional pa
 
 _IGNORED_ARGS = ("batch_size", "max_batch_size", "trust_remote_code")
 _KNOWN_ARGS = ("pretrained", "policy", "dummy", "dtype", "device", "seed", "tokenizer", "greedy_check", "hardware",
-               "gpu_mem", "cpu_mem", "offload_dir", "compress")
+               "gpu_mem", "cpu_mem", "offload_dir", "compress", "prefix_sharing")
 # LLM's arguments at their defaults: check_llm_args is called with one model_args value at a time.
 _LLM_DEFAULTS = dict(dummy=False, policy=None, dtype="auto", device="auto", seed=0, tokenizer=None, gpu_mem=None,
-                     cpu_mem=None, offload_dir=None, compress="off")
+                     cpu_mem=None, offload_dir=None, compress="off", prefix_sharing=True)
 
 # lm_eval's generation settings (in HF's and vLLM's spellings, as tasks write them) -> the
 # SamplingParams field that means the same. A setting whose field SamplingParams lacks, or whose
@@ -165,7 +167,7 @@ class FlexoffLM(LM):
     def __init__(self, pretrained: str | None = None, policy: str | None = None, dummy=False, dtype: str = "auto",
                  device: str | None = None, seed: int = 0, tokenizer: str | None = None, greedy_check=True,
                  hardware: str | None = None, gpu_mem: str | None = None, cpu_mem: str | None = None,
-                 offload_dir: str | None = None, compress: str = "off", **kwargs):
+                 offload_dir: str | None = None, compress: str = "off", prefix_sharing=True, **kwargs):
         super().__init__()
         unknown = sorted(set(kwargs) - set(_IGNORED_ARGS))
         if unknown:
@@ -188,7 +190,7 @@ class FlexoffLM(LM):
         self.auto = policy == "auto"
         self._llm_args = dict(model=str(pretrained), dummy=dummy, dtype=dtype, device=device or "auto", seed=seed,
                               tokenizer=tokenizer, gpu_mem=gpu_mem, cpu_mem=cpu_mem, offload_dir=offload_dir,
-                              compress=compress)
+                              compress=compress, prefix_sharing=_flag(prefix_sharing, "prefix_sharing"))
         _check_llm_values({"policy": policy, **{k: v for k, v in self._llm_args.items() if k != "model"}})
         if self.auto:
             _check_auto_dtype(dtype, self._llm_args["device"])

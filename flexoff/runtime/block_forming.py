@@ -15,6 +15,12 @@ within that budget, choose the grouping that minimises padded tokens:
 
 The engine splits each block into GPU batches of consecutive members, and pads each GPU batch
 separately; given ``gpu_batch_size``, each block's members are grouped the same way inside it.
+
+Given the prompts' token ids, rows that share a long prefix are put in one GPU batch, which runs
+that prefix once (:mod:`flexoff.runtime.prefix_forming`). A GPU batch then costs
+``P + rows * (longest own prompt part + largest budget)`` for the ``P`` tokens its rows share, and
+the grouping by prefix is kept only where that total is below the grouping by length: a job whose
+prompts share nothing gets the blocks it would get without them.
 """
 
 from __future__ import annotations
@@ -23,25 +29,28 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .prefix_forming import PrefixIndex, carve
+
 # At most this many pair re-splits per partition: about a second on one core for large jobs.
 _REFINE_BUDGET = 6000
 _REFINE_WINDOW = 3
 _REFINE_PASSES = 4
+# Depths of the prefix tree from which the job is formed by prefix, each twice the last, at most this many.
+_THRESHOLDS = 6
 
 
 def form_blocks(prompt_lens: Sequence[int], max_new_tokens: Sequence[int], block_size: int,
-                *, gpu_batch_size: int | None = None) -> list[list[int]]:
+                *, gpu_batch_size: int | None = None, prompts: Sequence[Sequence[int]] | None = None,
+                keep: Sequence[int] | None = None) -> list[list[int]]:
     """Group prompt indices into at most ``ceil(n / block_size)`` blocks of at most ``block_size``.
 
     Returns every index exactly once. Blocks come in ascending order of their longest prompt;
     inside a block, members come in GPU-batch groups when ``gpu_batch_size`` is given.
+    ``prompts``: each prompt's token ids, to put rows sharing a prefix in one GPU batch; ``keep``:
+    how many of each prompt's last positions the head reads, never shared (default 1 each; see
+    ``flexoff.prefixes.batch_prefix``).
     """
-    if len(prompt_lens) != len(max_new_tokens):
-        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(max_new_tokens)} generation budgets")
-    if not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-    if gpu_batch_size is not None and not (isinstance(gpu_batch_size, int) and gpu_batch_size >= 1):
-        raise ValueError(f"gpu_batch_size must be an integer >= 1, got {gpu_batch_size!r}")
+    _check(prompt_lens, max_new_tokens, block_size, gpu_batch_size, prompts, keep)
     if len(prompt_lens) == 0:
         return []
     p = np.asarray(prompt_lens, dtype=np.int64)
@@ -49,14 +58,101 @@ def form_blocks(prompt_lens: Sequence[int], max_new_tokens: Sequence[int], block
     blocks = _ordered(_partition(p, g, np.arange(len(p)), block_size), p, g)
     if gpu_batch_size is not None and gpu_batch_size < block_size:
         blocks = [np.concatenate(_ordered(_partition(p, g, block, gpu_batch_size), p, g)) for block in blocks]
+    if prompts is not None:
+        blocks = _by_prefix(blocks, p, g, block_size, _batch(gpu_batch_size, block_size), PrefixIndex(prompts, keep))
     return [block.tolist() for block in blocks]
 
 
-def padded_tokens(blocks: Sequence[Sequence[int]], prompt_lens: Sequence[int], max_new_tokens: Sequence[int]) -> int:
-    """Tokens a grouping costs when every member is padded to its group's longest prompt and budget."""
+def _check(prompt_lens, max_new_tokens, block_size, gpu_batch_size, prompts, keep) -> None:
+    if len(prompt_lens) != len(max_new_tokens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(max_new_tokens)} generation budgets")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
+    if gpu_batch_size is not None and not (isinstance(gpu_batch_size, int) and gpu_batch_size >= 1):
+        raise ValueError(f"gpu_batch_size must be an integer >= 1, got {gpu_batch_size!r}")
+    if prompts is None:
+        if keep is not None:
+            raise ValueError("keep counts prompt positions: give the prompts too")
+        return
+    if len(prompts) != len(prompt_lens) or any(len(ids) != n for ids, n in zip(prompts, prompt_lens)):
+        raise ValueError("prompts must be the token ids of each prompt, as long as its prompt length")
+    if keep is not None and len(keep) != len(prompts):
+        raise ValueError(f"{len(keep)} keep counts for {len(prompts)} prompts")
+
+
+def _batch(gpu_batch_size: int | None, block_size: int) -> int:
+    return block_size if gpu_batch_size is None else min(gpu_batch_size, block_size)
+
+
+def padded_tokens(blocks: Sequence[Sequence[int]], prompt_lens: Sequence[int], max_new_tokens: Sequence[int],
+                  *, gpu_batch_size: int | None = None, prompts: Sequence[Sequence[int]] | None = None,
+                  keep: Sequence[int] | None = None) -> int:
+    """Tokens a grouping costs when every member is padded to its group's longest prompt and budget:
+    a group is a block, or with ``gpu_batch_size`` each GPU batch of it; with ``prompts`` (and
+    ``keep``, as ``form_blocks`` takes them), a GPU batch's shared prefix counts once."""
     p = np.asarray(prompt_lens, dtype=np.int64)
     g = np.asarray(max_new_tokens, dtype=np.int64)
-    return int(sum(_cost(np.asarray(b), p, g) for b in blocks if len(b)))
+    index = PrefixIndex(prompts, keep) if prompts is not None else None
+    size = max((len(b) for b in blocks), default=1)
+    arrays = [np.asarray(b, dtype=np.int64) for b in blocks if len(b)]
+    return _shared_cost(arrays, p, g, _batch(gpu_batch_size, size), index)
+
+
+def _shared_cost(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray, batch: int,
+                 index: PrefixIndex | None) -> int:
+    """Padded tokens of the blocks' GPU batches of ``batch`` consecutive members, each batch's
+    shared prefix counted once."""
+    total = 0
+    for block in blocks:
+        for start in range(0, len(block), batch):
+            rows = block[start:start + batch]
+            shared = index.shared(rows) if index is not None else 0
+            total += shared + len(rows) * int(p[rows].max() - shared + g[rows].max())
+    return total
+
+
+def _by_prefix(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray, size: int, batch: int,
+               index: PrefixIndex) -> list[np.ndarray]:
+    """The cheapest, counting shared prefixes once, of ``blocks`` (the grouping by length), those
+    blocks with their GPU batches formed by prefix, and the whole job formed by prefix (carving
+    nodes of the prefix tree from a few depths up); ``blocks`` where nothing is cheaper."""
+    items = np.arange(len(p))
+    depths = index.depths(items)
+    if not depths or size % batch:  # nothing shared; or GPU batches that do not tile a block
+        return blocks
+    candidates = [blocks, [_cheaper_inside(block, p, g, batch, index) for block in blocks]]
+    thresholds: list[int] = []
+    for depth in depths:  # deeper thresholds leave shallow prefixes to the grouping by length
+        if len(thresholds) < _THRESHOLDS and (not thresholds or depth >= 2 * thresholds[-1]):
+            thresholds.append(depth)
+    for threshold in thresholds:
+        batches = _prefix_batches(items, p, g, batch, index, threshold)
+        per_block = size // batch
+        grouped = [np.concatenate(batches[i:i + per_block]) for i in range(0, len(batches), per_block)]
+        candidates.append(sorted(grouped, key=lambda b: (int(p[b].max()), int(g[b].max()), int(b[0]))))
+    costs = [_shared_cost(c, p, g, batch, index) for c in candidates]
+    return candidates[int(np.argmin(costs))]  # the first of equals: the grouping by length
+
+
+def _cheaper_inside(block: np.ndarray, p: np.ndarray, g: np.ndarray, batch: int, index: PrefixIndex) -> np.ndarray:
+    """The block's members with their GPU batches formed by prefix, where that costs less."""
+    if len(block) <= 1:
+        return block
+    formed = np.concatenate(_prefix_batches(block, p, g, batch, index, 0))
+    cost = lambda b: _shared_cost([b], p, g, batch, index)  # noqa: E731
+    return formed if cost(formed) < cost(block) else block
+
+
+def _prefix_batches(items: np.ndarray, p: np.ndarray, g: np.ndarray, batch: int, index: PrefixIndex,
+                    threshold: int) -> list[np.ndarray]:
+    """``items`` in GPU batches: full ones carved from the prefix tree, the rest grouped by length
+    and budget into full ones and at most one short one, which comes last (only a block's last
+    GPU batch may be short)."""
+    carved, rest = carve(index, p, g, items, batch, threshold)
+    formed = carved + (_best_strips(p, g, rest, batch) if len(rest) else [])
+    formed = [b[np.lexsort((b, g[b], p[b]))] for b in formed]
+    key = lambda b: (len(b) < batch, int(p[b].max()), int(g[b].max()), int(b[0]))  # noqa: E731
+    return sorted(formed, key=key)
 
 
 def _cost(block: np.ndarray, p: np.ndarray, g: np.ndarray) -> int:
@@ -70,6 +166,14 @@ def _ordered(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray) -> list[np.
 
 
 def _partition(p: np.ndarray, g: np.ndarray, items: np.ndarray, size: int) -> list[np.ndarray]:
+    if -(-len(items) // size) == 1:
+        return [items]
+    return _refine(_best_strips(p, g, items, size), p, g, size)
+
+
+def _best_strips(p: np.ndarray, g: np.ndarray, items: np.ndarray, size: int) -> list[np.ndarray]:
+    """The cheapest of the strip partitions (see the module's docstring): groups of ``size``, but
+    for the last one."""
     count = len(items)
     num_blocks = -(-count // size)
     if num_blocks == 1:
@@ -85,7 +189,7 @@ def _partition(p: np.ndarray, g: np.ndarray, items: np.ndarray, size: int) -> li
             cost = sum(_cost(b, p, g) for b in candidate)
             if best_cost is None or cost < best_cost:
                 best, best_cost = candidate, cost
-    return _refine(best, p, g, size)
+    return best
 
 
 def _strips(primary: np.ndarray, secondary: np.ndarray, tie: np.ndarray, size: int, num_blocks: int,
