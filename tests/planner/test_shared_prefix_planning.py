@@ -3,10 +3,13 @@ bytes in both phases, and the peak memory. Hand-computed on the tiny OPT of test
 bytes per token per layer, W = 472 bytes per layer), then on OPT-30B on the H200's profile."""
 
 import pytest
+import torch
 
 from flexoff.errors import ConfigError
+from flexoff.layout import job_bytes, pins_host_memory
 from flexoff.models import REGISTRY
 from flexoff.planner.cost_model import CostModel, Workload
+from flexoff.planner.default import job_needs
 from flexoff.planner.hardware import packaged_profile
 from flexoff.planner.search import search_policy
 from flexoff.policy import Policy, TierFractions
@@ -81,3 +84,14 @@ def test_a_shared_prefix_fits_a_larger_block_under_the_same_gpu_cap():
     assert shared.policy.block_size > alone.policy.block_size
     # the shared job's policy, planned for whole prompts, does not fit that cap
     assert not CostModel(cfg, _mmlu(0), hw).predict(shared.policy).fits
+
+
+def test_the_default_plans_check_counts_the_prefix_as_the_layout_does():
+    cfg, policy = REGISTRY["opt-125m"], Policy(8, 2)
+    needs = job_needs(cfg, policy, torch.float16, Workload(64, 8, shared_prefix=40))
+    assert needs == job_bytes(cfg, policy, torch.float16, 64, 8, pins_host_memory(True), prefix_len=40)
+    assert needs["gpu"] < job_needs(cfg, policy, torch.float16, Workload(64, 8))["gpu"]
+    # one row a batch: nothing shared
+    single = Policy(1, 2)
+    assert (job_needs(cfg, single, torch.float16, Workload(64, 8, shared_prefix=40))
+            == job_needs(cfg, single, torch.float16, Workload(64, 8)))
