@@ -75,3 +75,48 @@ def batch_groups(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = 
             groups.append(([order[i] for i in range(start, stop)], shared))
         stop = start
     return groups[::-1]
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """``common_prefix(a, b)`` by bisection over slices, which compare in C: a job's prompts are
+    many and long."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def prompt_shares(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
+                  minimum: int = MIN_SHARED_PREFIX) -> list[int]:
+    """Per prompt, the longest prefix it shares with any other prompt of the job, leaving it at
+    least ``keep[r]`` (default 1) of its own last ids as ``batch_prefix`` does; 0 below ``minimum``.
+    In the prompts' sorted order the longest prefix a prompt shares with any other is the one it
+    shares with a neighbour, so the job is sorted once and each neighbour pair compared once."""
+    ids = [p if isinstance(p, list) else list(p) for p in prompts]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    between = [_common_length(ids[a], ids[b]) for a, b in zip(order, order[1:])]
+    tails = keep if keep is not None else [1] * len(ids)
+    shares = [0] * len(ids)
+    for place, index in enumerate(order):
+        best = max(between[place - 1] if place > 0 else 0, between[place] if place < len(between) else 0)
+        best = min(best, len(ids[index]) - tails[index])
+        shares[index] = best if best >= minimum else 0
+    return shares
+
+
+def job_shared_prefix(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
+                      minimum: int = MIN_SHARED_PREFIX) -> int:
+    """The prefix a planner plans a job's GPU batches to share (``planner.Workload.shared_prefix``):
+    the mean over the job's prompts of ``prompt_shares`` (a prompt that shares nothing counts 0),
+    rounded down, and 0 where that is below ``minimum``. It is an average, conservative in that
+    every prompt is counted and none above what it shares with its closest prompt; it supposes
+    batches formed so that prompts sharing a prefix run together, and a batch that mixes prefixes
+    shares less. A job of one prompt, or whose prompts share nothing, plans with 0."""
+    if not prompts:
+        return 0
+    mean = sum(prompt_shares(prompts, keep, minimum)) // len(prompts)
+    return mean if mean >= minimum else 0

@@ -185,20 +185,23 @@ def synthetic_prompts(cfg: ModelConfig, count: int, length: int, seed: int = 0) 
 def prompt_workload(prompts, budgets, model: str, tokenizer: str | None):
     """The planner's workload for a job: its longest prompt in tokens (text tokenized as the model
     will tokenize it, a conversation as the chat template makes it; a Hub id's tokenizer files are
-    fetched, not its weights), its largest generation budget, and its number of prompts."""
+    fetched, not its weights), its largest generation budget, its number of prompts, and the prefix
+    its GPU batches' rows share, measured from the prompts' token ids
+    (``prefixes.job_shared_prefix``: 0 where they share nothing)."""
     from .planner.cost_model import Workload
+    from .prefixes import job_shared_prefix
     from .tokenizer import Tokenizer
 
     encoder = None
-    lengths = []
+    ids = []
     for prompt in prompts:
         if not isinstance(prompt, str) and not is_conversation(prompt):
-            lengths.append(len(prompt))
+            ids.append(prompt)
             continue
         if encoder is None:
             encoder = Tokenizer.for_model(model, tokenizer)
             if encoder is None:
                 raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; give token "
                                      "ids, --tokenizer DIR, or a checkpoint (directory or Hub id) with tokenizer files")
-        lengths.append(len(chat_prompt(encoder, prompt)[1] if is_conversation(prompt) else encoder.encode(prompt)))
-    return Workload(max(lengths), max(budgets), len(lengths))
+        ids.append(chat_prompt(encoder, prompt)[1] if is_conversation(prompt) else encoder.encode(prompt))
+    return Workload(max(map(len, ids)), max(budgets), len(ids), shared_prefix=job_shared_prefix(ids))

@@ -13,7 +13,7 @@ from ..planner.report import policy_summary
 from ..planner.search import pareto_frontier, search_policy
 from ..policy import CHOICES
 from ..units import parse_size
-from .args import COUNT, SIZE, SIZES, add_compress_arg, number
+from .args import COUNT, SIZE, SIZES, add_compress_arg, integer, number
 from .paths import check_outputs
 from .report import (describe_hardware, format_frontier, format_pipeline_plan, format_prediction, frontier_title,
                      plot_frontier, write_frontier_csv)
@@ -29,11 +29,7 @@ def register(subparsers) -> None:
     search.add_argument("--model", required=True,
                         help="registry name (e.g. opt-30b), checkpoint directory, or Hugging Face Hub id "
                              "(e.g. facebook/opt-30b; only its config.json is fetched)")
-    search.add_argument("--prompt-len", type=COUNT, default=512,
-                        help="prompt length in tokens, after padding (default 512)")
-    search.add_argument("--gen-len", type=COUNT, default=32, help="tokens generated per prompt (default 32)")
-    search.add_argument("--num-prompts", type=COUNT, default=None,
-                        help="prompts in the job; blocks larger than it waste work (default: an endless stream)")
+    _add_workload_args(search)
     search.add_argument("--hardware", default=None,
                         help=f"profile: {' or '.join(sorted(set(PACKAGED_PROFILES)))} (packaged), or a JSON file; "
                              f"default: this machine's profile from `flexoff profile` ({default_profile_path()})")
@@ -80,6 +76,19 @@ def register(subparsers) -> None:
     profile.set_defaults(handler=run_profile)
 
 
+def _add_workload_args(search) -> None:
+    """The job the search plans for."""
+    search.add_argument("--prompt-len", type=COUNT, default=512,
+                        help="prompt length in tokens, after padding (default 512)")
+    search.add_argument("--gen-len", type=COUNT, default=32, help="tokens generated per prompt (default 32)")
+    search.add_argument("--num-prompts", type=COUNT, default=None,
+                        help="prompts in the job; blocks larger than it waste work (default: an endless stream)")
+    search.add_argument("--shared-prefix", type=integer(0), default=0, metavar="N",
+                        help="tokens at the start of each prompt that the rows of its GPU batch share (few-shot "
+                             "examples, a system prompt), prefilled and stored once per GPU batch; below "
+                             "--prompt-len (default 0: none)")
+
+
 def run_search(args) -> int:
     # The flags' types (SIZE, SIZES) have already checked them.
     outputs = {"--output": args.output, "--pareto-csv": args.pareto_csv, "--pareto-plot": args.pareto_plot}
@@ -91,13 +100,14 @@ def run_search(args) -> int:
         return _search_pipeline(args)
     sizes = [parse_size(size) if size else None for size in (args.gpu_mem, args.cpu_mem, args.disk_mem)]
     config = resolve_model_config(args.model)
-    workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
+    workload = _workload(args)
     hardware = resolve_hardware(args.hardware).with_memory(*sizes)
     options = dict(compress=args.compress, cpu_attention=args.cpu_attention)
     started = time.perf_counter()
     result = search_policy(config, workload, hardware, max_latency=args.max_latency, **options)
     print(format_prediction(result.prediction, title=(
-        f"{config.name} on {describe_hardware(hardware)}: prompt {workload.prompt_len}, generate {workload.gen_len}"
+        f"{config.name} on {describe_hardware(hardware)}: prompt {workload.prompt_len}"
+        + (f" ({workload.shared_prefix} shared)" if workload.shared_prefix else "") + f", generate {workload.gen_len}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else "")
         + (f", block latency <= {args.max_latency:g} s" if args.max_latency else "")), stored=config.stored_compression))
     print(f"searched {result.candidates} candidates, solved {result.lps_solved} LPs "
@@ -124,6 +134,13 @@ def run_search(args) -> int:
     return 0
 
 
+def _workload(args) -> Workload:
+    if args.shared_prefix >= args.prompt_len:
+        raise ConfigError(f"--shared-prefix {args.shared_prefix} must be below --prompt-len {args.prompt_len}: "
+                          "every prompt keeps at least one token of its own")
+    return Workload(args.prompt_len, args.gen_len, args.num_prompts, shared_prefix=args.shared_prefix)
+
+
 def _search_pipeline(args) -> int:
     """Each stage's plan of a pipeline over GPUs of one host (``planner.pipeline``)."""
     from ..job import stage_sizes
@@ -137,7 +154,7 @@ def _search_pipeline(args) -> int:
             raise ConfigError(f"{flag} plans one device; a pipeline's stages each have a policy of their own: "
                               "run the job with --policy auto, which plans them as here")
     config = resolve_model_config(args.model)
-    workload = Workload(args.prompt_len, args.gen_len, args.num_prompts)
+    workload = _workload(args)
     profile = resolve_hardware(args.hardware)
     processes = stages * replicas
     caps = [parse_size(size) if size else None for size in (args.cpu_mem, args.disk_mem)]

@@ -152,75 +152,119 @@ DISK_SLOT_RING = HOST_JOBS_IN_FLIGHT + 1
 
 
 def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
-                   owned: range | None = None) -> dict[str, int]:
+                   owned: range | None = None, *, prefix_len: int = 0) -> dict[str, int]:
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
     compresses the cache) for the layers held here, disk rows' host staging (reads and writes), and
-    the GPU workspace the batches share."""
+    the GPU workspace the batches share. ``prefix_len``: the tokens each GPU batch's rows share
+    (``flexoff.prefixes``); its rows then hold ``slots - prefix_len`` slots of their own, and the
+    batch one more row of ``prefix_len`` slots (see _prefix_cache_bytes)."""
     sizes = dict.fromkeys(TIERS, 0)
     layers = len(owned_layers(cfg, owned))
     for piece in split_rows(policy.gpu_batch_size, policy.cache):
-        layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
+        layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots - prefix_len, piece.stop - piece.start,
+                                              policy.compress_cache, itemsize))
         sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
         if piece.tier == "disk":
             slot_bytes = 2 * sum(kv_buffer_parts(cfg, 1, piece.stop - piece.start, policy.compress_cache, itemsize))
             sizes["cpu"] += (DISK_HOST_PAIRS * layer_bytes + DISK_SLOT_RING * slot_bytes) * policy.num_gpu_batches
-    workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, slots, itemsize)
+    workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, slots - prefix_len, itemsize)
+    if workspace is not None:
+        sizes["gpu"] += workspace.nbytes(itemsize)
+    if prefix_len:
+        for tier, size in _prefix_cache_bytes(cfg, policy, prefix_len, itemsize, layers).items():
+            sizes[tier] += size
+    return sizes
+
+
+def _prefix_cache_bytes(cfg: ModelConfig, policy: Policy, prefix_len: int, itemsize: int, layers: int) -> dict[str, int]:
+    """A block's shared prefixes per tier: each GPU batch's one row of ``prefix_len`` slots, on the
+    tier one row of the cache is placed on (a disk row with its DISK_HOST_PAIRS staging pairs: it
+    is read in and written out like the batch's rows, but takes no new slots), and the prefix's own
+    GPU workspace, once per block like the batches'."""
+    sizes = dict.fromkeys(TIERS, 0)
+    (piece,) = split_rows(1, policy.cache)
+    layer_bytes = 2 * sum(kv_buffer_parts(cfg, prefix_len, 1, policy.compress_cache, itemsize))
+    sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
+    if piece.tier == "disk":
+        sizes["cpu"] += DISK_HOST_PAIRS * layer_bytes * policy.num_gpu_batches
+    workspace = workspace_layout(cfg, policy, 1, prefix_len, itemsize)
     if workspace is not None:
         sizes["gpu"] += workspace.nbytes(itemsize)
     return sizes
 
 
 def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
-                        owned: range | None = None) -> list[int]:
+                        owned: range | None = None, *, prefix_len: int = 0) -> list[int]:
     """Host allocations of one block in the order the engine makes them: batch by batch, its cache
     (each tier's rows for every layer, keys then values; for disk rows, DISK_HOST_PAIRS pairs and
-    DISK_SLOT_RING one-slot pairs), then its offloaded activations."""
+    DISK_SLOT_RING one-slot pairs; then its shared prefix's row, where ``prefix_len``), then its
+    offloaded activations (and its prefix's row of hidden states)."""
     cache: list[int] = []
     layers = len(owned_layers(cfg, owned))
-    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+    pieces = [(piece, slots - prefix_len, True) for piece in split_rows(policy.gpu_batch_size, policy.cache)]
+    if prefix_len:
+        pieces += [(piece, prefix_len, False) for piece in split_rows(1, policy.cache)]
+    for piece, length, takes_slots in pieces:
         if piece.tier == "gpu":
             continue
-        pair = kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
+        pair = kv_buffer_parts(cfg, length, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
         if piece.tier == "cpu":
             cache += pair * layers
         else:
             slot = kv_buffer_parts(cfg, 1, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
-            cache += pair * DISK_HOST_PAIRS + slot * DISK_SLOT_RING
-    activations = [(p.stop - p.start) * prompt_len * cfg.hidden_size * itemsize
-                   for p in split_rows(policy.gpu_batch_size, policy.activations) if p.tier != "gpu"]
+            cache += pair * DISK_HOST_PAIRS + (slot * DISK_SLOT_RING if takes_slots else [])
+    activations = [rows * tokens * cfg.hidden_size * itemsize
+                   for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len) if tier != "gpu"]
     return (cache + activations) * policy.num_gpu_batches
 
 
+def activation_rows(policy: Policy, prompt_len: int, prefix_len: int = 0) -> list[tuple[str, int, int]]:
+    """(tier, rows, tokens) of one GPU batch's hidden states at the prefill: its rows of
+    ``prompt_len`` tokens as the policy places them, and with a shared prefix one more row of
+    ``prefix_len`` tokens, placed as one row of them is."""
+    rows = [(p.tier, p.stop - p.start, prompt_len) for p in split_rows(policy.gpu_batch_size, policy.activations)]
+    if prefix_len:
+        rows += [(p.tier, 1, prefix_len) for p in split_rows(1, policy.activations)]
+    return rows
+
+
 def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
-                     owned: range | None = None) -> list[int]:
+                     owned: range | None = None, *, prefix_len: int = 0) -> list[int]:
     """Sizes of one block's offload files: per batch, two (keys, values) for each layer of its disk
-    rows, and one for its disk rows' hidden states."""
+    rows (and of its shared prefix's row, where on disk), and one for each of its disk rows' hidden
+    states."""
     files: list[int] = []
     layers = len(owned_layers(cfg, owned))
-    for piece in split_rows(policy.gpu_batch_size, policy.cache):
+    pieces = [(piece, slots - prefix_len) for piece in split_rows(policy.gpu_batch_size, policy.cache)]
+    if prefix_len:
+        pieces += [(piece, prefix_len) for piece in split_rows(1, policy.cache)]
+    for piece, length in pieces:
         if piece.tier == "disk":
-            size = sum(kv_buffer_parts(cfg, slots, piece.stop - piece.start, policy.compress_cache, itemsize))
+            size = sum(kv_buffer_parts(cfg, length, piece.stop - piece.start, policy.compress_cache, itemsize))
             files += [disk_file_bytes(size)] * (2 * layers)
-    for piece in split_rows(policy.gpu_batch_size, policy.activations):
-        if piece.tier == "disk":
-            files.append(disk_file_bytes((piece.stop - piece.start) * prompt_len * cfg.hidden_size * itemsize))
+    for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len):
+        if tier == "disk":
+            files.append(disk_file_bytes(rows * tokens * cfg.hidden_size * itemsize))
     return files * policy.num_gpu_batches
 
 
 def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
-                    owned: range | None = None) -> dict[str, int]:
+                    owned: range | None = None, *, prefix_len: int = 0) -> dict[str, int]:
     """One block's GPU memory by what holds it; ``block_bytes`` counts their sum on the GPU. A
     pipeline stage (``owned``) holds the caches of its layers; the rest is counted as for the whole
-    model."""
+    model. ``prefix_len``: the tokens each GPU batch's rows share (see kv_cache_bytes); the working
+    memory, step state and stores in flight stay those of whole prompts, a bound on the prefix's."""
     rows = policy.gpu_batch_size
-    activation_rows = sum(p.stop - p.start for p in split_rows(rows, policy.activations) if p.tier == "gpu")
+    activation_bytes = sum(rows_here * tokens for tier, rows_here, tokens in activation_rows(policy, prompt_len, prefix_len)
+                           if tier == "gpu") * cfg.hidden_size * itemsize
     # The host worker's queued prefill jobs (and the store stream's copies) each keep one batch's
     # new keys and values of the rows stored in host memory on the GPU until copied.
     off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
     per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
     return {
-        "kv cache and workspace": kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize, owned)["gpu"],
-        "activations": activation_rows * prompt_len * cfg.hidden_size * itemsize * policy.num_gpu_batches,
+        "kv cache and workspace": kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize, owned,
+                                                 prefix_len=prefix_len)["gpu"],
+        "activations": activation_bytes * policy.num_gpu_batches,
         # the largest step, one batch at a time
         "working memory": working_bytes(cfg, rows * prompt_len, rows, itemsize),
         "step state": policy.num_gpu_batches * step_state_bytes(cfg, rows, prompt_len, prompt_len, itemsize),
@@ -231,22 +275,24 @@ def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: 
 
 
 def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
-                pinned: bool = False, owned: range | None = None) -> dict[str, int]:
+                pinned: bool = False, owned: range | None = None, *, prefix_len: int = 0) -> dict[str, int]:
     """KV cache, activations and working memory of one full block, per tier. ``pinned``: host
     memory is pinned, so its figure is the slabs the block's allocations take. ``owned``: a
-    pipeline stage's range of stages (see block_gpu_parts)."""
-    sizes = kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize, owned)
-    hidden_per_row = prompt_len * cfg.hidden_size * itemsize
-    for piece in split_rows(policy.gpu_batch_size, policy.activations):
-        if piece.tier == "gpu":
+    pipeline stage's range of stages (see block_gpu_parts). ``prefix_len``: the tokens each GPU
+    batch's rows share, counted once per batch (see kv_cache_bytes and activation_rows)."""
+    slots = prompt_len + gen_len
+    sizes = kv_cache_bytes(cfg, policy, slots, itemsize, owned, prefix_len=prefix_len)
+    for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len):
+        if tier == "gpu":
             continue  # among the GPU parts
-        # disk rows are staged through host memory
-        sizes["cpu"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
-        if piece.tier == "disk":
-            sizes["disk"] += (piece.stop - piece.start) * hidden_per_row * policy.num_gpu_batches
+        hidden = rows * tokens * cfg.hidden_size * itemsize * policy.num_gpu_batches
+        sizes["cpu"] += hidden  # disk rows are staged through host memory
+        if tier == "disk":
+            sizes["disk"] += hidden
     if pinned:
-        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, prompt_len + gen_len, itemsize, owned))
-    parts = block_gpu_parts(cfg, policy, prompt_len, gen_len, itemsize, owned)
+        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, slots, itemsize, owned,
+                                                      prefix_len=prefix_len))
+    parts = block_gpu_parts(cfg, policy, prompt_len, gen_len, itemsize, owned, prefix_len=prefix_len)
     sizes["gpu"] = sum(parts.values())
     if parts["stores in flight"]:
         sizes["cpu"] += 2 * HOST_CHUNK  # the host worker's pinned chunks

@@ -17,6 +17,13 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
 - the page cache: disk data that fits in the host memory left free is read back at the cached
   rate, when the profile has one. The search plans with the cold rate, so that a policy it picks
   never relies on memory that other processes may take;
+- shared prompt prefixes (``Workload.shared_prefix``, P tokens): each GPU batch prefills, stores
+  and moves them once, as one row (``flexoff.prefixes``), so the prefill's tokens, its cache's and
+  activations' bytes and a decode step's cache bytes are each smaller by the P tokens of the other
+  rows (``shared_tokens``), and prefill attention by those rows' P queries. Decode attention is
+  bound by its scan of the cache, whose measured rate is a scan's, so a prefix scanned once per
+  batch counts once there too. Each such term is written as today's less the share, so that with no
+  prefix every figure is today's to the bit;
 - the host: the runtime spends a fixed time issuing each layer of each GPU batch (launches and
   bookkeeping, measured by the profiler). The device works while the host issues the next layer,
   so this is one more stream in the max; it bounds small batches. With CPU attention it adds to
@@ -79,6 +86,7 @@ class _Shares(NamedTuple):
     h_off: object  # the activations'
     dequantized: int  # passes over a stage's compressed weights
     host: float  # the host's seconds per layer issuing the block's GPU batches
+    shared: int  # token positions of a block its shared prefixes save (CostModel.shared_tokens)
 
 
 class CostModel(MemoryTerms):
@@ -163,6 +171,15 @@ class CostModel(MemoryTerms):
             seconds += 2 * self.routed_matmul_numel * tokens / rate
         return seconds
 
+    def shared_tokens(self, frame: PolicyFrame) -> int:
+        """Token positions of one block that its GPU batches' shared prefixes save: each batch holds
+        its prefix once instead of in every row, so gbs - 1 copies of it per batch."""
+        return frame.num_gpu_batches * (frame.gpu_batch_size - 1) * self.workload.batch_prefix(frame.gpu_batch_size)
+
+    def prefill_tokens(self, frame: PolicyFrame) -> int:
+        """Tokens one block's prefill computes: s per sequence, less what shared prefixes save."""
+        return self.workload.prompt_len * frame.block_size - self.shared_tokens(frame)
+
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
         """Stored KV bytes of one token in one layer."""
         return self.kv_numel * bytes_per_element(frame.compress_cache)
@@ -187,48 +204,59 @@ class CostModel(MemoryTerms):
         host = nb * (self.host_seconds_per_layer + hw.host_seconds_per_step / self.num_layers)
         q = _Shares(frame, p, disk_read_bandwidth or hw.disk_to_cpu_bandwidth, self.kv_bytes_per_token(frame),
                     FP16_BYTES * self.hidden, p.wc + p.wd, p.cc + p.cd, p.hc + p.hd,
-                    1 if dequantizes_once(frame) else nb, host)
+                    1 if dequantizes_once(frame) else nb, host, self.shared_tokens(frame))
         return {"prefill": (self._prefill_io(q), self._prefill_compute(q)), "decode": self._decode_terms(q)}
 
     def _activation_copies(self, q: _Shares, tokens: int):
-        """Seconds per layer of moving offloaded hidden states out and back. The runtime does it on
-        the compute stream, between one batch's layer and the next (disk rows through the host,
-        waiting), so it adds to the compute instead of overlapping it."""
-        hw, size = self.hardware, q.act * tokens * q.frame.block_size
+        """Seconds per layer of moving offloaded hidden states out and back, ``tokens`` of them in a
+        block. The runtime does it on the compute stream, between one batch's layer and the next
+        (disk rows through the host, waiting), so it adds to the compute instead of overlapping it."""
+        hw, size = self.hardware, q.act * tokens
         return (q.h_off * size * (1 / hw.gpu_to_cpu_bandwidth + 1 / hw.cpu_to_gpu_bandwidth)
                 + q.p.hd * size * (1 / hw.cpu_to_disk_bandwidth + 1 / q.disk_read))
 
     def _prefill_io(self, q: _Shares) -> dict:
         hw, p, act, kv = self.hardware, q.p, q.act, q.kv
         s, bls = self.workload.prompt_len, q.frame.block_size
-        # Weight bytes loaded per layer: a prefill pass sees the block's s x bls tokens.
-        weights = self.moved_weight_bytes(q.frame, s * bls)
+
+        def prompts(share):
+            # ``share`` per token of the block's s x bls, less the tokens shared prefixes save
+            return share * s * bls - share * q.shared
+
+        # Weight bytes loaded per layer: a prefill pass sees the tokens the block computes.
+        weights = self.moved_weight_bytes(q.frame, self.prefill_tokens(q.frame))
         return {
-            "cpu_to_gpu": (q.w_off * weights + q.h_off * act * s * bls) / hw.cpu_to_gpu_bandwidth,
-            "gpu_to_cpu": q.c_off * kv * s * bls / hw.gtoc_cache_bandwidth
-            + q.h_off * act * s * bls / hw.gpu_to_cpu_bandwidth,
-            "disk_to_cpu": (p.wd * weights + p.hd * act * s * bls) / q.disk_read,
-            "cpu_to_disk": p.cd * kv * s * bls / hw.ctod_cache_bandwidth
-            + p.hd * act * s * bls / hw.cpu_to_disk_bandwidth,
+            "cpu_to_gpu": (q.w_off * weights + prompts(q.h_off * act)) / hw.cpu_to_gpu_bandwidth,
+            "gpu_to_cpu": prompts(q.c_off * kv) / hw.gtoc_cache_bandwidth
+            + prompts(q.h_off * act) / hw.gpu_to_cpu_bandwidth,
+            "disk_to_cpu": (p.wd * weights + prompts(p.hd * act)) / q.disk_read,
+            "cpu_to_disk": prompts(p.cd * kv) / hw.ctod_cache_bandwidth
+            + prompts(p.hd * act) / hw.cpu_to_disk_bandwidth,
             "host": q.host,
         }
 
     def _prefill_compute(self, q: _Shares) -> dict:
         """Prefill attention always runs on the GPU: the cache is produced there."""
         hw, frame = self.hardware, q.frame
-        s, gbs, bls = self.workload.prompt_len, frame.gpu_batch_size, frame.block_size
+        s, gbs, bls, nb = self.workload.prompt_len, frame.gpu_batch_size, frame.block_size, frame.num_gpu_batches
+        prefix = self.workload.batch_prefix(gbs)
+        tokens = self.prefill_tokens(frame)
+        # Every query attends over s keys (A.3); a batch's shared prefix is one row's P queries
+        # over its P keys instead of every row's P queries.
+        queries_saved = nb * prefix * (gbs * s - prefix)
         return {
-            "gpu_matmul": self.matmul_seconds(s * bls, bls, gbs * s),
-            "gpu_attention": 4 * s * s * self.query_width * bls / hw.prefill_attention_flops,
+            "gpu_matmul": self.matmul_seconds(tokens, bls, gbs * s - (gbs - 1) * prefix),
+            "gpu_attention": (4 * s * s * self.query_width * bls - 4 * self.query_width * queries_saved)
+            / hw.prefill_attention_flops,
             # Norms, residual adds and activations stream every prompt token through GPU memory
             # (about 4% of an OPT-30B prefill layer on an H200); a decode step's are launches.
-            "gpu_elementwise": s * bls * self.elementwise_bytes / hw.gpu_memory_bandwidth,
+            "gpu_elementwise": tokens * self.elementwise_bytes / hw.gpu_memory_bandwidth,
             # Weights are dequantized once or for every GPU batch; the new cache is quantized once.
             "dequantize": (q.dequantized * self.matrix_numel / hw.gpu_dequant_throughput
                            if frame.compress_weight is not None else 0.0)
-            + (bls * s * self.kv_numel / hw.kv_quant_throughput if frame.compress_cache is not None else 0.0),
+            + (tokens * self.kv_numel / hw.kv_quant_throughput if frame.compress_cache is not None else 0.0),
             "cpu_attention": 0.0,
-            "activation_copies": self._activation_copies(q, s),
+            "activation_copies": self._activation_copies(q, tokens),
         }
 
     def _decode_terms(self, q: _Shares) -> tuple[dict, dict]:
@@ -238,11 +266,12 @@ class CostModel(MemoryTerms):
         weights = self.moved_weight_bytes(frame, bls)  # a decode step sees the block's bls tokens
         shipped = 0.0 if cpu_att else c_off  # off-GPU cache that travels to be attended on the GPU
         gpu_att = p.cg + shipped  # share of decode attention on the GPU
-        disk_cache_read = p.cd * kv * s_avg * bls  # bytes of the cache's disk rows a decode layer reads
+        # bytes of the cache's disk rows a decode layer reads, each batch's prefix once
+        disk_cache_read = p.cd * kv * s_avg * bls - p.cd * kv * q.shared
         host = self._decode_host(q, shipped, gpu_att, disk_cache_read)
         io = {
             "cpu_to_gpu": (q.w_off * weights + q.h_off * act * bls
-                           + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls))
+                           + (c_off * act * bls if cpu_att else c_off * kv * s_avg * bls - c_off * kv * q.shared))
             / hw.cpu_to_gpu_bandwidth,
             # New keys and values go to the cache's home; with CPU attention the query goes too.
             "gpu_to_cpu": c_off * kv * bls / hw.gtoc_cache_bandwidth
@@ -279,21 +308,25 @@ class CostModel(MemoryTerms):
         cpu_attention_seconds = attention_flops / hw.cpu_attention_flops
         if cc:
             cpu_attention_seconds += s_avg * self.kv_numel / hw.cpu_dequant_throughput
+        # Both attentions are bound by their scan of the cache, whose measured rate is a scan's:
+        # a batch's prefix is scanned (and dequantized) once for all its rows.
+        scanned = q.shared / s_avg  # sequences' worth of cache a block does not scan
         # Each GPU batch attends in calls of up to CPU_ATTENTION_ROWS sequences, each with a fixed cost.
         cpu_attention_calls = (frame.num_gpu_batches * math.ceil(gbs / CPU_ATTENTION_ROWS)
                                * hw.cpu_attention_seconds_per_call)
         cpu_share = q.c_off if frame.cpu_attention else 0.0
         compute = {
             "gpu_matmul": self.matmul_seconds(bls, bls, gbs),
-            "gpu_attention": gpu_att * bls * gpu_attention_seconds,
+            "gpu_attention": gpu_att * bls * gpu_attention_seconds - gpu_att * scanned * gpu_attention_seconds,
             "dequantize": ((q.dequantized * self.matrix_numel / hw.gpu_dequant_throughput)
                            if frame.compress_weight is not None else 0.0)
-            + ((gpu_att * bls * s_avg * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0),
+            + (((gpu_att * bls * s_avg - gpu_att * q.shared) * self.kv_numel / hw.kv_dequant_throughput) if cc else 0.0),
             # The host joins CPU attention's time instead of running beside it: it finishes each
             # batch's layer only once that batch's attention is back, and the worker thread waits for
             # the interpreter while the host issues work.
-            "cpu_attention": cpu_share * (bls * cpu_attention_seconds + cpu_attention_calls + host),
-            "activation_copies": self._activation_copies(q, 1),
+            "cpu_attention": cpu_share * (bls * cpu_attention_seconds - scanned * cpu_attention_seconds
+                                          + cpu_attention_calls + host),
+            "activation_copies": self._activation_copies(q, bls),
         }
         if frame.cpu_attention:
             # While the weights stream, CPU attention runs at a share f of its speed: it finishes

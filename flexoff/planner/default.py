@@ -33,9 +33,11 @@ def job_what(config: ModelConfig, policy: Policy, workload: Workload) -> str:
 
 
 def job_needs(config: ModelConfig, policy: Policy, dtype: torch.dtype, workload: Workload) -> dict[str, int]:
-    """Bytes per tier the job takes under ``policy`` (weights and one full block)."""
+    """Bytes per tier the job takes under ``policy`` (weights and one full block, each GPU batch's
+    shared prefix once)."""
     return job_bytes(config, policy, dtype, workload.prompt_len, workload.gen_len,
-                     pins_host_memory(policy.pin_cpu_memory))
+                     pins_host_memory(policy.pin_cpu_memory),
+                     prefix_len=workload.batch_prefix(policy.gpu_batch_size))
 
 
 def check_job(config: ModelConfig, policy: Policy, dtype: torch.dtype, workload: Workload,

@@ -16,12 +16,15 @@ from ..policy import TIERS, CompressionConfig, Policy, TierFractions
 class Workload:
     """A batch job: every prompt padded to ``prompt_len``, each generating ``gen_len`` tokens.
 
-    ``num_prompts`` None means an endless stream: no block is ever partly empty.
+    ``num_prompts`` None means an endless stream: no block is ever partly empty. ``shared_prefix``:
+    the tokens at the start of each prompt that the rows of its GPU batch share
+    (``flexoff.prefixes``), prefilled, stored and moved once per GPU batch; 0 shares nothing.
     """
 
     prompt_len: int
     gen_len: int
     num_prompts: int | None = None
+    shared_prefix: int = 0
 
     def __post_init__(self):
         for name in ("prompt_len", "gen_len"):
@@ -30,6 +33,15 @@ class Workload:
                 raise ConfigError(f"{name.replace('_', ' ')} must be an integer >= 1, got {value!r}")
         if self.num_prompts is not None and (not isinstance(self.num_prompts, int) or self.num_prompts < 1):
             raise ConfigError(f"number of prompts must be an integer >= 1, got {self.num_prompts!r}")
+        shared = self.shared_prefix
+        if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < self.prompt_len:
+            raise ConfigError(f"shared prefix must be an integer from 0 to prompt length - 1 ({self.prompt_len - 1}), "
+                              f"got {shared!r}")
+
+    def batch_prefix(self, gpu_batch_size: int) -> int:
+        """The prefix a GPU batch of ``gpu_batch_size`` rows shares: none with one row, as
+        ``flexoff.prefixes.batch_prefix`` says."""
+        return self.shared_prefix if gpu_batch_size > 1 else 0
 
 
 class Placement(NamedTuple):

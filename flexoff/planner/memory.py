@@ -13,6 +13,11 @@ two batches' buffers on the GPU, disk rows are staged in host memory as two of o
 more than the host worker's queue, CPU attention has an fp32 host workspace the layout does not
 list, and a split weight tensor is priced as the GPU share times two of the largest matrices. The reference policies in
 ``policies/`` were searched and calibrated with these figures; the layout's change them.
+
+A shared prefix (``Workload.shared_prefix``) is held once per GPU batch, as the layout holds it:
+its cache, workspace and waiting stores are smaller by the other rows' copies of it, and its
+prefill adds one activation row of the prefix per batch. Each term is today's less (or plus) the
+prefix's share, so that with no prefix every figure is today's to the bit.
 """
 
 from __future__ import annotations
@@ -82,16 +87,27 @@ class MemoryTerms:
                                                    FP16_BYTES), slab_bytes))
 
 
+    def batch_shared_tokens(self, frame: PolicyFrame) -> int:
+        """Token positions of one GPU batch that its shared prefix saves: the gbs - 1 copies of it
+        it does not hold."""
+        return (frame.gpu_batch_size - 1) * self.workload.batch_prefix(frame.gpu_batch_size)
+
+    def prefix_rows_tokens(self, frame: PolicyFrame) -> int:
+        """Tokens of the prefix rows a block's prefill adds to its activations: one per GPU batch."""
+        return frame.num_gpu_batches * self.workload.batch_prefix(frame.gpu_batch_size)
+
     def memory_terms(self, frame: PolicyFrame, p: Placement) -> dict:
         """{(tier, phase): peak bytes}, affine in ``p``."""
         s, n, layers = self.workload.prompt_len, self.workload.gen_len, self.num_layers
         act = FP16_BYTES * self.hidden
         s_max = s + n  # the cache is sized for the whole sequence (A.3)
         weights_total = self.weight_bytes_per_layer(frame) * layers
-        kv_total = self.kv_bytes_per_token(frame) * s_max * frame.block_size * layers
+        kv = self.kv_bytes_per_token(frame)
+        kv_total = kv * s_max * frame.block_size * layers - kv * self.shared_tokens(frame) * layers
         gpu_prefill, gpu_decode = self._gpu_memory(frame, p, weights_total, kv_total)
         cpu_prefill, cpu_decode = self._cpu_memory(frame, p, weights_total, kv_total)
-        disk = p.wd * weights_total + p.hd * act * s * frame.block_size + p.cd * kv_total
+        disk = (p.wd * weights_total + p.hd * act * s * frame.block_size + p.cd * kv_total
+                + p.hd * act * self.prefix_rows_tokens(frame))
         return {
             ("gpu", "prefill"): gpu_prefill, ("gpu", "decode"): gpu_decode,
             ("cpu", "prefill"): cpu_prefill, ("cpu", "decode"): cpu_decode,
@@ -104,9 +120,13 @@ class MemoryTerms:
         s_max, gbs = self.workload.prompt_len + self.workload.gen_len, frame.gpu_batch_size
         c_off = p.cc + p.cd
         gpu_att = p.cg + (0.0 if frame.cpu_attention else c_off)
-        travelling = 0.0 if frame.cpu_attention else 2 * c_off * self.kv_bytes_per_token(frame) * s_max * gbs
+        # The batches' rows and their prefix's own workspace hold a prefix once.
+        shared = self.batch_shared_tokens(frame)
+        kv = self.kv_bytes_per_token(frame)
+        travelling = 0.0 if frame.cpu_attention else 2 * c_off * kv * s_max * gbs - 2 * c_off * kv * shared
         kv16 = self.kv_numel * FP16_BYTES
-        return travelling + (gpu_att * kv16 * s_max * gbs if frame.compress_cache is not None else 0.0)
+        return travelling + (gpu_att * kv16 * s_max * gbs - gpu_att * kv16 * shared
+                             if frame.compress_cache is not None else 0.0)
 
     def _gpu_memory(self, frame: PolicyFrame, p: Placement, weights_total, kv_total) -> tuple:
         """The GPU's peak bytes at the prefill and at a decode step."""
@@ -121,12 +141,14 @@ class MemoryTerms:
         # figure leaves it out, as its policies were searched and calibrated with (the MLP's
         # three buffers cover it), a MoE model's counts it.
         prefill_workspace = workspace if c.num_experts else 0.0
+        waiting = (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16
         prefill = (p.wg * weights_total + p.hg * act * s * bls + p.cg * kv_total
                    + buffers
                    + 2 * (1 - p.hg) * act * s * gbs
                    # new cache waiting to be stored, in the compute dtype whatever the stored
                    # format: this batch's, and the host worker's queue
-                   + (1 + HOST_JOBS_IN_FLIGHT) * (1 - p.cg) * kv16 * s * gbs
+                   + (waiting * s * gbs - waiting * self.batch_shared_tokens(frame))
+                   + p.hg * act * self.prefix_rows_tokens(frame)
                    + prefill_workspace
                    + nb * step_state_bytes(c, gbs, s, s, FP16_BYTES)
                    + self._intermediates(gbs * s, s, gbs))
@@ -165,13 +187,17 @@ class MemoryTerms:
         s_max, gbs, bls = s + self.workload.gen_len, frame.gpu_batch_size, frame.block_size
         W, kv, act = self.weight_bytes_per_layer(frame), self.kv_bytes_per_token(frame), FP16_BYTES * self.hidden
         weight_factor, cache_factor = self.pinned_host_factors(frame)
+        shared = self.batch_shared_tokens(frame)  # a batch's cache staged holds its prefix once
         home = p.wc * weights_total * weight_factor + p.cc * kv_total * cache_factor
         prefill = (home + p.hc * act * s * bls + 2 * p.wd * W
-                   + 2 * p.hd * act * s * gbs + 2 * p.cd * kv * s * gbs)
+                   + 2 * p.hd * act * s * gbs + (2 * p.cd * kv * s * gbs - 2 * p.cd * kv * shared)
+                   + p.hc * act * self.prefix_rows_tokens(frame)
+                   + 2 * p.hd * act * self.workload.batch_prefix(gbs))
         workspace = 0.0
         if frame.cpu_attention:
             # fp32 copy of one batch's keys and values, and its scores
-            workspace = (p.cc + p.cd) * gbs * s_max * (self.kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES)
+            c_off = p.cc + p.cd
+            workspace = (c_off * gbs * s_max - c_off * shared) * (self.kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES)
         decode = (home + p.hc * act * bls + 2 * p.wd * W
-                  + 2 * p.hd * act * gbs + 2 * p.cd * kv * s_max * gbs + workspace)
+                  + 2 * p.hd * act * gbs + (2 * p.cd * kv * s_max * gbs - 2 * p.cd * kv * shared) + workspace)
         return prefill, decode
