@@ -44,7 +44,8 @@ def cmd_run(args) -> int:
         if lines is None:
             return Workload(args.prompt_len, args.gen_len, args.num_prompts)
         return prompt_workload([line.prompt if line.messages is None else line.messages for line in lines],
-                               [line.max_new_tokens or args.gen_len for line in lines], job.model, job.tokenizer)
+                               [line.max_new_tokens or args.gen_len for line in lines], job.model, job.tokenizer,
+                               job.prefix_sharing)
 
     llm = make_llm(job_deployment(job), job, workload, args)
     blocks: dict[int, Block] = {}  # each output's block, for its record

@@ -195,7 +195,7 @@ class BatchJob:
                 line.prompt if line.messages is None else line.messages]
             prompts.extend(parts)
             budgets.extend([line.max_new_tokens or self.defaults.max_new_tokens] * len(parts))
-        return prompt_workload(prompts, budgets, self.job.model, self.job.tokenizer)
+        return prompt_workload(prompts, budgets, self.job.model, self.job.tokenizer, self.job.prefix_sharing)
 
     def run(self, llm, progress: Progress | None = None):
         """Generate every prompt not yet in the output; the run's Metrics, or None if none was left."""

@@ -119,9 +119,10 @@ def attention_mask(valid: torch.Tensor, start: int, num_queries: int) -> torch.T
     return mask[:, None]
 
 
-# Queries per call of ``attention_lse``: its fp32 scores (queries x keys per head) are made whole,
-# so long prefills over a long prefix go a slice of queries at a time.
-LSE_SCORE_ENTRIES = 1 << 24
+# Entries of the fp32 pieces ``attention_lse`` makes at once (keys of some rows, scores of some of
+# their queries): its scores are made whole, so a long prefill over a long prefix goes a slice of
+# rows and queries at a time, within a few tens of MB beside the layout's working memory.
+LSE_CHUNK_ENTRIES = 1 << 22
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -129,42 +130,47 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Softmax attention that also gives each query's log-sum-exp of its scores, so that attention
     over two sets of keys (a shared prefix, a row's own tokens) merges exactly
     (:func:`merge_attention`). Shapes as :func:`attention`; ``mask`` None lets every query see
-    every key. Returns (out in q's dtype, lse as fp32 (batch, heads, seq, 1)). The scores are fp32."""
+    every key, and a mask of one query row applies to all. Returns (out in q's dtype, lse as fp32
+    (batch, heads, seq, 1)). Scores and sums are fp32."""
     batch, heads, seq, head_dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     folded = q.reshape(batch, kv_heads, groups * seq, head_dim)
-    if mask is not None and groups > 1 and mask.shape[2] > 1:  # a mask of one query row broadcasts
+    if mask is not None and groups > 1 and mask.shape[2] > 1:
         mask = mask.repeat(1, 1, groups, 1)
-    keys_t, values = k.float().transpose(-1, -2), v.float()
-    out = torch.empty(folded.shape, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(folded)
     lse = torch.empty((batch, kv_heads, groups * seq, 1), dtype=torch.float32, device=q.device)
-    step = max(1, LSE_SCORE_ENTRIES // max(1, batch * heads * keys))
-    for start in range(0, groups * seq, step):
-        rows = slice(start, min(start + step, groups * seq))
-        scores = torch.matmul(folded[:, :, rows].float(), keys_t).mul_(head_dim ** -0.5)
-        if mask is not None:
-            part = mask[:, :, rows] if mask.shape[2] > 1 else mask
-            if part.dtype == torch.bool:
-                scores.masked_fill_(~part, float("-inf"))
-            else:
-                scores.add_(part)
-        part_lse = lse[:, :, rows] = torch.logsumexp(scores, dim=-1, keepdim=True)
-        # A query that sees no key here has lse -inf: its weights come out 0, not NaN.
-        shift = torch.where(torch.isfinite(part_lse), part_lse, 0.0)
-        out[:, :, rows] = torch.matmul(scores.sub_(shift).exp_(), values)
-    return out.reshape(batch, heads, seq, head_dim).to(q.dtype), lse.reshape(batch, heads, seq, 1)
+    row_step = max(1, LSE_CHUNK_ENTRIES // max(1, kv_heads * keys * head_dim))
+    for first in range(0, batch, row_step):
+        rows = slice(first, min(first + row_step, batch))
+        keys_t, values = k[rows].float().transpose(-1, -2), v[rows].float()
+        part_mask = None if mask is None else mask[rows] if mask.shape[0] > 1 else mask
+        step = max(1, LSE_CHUNK_ENTRIES // max(1, (rows.stop - rows.start) * kv_heads * keys))
+        for start in range(0, groups * seq, step):
+            queries = slice(start, min(start + step, groups * seq))
+            scores = torch.matmul(folded[rows, :, queries].float(), keys_t).mul_(head_dim ** -0.5)
+            if part_mask is not None:
+                part = part_mask[:, :, queries] if part_mask.shape[2] > 1 else part_mask
+                if part.dtype == torch.bool:
+                    scores.masked_fill_(~part, float("-inf"))
+                else:
+                    scores.add_(part)
+            part_lse = lse[rows, :, queries] = torch.logsumexp(scores, dim=-1, keepdim=True)
+            # A query that sees no key here has lse -inf: its weights come out 0, not NaN.
+            shift = torch.where(torch.isfinite(part_lse), part_lse, 0.0)
+            out[rows, :, queries] = torch.matmul(scores.sub_(shift).exp_(), values)
+    return out.reshape(batch, heads, seq, head_dim), lse.reshape(batch, heads, seq, 1)
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> torch.Tensor:
     """Attention over the union of two sets of keys, from each set's output and log-sum-exp: each
-    output weighted by its share of the softmax's normaliser. Every query has a finite lse in
-    ``lse_b`` (a prefix every row may see), so the weights never divide by zero."""
+    output weighted by its share of the softmax's normaliser, in place in ``out_a`` (the weights,
+    one per query, are fp32). A query sees at least one key in one of the sets."""
     top = torch.maximum(lse_a, lse_b)
     weight_a, weight_b = (lse_a - top).exp_(), (lse_b - top).exp_()
-    merged = out_a.float() * weight_a + out_b.float() * weight_b
-    return merged.div_(weight_a + weight_b).to(out_a.dtype)
+    total = weight_a + weight_b
+    return out_a.mul_((weight_a / total).to(out_a.dtype)).add_(out_b * (weight_b / total).to(out_b.dtype))
 
 
 def fold_rows(q: torch.Tensor) -> torch.Tensor:

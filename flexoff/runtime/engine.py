@@ -59,6 +59,14 @@ def logprob_chunks(rows: int, positions: int, per_chunk: int):
             yield slice(row, row + 1), slice(start, min(start + per_chunk, positions))
 
 
+def _prefix_of(seqs: list[Sequence], spans: list[tuple[int, int, int]]):
+    """(sequence, its shared prefix's length) for a batch's rows."""
+    lengths = [0] * len(seqs)
+    for start, stop, length in spans:
+        lengths[start:stop] = [length] * (stop - start)
+    return zip(seqs, lengths)
+
+
 class Engine:
     def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
                  seed: int = 0, offload_dir: str | None = None, capacity: Capacity | None = None,
@@ -136,15 +144,20 @@ class Engine:
         size = policy.gpu_batch_size
         prompt_len = max(len(s.prompt_ids) for s in seqs)
         what = f"a block of {len(seqs)} sequences of up to {prompt_len}+{extra_slots} tokens"
-        check_fits(job_bytes(self.cfg, policy, self.dtype, prompt_len, extra_slots, self.pins_host, self.owned, blocks),
-                   self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
         groups = [seqs[start:start + size] for start in range(0, len(seqs), size)]
         # Sharing is one batch's business; a pipeline's stages pass one hidden state a batch.
         shares = self.share_prefixes and self.link is None
         arranged = [arrange(group) if shares else (group, []) for group in groups]
         longest = max((length for _, spans in arranged for _, _, length in spans), default=0)
         most = max((len(spans) for _, spans in arranged), default=0)
-        workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), prompt_len + extra_slots,
+        # The layout counts one prefix row a batch: the longest, beside the longest rows of their own;
+        # where a batch holds several prefixes, every row is counted whole, as unshared.
+        own_len = max(len(q.prompt_ids) - n for group, spans in arranged for q, n in _prefix_of(group, spans))
+        counted = longest if longest and most == 1 else 0
+        check_fits(job_bytes(self.cfg, policy, self.dtype, own_len + counted if counted else prompt_len, extra_slots,
+                             self.pins_host, self.owned, blocks, prefix_len=counted),
+                   self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
+        workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), own_len + extra_slots,
                                           self.device, self.dtype, self.streams)
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
         layers = None if self.owned is None else tuple(owned_layers(self.cfg, self.owned))

@@ -56,9 +56,8 @@ def few_shot(seed: int = 0, subjects: int = 3, questions: int = 3) -> list[list[
 def open_llm(path, name: str, device: str, offload_dir, share: bool) -> LLM:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    llm = LLM(str(path), policy=POLICIES[name], device=device, dtype="float32", offload_dir=str(offload_dir))
-    llm.engine.share_prefixes = share
-    return llm
+    return LLM(str(path), policy=POLICIES[name], device=device, dtype="float32", offload_dir=str(offload_dir),
+               prefix_sharing=share)
 
 
 def both(path, name, device, offload_dir, prompts, params):
