@@ -11,8 +11,9 @@ Shapes (token-id prompts drawn from a seeded generator, so nothing is tokenized 
   time is the scoring's alone).
 
 Each batch shape runs ``flexoff batch`` twice, sharing on then ``--no-prefix-sharing``, with the
-same flags (default ``--policy auto --gpu-mem 16GiB --compress auto``), and reports each arm's
-whole-job wall time, prompts per second, the summary's lines and their ratio.
+same flags (default ``--policy auto --gpu-mem 16GiB --compress auto``: each arm plans for its own
+job, the shared one for the prefixes it shares; ``--policy-flags`` runs both at one policy), and
+reports each arm's whole-job wall time, prompts per second, the summary's lines and their ratio.
 
     python bench/shared_prefix.py --model opt-30b --shapes mmlu chat choices --out DIR
 """
@@ -61,8 +62,9 @@ def run_batch(args, shape: str, share: bool, out: Path) -> dict:
     job = out / f"{shape}.jsonl"
     result = out / f"{shape}.{'shared' if share else 'alone'}.out.jsonl"
     result.unlink(missing_ok=True)
+    policy = args.policy_flags.split() if args.policy_flags else ["--policy", "auto", "--compress", args.compress]
     command = [sys.executable, "-m", "flexoff", "batch", "--model", args.model, "--dummy", "--input", str(job),
-               "--output", str(result), "--policy", "auto", "--gpu-mem", args.gpu_mem, "--compress", args.compress,
+               "--output", str(result), *policy, "--gpu-mem", args.gpu_mem,
                "--ignore-eos", "--quiet", "--offload-dir", args.offload_dir]
     if args.hardware:
         command += ["--hardware", args.hardware]
@@ -110,6 +112,8 @@ def main(argv=None) -> None:
     parser.add_argument("--gpu-mem", default="16GiB")
     parser.add_argument("--compress", default="auto")
     parser.add_argument("--hardware", default=None)
+    parser.add_argument("--policy-flags", help="one policy for both arms instead of --policy auto, as flexoff "
+                        "batch's flags, e.g. '--gpu-batch-size 20 --num-gpu-batches 7 --percent 50 50 0 100 100 0'")
     parser.add_argument("--offload-dir", default="/tmp")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)

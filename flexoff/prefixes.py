@@ -49,7 +49,8 @@ def batch_groups(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = 
     each of two rows or more and a prefix of at least ``minimum`` ids that leaves every row its
     ``keep`` last ids (default 1). Rows in no group share nothing. The rows are cut, in the order of
     their ids, into the runs that save the most prefill tokens (a run of m rows sharing P saves
-    (m - 1) * P), so that two subjects with a short preamble in common stay two groups."""
+    (m - 1) * P), so that two subjects with a short preamble in common stay two groups; none where
+    the batch, padded, would compute no fewer positions for it."""
     count = len(prompts)
     tails = keep if keep is not None else [1] * count
     order = sorted(range(count), key=lambda r: list(prompts[r]))
@@ -74,7 +75,21 @@ def batch_groups(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = 
         if shared:
             groups.append(([order[i] for i in range(start, stop)], shared))
         stop = start
-    return groups[::-1]
+    return groups[::-1] if _pays(prompts, groups) else []
+
+
+def _pays(prompts: Sequence[Sequence[int]], groups: list[tuple[list[int], int]]) -> bool:
+    """Whether the batch computes fewer prompt positions sharing: its rows are padded to the
+    longest own part, and each prefix row to the longest prefix."""
+    if not groups:
+        return False
+    shared = [0] * len(prompts)
+    for rows, length in groups:
+        for r in rows:
+            shared[r] = length
+    own = max(len(p) - n for p, n in zip(prompts, shared))
+    longest = max(length for _, length in groups)
+    return len(groups) * longest + len(prompts) * own < len(prompts) * max(map(len, prompts))
 
 
 def _common_length(a: Sequence[int], b: Sequence[int]) -> int:

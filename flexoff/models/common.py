@@ -119,10 +119,10 @@ def attention_mask(valid: torch.Tensor, start: int, num_queries: int) -> torch.T
     return mask[:, None]
 
 
-# Entries of the fp32 pieces ``attention_lse`` makes at once (keys of some rows, scores of some of
-# their queries): its scores are made whole, so a long prefill over a long prefix goes a slice of
-# rows and queries at a time, within a few tens of MB beside the layout's working memory.
-LSE_CHUNK_ENTRIES = 1 << 22
+# Scores ``attention_lse`` makes at once (all rows, a slice of the queries): a long prefill over a
+# long prefix goes a slice of queries at a time, within about 100 MB beside the layout's working
+# memory (the scores in the inputs' dtype, in fp32, and as weights).
+LSE_SCORE_ENTRIES = 1 << 23
 
 
 def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -131,34 +131,31 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     over two sets of keys (a shared prefix, a row's own tokens) merges exactly
     (:func:`merge_attention`). Shapes as :func:`attention`; ``mask`` None lets every query see
     every key, and a mask of one query row applies to all. Returns (out in q's dtype, lse as fp32
-    (batch, heads, seq, 1)). Scores and sums are fp32."""
+    (batch, heads, seq, 1)). The products run in the inputs' dtype, as the math kernel of
+    ``scaled_dot_product_attention`` runs them; the softmax and its sums in fp32."""
     batch, heads, seq, head_dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     folded = q.reshape(batch, kv_heads, groups * seq, head_dim)
     if mask is not None and groups > 1 and mask.shape[2] > 1:
         mask = mask.repeat(1, 1, groups, 1)
+    keys_t = k.transpose(-1, -2)
     out = torch.empty_like(folded)
     lse = torch.empty((batch, kv_heads, groups * seq, 1), dtype=torch.float32, device=q.device)
-    row_step = max(1, LSE_CHUNK_ENTRIES // max(1, kv_heads * keys * head_dim))
-    for first in range(0, batch, row_step):
-        rows = slice(first, min(first + row_step, batch))
-        keys_t, values = k[rows].float().transpose(-1, -2), v[rows].float()
-        part_mask = None if mask is None else mask[rows] if mask.shape[0] > 1 else mask
-        step = max(1, LSE_CHUNK_ENTRIES // max(1, (rows.stop - rows.start) * kv_heads * keys))
-        for start in range(0, groups * seq, step):
-            queries = slice(start, min(start + step, groups * seq))
-            scores = torch.matmul(folded[rows, :, queries].float(), keys_t).mul_(head_dim ** -0.5)
-            if part_mask is not None:
-                part = part_mask[:, :, queries] if part_mask.shape[2] > 1 else part_mask
-                if part.dtype == torch.bool:
-                    scores.masked_fill_(~part, float("-inf"))
-                else:
-                    scores.add_(part)
-            part_lse = lse[rows, :, queries] = torch.logsumexp(scores, dim=-1, keepdim=True)
-            # A query that sees no key here has lse -inf: its weights come out 0, not NaN.
-            shift = torch.where(torch.isfinite(part_lse), part_lse, 0.0)
-            out[rows, :, queries] = torch.matmul(scores.sub_(shift).exp_(), values)
+    step = max(1, LSE_SCORE_ENTRIES // max(1, batch * kv_heads * keys))
+    for start in range(0, groups * seq, step):
+        queries = slice(start, min(start + step, groups * seq))
+        scores = torch.matmul(folded[:, :, queries] * head_dim ** -0.5, keys_t).float()
+        if mask is not None:
+            part = mask[:, :, queries] if mask.shape[2] > 1 else mask
+            if part.dtype == torch.bool:
+                scores.masked_fill_(~part, float("-inf"))
+            else:
+                scores.add_(part)
+        part_lse = lse[:, :, queries] = torch.logsumexp(scores, dim=-1, keepdim=True)
+        # A query that sees no key here has lse -inf: its weights come out 0, not NaN.
+        shift = torch.where(torch.isfinite(part_lse), part_lse, 0.0)
+        out[:, :, queries] = torch.matmul(scores.sub_(shift).exp_().to(v.dtype), v)
     return out.reshape(batch, heads, seq, head_dim), lse.reshape(batch, heads, seq, 1)
 
 

@@ -101,13 +101,12 @@ def padded_tokens(blocks: Sequence[Sequence[int]], prompt_lens: Sequence[int], m
 def _shared_cost(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray, batch: int,
                  index: PrefixIndex | None) -> int:
     """Padded tokens of the blocks' GPU batches of ``batch`` consecutive members, each batch's
-    shared prefix counted once."""
+    shared prefixes counted once."""
     total = 0
     for block in blocks:
         for start in range(0, len(block), batch):
             rows = block[start:start + batch]
-            shared = index.shared(rows) if index is not None else 0
-            total += shared + len(rows) * int(p[rows].max() - shared + g[rows].max())
+            total += index.batch_cost(rows, p, g) if index is not None else _cost(rows, p, g)
     return total
 
 
@@ -120,7 +119,9 @@ def _by_prefix(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray, size: int
     depths = index.depths(items)
     if not depths or size % batch:  # nothing shared; or GPU batches that do not tile a block
         return blocks
-    candidates = [blocks, [_cheaper_inside(block, p, g, batch, index) for block in blocks]]
+    runs = index.runs(items, p, g)
+    candidates = [blocks, [_cheaper_inside(block, p, g, batch, index) for block in blocks],
+                  [runs[i:i + size] for i in range(0, len(runs), size)]]
     thresholds: list[int] = []
     for depth in depths:  # deeper thresholds leave shallow prefixes to the grouping by length
         if len(thresholds) < _THRESHOLDS and (not thresholds or depth >= 2 * thresholds[-1]):

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..prefixes import MIN_SHARED_PREFIX
+from ..prefixes import MIN_SHARED_PREFIX, batch_groups
 
 
 def _common(a: np.ndarray, b: np.ndarray) -> int:
@@ -34,6 +34,7 @@ class PrefixIndex:
     def __init__(self, prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None):
         count = len(prompts)
         keep = [1] * count if keep is None else keep
+        self.prompts, self.keep = prompts, keep
         self.order = np.array(sorted(range(count), key=lambda i: (list(prompts[i]), i)), dtype=np.int64)
         self.rank = np.empty(count, dtype=np.int64)
         self.rank[self.order] = np.arange(count)
@@ -69,6 +70,25 @@ class PrefixIndex:
         low, high = np.array([ranks.min()]), np.array([ranks.max()])
         shared = min(int(self.between(low, high)[0]), int(self.room[rows].min()))
         return shared if shared >= MIN_SHARED_PREFIX else 0
+
+    def batch_cost(self, rows: np.ndarray, p: np.ndarray, g: np.ndarray) -> int:
+        """Padded tokens of one GPU batch of ``rows`` as the runtime runs it: each group of rows
+        sharing a prefix (``prefixes.batch_groups``) holds it once, in a row as long as the
+        longest, and every row its own part and the largest budget."""
+        groups = batch_groups([self.prompts[r] for r in rows], [self.keep[r] for r in rows])
+        shared = np.zeros(len(rows), dtype=np.int64)
+        for members, length in groups:
+            shared[members] = length
+        longest = max((length for _, length in groups), default=0)
+        return len(groups) * longest + len(rows) * int((p[rows] - shared).max() + g[rows].max())
+
+    def runs(self, items: np.ndarray, p: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """``items`` with the rows that share a prefix side by side, each such run by prompt length
+        and budget: cut into consecutive GPU batches, a batch then holds few prefixes."""
+        ordered, links = self.links(items)
+        starts = np.flatnonzero(links < MIN_SHARED_PREFIX)
+        runs = np.split(ordered, starts[1:])
+        return np.concatenate([r[np.lexsort((r, g[r], p[r]))] for r in runs])
 
     def links(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``items`` in rank order, and what each shares with the one before it (0 for the first),
