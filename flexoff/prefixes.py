@@ -105,15 +105,20 @@ def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
     return low
 
 
+def _sorted_neighbours(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]], list[int], list[int]]:
+    """The prompts as lists, their sorted order, and the common length of each neighbour pair in it."""
+    ids = [p if isinstance(p, list) else list(p) for p in prompts]
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    return ids, order, [_common_length(ids[a], ids[b]) for a, b in zip(order, order[1:])]
+
+
 def prompt_shares(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
                   minimum: int = MIN_SHARED_PREFIX) -> list[int]:
     """Per prompt, the longest prefix it shares with any other prompt of the job, leaving it at
     least ``keep[r]`` (default 1) of its own last ids as ``batch_prefix`` does; 0 below ``minimum``.
     In the prompts' sorted order the longest prefix a prompt shares with any other is the one it
     shares with a neighbour, so the job is sorted once and each neighbour pair compared once."""
-    ids = [p if isinstance(p, list) else list(p) for p in prompts]
-    order = sorted(range(len(ids)), key=ids.__getitem__)
-    between = [_common_length(ids[a], ids[b]) for a, b in zip(order, order[1:])]
+    ids, order, between = _sorted_neighbours(prompts)
     tails = keep if keep is not None else [1] * len(ids)
     shares = [0] * len(ids)
     for place, index in enumerate(order):
@@ -135,3 +140,29 @@ def job_shared_prefix(prompts: Sequence[Sequence[int]], keep: Sequence[int] | No
         return 0
     mean = sum(prompt_shares(prompts, keep, minimum)) // len(prompts)
     return mean if mean >= minimum else 0
+
+
+def job_prefix_group(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
+                     minimum: int = MIN_SHARED_PREFIX) -> int:
+    """How many prompts share each prefix, which a planner plans a GPU batch's groups of rows with
+    (``planner.Workload.prefix_group``): in the prompts' sorted order, the runs of neighbours that
+    share at least ``minimum`` ids (leaving each its ``keep`` last ids), their mean size over the
+    prompts in them (a run of m prompts counted m times), rounded down; 0 where none shares. Two
+    neighbours sharing less than half what either shares with its other neighbour end a run, as
+    ``batch_groups`` would cut them: two subjects whose few-shot examples begin with one preamble
+    are two groups, not one."""
+    ids, order, between = _sorted_neighbours(prompts)
+    tails = keep if keep is not None else [1] * len(ids)
+    room = [len(ids[r]) - tails[r] for r in order]  # the longest prefix each may share, in sorted order
+    links = [min(common, room[i], room[i + 1]) for i, common in enumerate(between)]
+    best = [max(links[i - 1] if i > 0 else 0, links[i] if i < len(links) else 0) for i in range(len(ids))]
+    runs, size = [], 1
+    for place, link in enumerate(links):
+        if link >= minimum and 2 * link >= min(best[place], best[place + 1]):
+            size += 1
+            continue
+        runs.append(size)
+        size = 1
+    runs.append(size)
+    grouped = [m for m in runs if m > 1]
+    return sum(m * m for m in grouped) // sum(grouped) if grouped else 0

@@ -186,10 +186,11 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: 
     """The planner's workload for a job: its longest prompt in tokens (text tokenized as the model
     will tokenize it, a conversation as the chat template makes it; a Hub id's tokenizer files are
     fetched, not its weights), its largest generation budget, its number of prompts, and the prefix
-    its GPU batches' rows share, measured from the prompts' token ids
-    (``prefixes.job_shared_prefix``: 0 where they share nothing, or ``share`` is off)."""
+    its GPU batches' rows share and how many prompts share each, measured from the prompts' token
+    ids (``prefixes.job_shared_prefix``, ``prefixes.job_prefix_group``: 0 where they share nothing,
+    or ``share`` is off)."""
     from .planner.cost_model import Workload
-    from .prefixes import job_shared_prefix
+    from .prefixes import job_prefix_group, job_shared_prefix
     from .tokenizer import Tokenizer
 
     encoder = None
@@ -204,4 +205,6 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: 
                 raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; give token "
                                      "ids, --tokenizer DIR, or a checkpoint (directory or Hub id) with tokenizer files")
         ids.append(chat_prompt(encoder, prompt)[1] if is_conversation(prompt) else encoder.encode(prompt))
-    return Workload(max(map(len, ids)), max(budgets), len(ids), shared_prefix=job_shared_prefix(ids) if share else 0)
+    shared = job_shared_prefix(ids) if share else 0
+    return Workload(max(map(len, ids)), max(budgets), len(ids), shared_prefix=shared,
+                    prefix_group=job_prefix_group(ids) if shared else 0)

@@ -87,6 +87,10 @@ def _add_workload_args(search) -> None:
                         help="tokens at the start of each prompt that the rows of its GPU batch share (few-shot "
                              "examples, a system prompt), prefilled and stored once per GPU batch; below "
                              "--prompt-len (default 0: none)")
+    search.add_argument("--prefix-group", type=integer(1), default=None, metavar="K",
+                        help="prompts that share each prefix (12 questions of a 5-shot subject), so that a GPU "
+                             "batch of more rows holds one prefix per group of K; needs --shared-prefix "
+                             "(default: all of a GPU batch's rows share one)")
 
 
 def run_search(args) -> int:
@@ -107,7 +111,7 @@ def run_search(args) -> int:
     result = search_policy(config, workload, hardware, max_latency=args.max_latency, **options)
     print(format_prediction(result.prediction, title=(
         f"{config.name} on {describe_hardware(hardware)}: prompt {workload.prompt_len}"
-        + (f" ({workload.shared_prefix} shared)" if workload.shared_prefix else "") + f", generate {workload.gen_len}"
+        + _shared(workload) + f", generate {workload.gen_len}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else "")
         + (f", block latency <= {args.max_latency:g} s" if args.max_latency else "")), stored=config.stored_compression))
     print(f"searched {result.candidates} candidates, solved {result.lps_solved} LPs "
@@ -134,11 +138,23 @@ def run_search(args) -> int:
     return 0
 
 
+def _shared(workload: Workload) -> str:
+    """The prompts' shared prefix as the title names it ("" for none)."""
+    if not workload.shared_prefix:
+        return ""
+    groups = f" by groups of {workload.prefix_group}" if workload.prefix_group else ""
+    return f" ({workload.shared_prefix} shared{groups})"
+
+
 def _workload(args) -> Workload:
     if args.shared_prefix >= args.prompt_len:
         raise ConfigError(f"--shared-prefix {args.shared_prefix} must be below --prompt-len {args.prompt_len}: "
                           "every prompt keeps at least one token of its own")
-    return Workload(args.prompt_len, args.gen_len, args.num_prompts, shared_prefix=args.shared_prefix)
+    if args.prefix_group is not None and not args.shared_prefix:
+        raise ConfigError(f"--prefix-group {args.prefix_group} needs --shared-prefix N: the prompts of a group "
+                          "share N tokens")
+    return Workload(args.prompt_len, args.gen_len, args.num_prompts, shared_prefix=args.shared_prefix,
+                    prefix_group=args.prefix_group or 0)
 
 
 def _search_pipeline(args) -> int:

@@ -152,118 +152,127 @@ DISK_SLOT_RING = HOST_JOBS_IN_FLIGHT + 1
 
 
 def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
-                   owned: range | None = None, *, prefix_len: int = 0) -> dict[str, int]:
+                   owned: range | None = None, *, prefix_len: int = 0, prefix_rows: int = 1) -> dict[str, int]:
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
     compresses the cache) for the layers held here, disk rows' host staging (reads and writes), and
-    the GPU workspace the batches share. ``prefix_len``: the tokens each GPU batch's rows share
-    (``flexoff.prefixes``); its rows then hold ``slots - prefix_len`` slots of their own, and the
-    batch one more row of ``prefix_len`` slots (see _prefix_cache_bytes)."""
-    sizes = dict.fromkeys(TIERS, 0)
+    the GPU workspace the batches share. ``prefix_len``: the longest prefix each GPU batch's groups
+    of rows share (``flexoff.prefixes``), and ``prefix_rows`` how many groups a batch has; its rows
+    then hold ``slots - prefix_len`` slots of their own, and the batch ``prefix_rows`` more rows of
+    ``prefix_len`` slots (see runtime.prefix_kv), with a workspace of their own."""
     layers = len(owned_layers(cfg, owned))
-    for piece in split_rows(policy.gpu_batch_size, policy.cache):
-        layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots - prefix_len, piece.stop - piece.start,
-                                              policy.compress_cache, itemsize))
-        sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
-        if piece.tier == "disk":
-            slot_bytes = 2 * sum(kv_buffer_parts(cfg, 1, piece.stop - piece.start, policy.compress_cache, itemsize))
-            sizes["cpu"] += (DISK_HOST_PAIRS * layer_bytes + DISK_SLOT_RING * slot_bytes) * policy.num_gpu_batches
-    workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, slots - prefix_len, itemsize)
-    if workspace is not None:
-        sizes["gpu"] += workspace.nbytes(itemsize)
+    sizes = _rows_cache_bytes(cfg, policy, policy.gpu_batch_size, slots - prefix_len, itemsize, layers)
     if prefix_len:
-        for tier, size in _prefix_cache_bytes(cfg, policy, prefix_len, itemsize, layers).items():
+        for tier, size in _rows_cache_bytes(cfg, policy, prefix_rows, prefix_len, itemsize, layers).items():
             sizes[tier] += size
     return sizes
 
 
-def _prefix_cache_bytes(cfg: ModelConfig, policy: Policy, prefix_len: int, itemsize: int, layers: int) -> dict[str, int]:
-    """A block's shared prefixes per tier: each GPU batch's one row of ``prefix_len`` slots, on the
-    tier one row of the cache is placed on (a disk row with its DISK_HOST_PAIRS staging pairs: it
-    is read in and written out like the batch's rows, but takes no new slots), and the prefix's own
-    GPU workspace, once per block like the batches'."""
+def _rows_cache_bytes(cfg: ModelConfig, policy: Policy, rows: int, slots: int, itemsize: int,
+                      layers: int) -> dict[str, int]:
+    """Every batch's ``rows`` cache rows of ``slots`` slots per tier, as ``split_rows`` places them
+    (disk rows with DISK_HOST_PAIRS staging pairs and DISK_SLOT_RING one-slot pairs in host memory),
+    and the workspace they travel through, once per block. A batch's own rows and its prefixes'
+    rows are each such a set (runtime.kv.BatchKV, runtime.prefix_kv.PrefixKV)."""
     sizes = dict.fromkeys(TIERS, 0)
-    (piece,) = split_rows(1, policy.cache)
-    layer_bytes = 2 * sum(kv_buffer_parts(cfg, prefix_len, 1, policy.compress_cache, itemsize))
-    sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
-    if piece.tier == "disk":
-        sizes["cpu"] += DISK_HOST_PAIRS * layer_bytes * policy.num_gpu_batches
-    workspace = workspace_layout(cfg, policy, 1, prefix_len, itemsize)
+    for piece in split_rows(rows, policy.cache):
+        count = piece.stop - piece.start
+        layer_bytes = 2 * sum(kv_buffer_parts(cfg, slots, count, policy.compress_cache, itemsize))
+        sizes[piece.tier] += layers * layer_bytes * policy.num_gpu_batches
+        if piece.tier == "disk":
+            slot_bytes = 2 * sum(kv_buffer_parts(cfg, 1, count, policy.compress_cache, itemsize))
+            sizes["cpu"] += (DISK_HOST_PAIRS * layer_bytes + DISK_SLOT_RING * slot_bytes) * policy.num_gpu_batches
+    workspace = workspace_layout(cfg, policy, rows, slots, itemsize)
     if workspace is not None:
         sizes["gpu"] += workspace.nbytes(itemsize)
     return sizes
 
 
 def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
-                        owned: range | None = None, *, prefix_len: int = 0) -> list[int]:
-    """Host allocations of one block in the order the engine makes them: batch by batch, its cache
-    (each tier's rows for every layer, keys then values; for disk rows, DISK_HOST_PAIRS pairs and
-    DISK_SLOT_RING one-slot pairs; then its shared prefix's row, where ``prefix_len``), then its
-    offloaded activations (and its prefix's row of hidden states)."""
-    cache: list[int] = []
+                        owned: range | None = None, *, prefix_len: int = 0, prefix_rows: int = 1) -> list[int]:
+    """Host allocations of one block in the order the engine makes them: batch by batch, its shared
+    prefixes' cache and hidden states (where ``prefix_len``: ``prefix_rows`` rows), then its own
+    rows' cache and hidden states. A cache is each tier's rows for every layer, keys then values;
+    for disk rows, DISK_HOST_PAIRS pairs and DISK_SLOT_RING one-slot pairs."""
     layers = len(owned_layers(cfg, owned))
-    pieces = [(piece, slots - prefix_len, True) for piece in split_rows(policy.gpu_batch_size, policy.cache)]
-    if prefix_len:
-        pieces += [(piece, prefix_len, False) for piece in split_rows(1, policy.cache)]
-    for piece, length, takes_slots in pieces:
+    sets = [(prefix_rows, prefix_len, prefix_len)] if prefix_len else []
+    sets.append((policy.gpu_batch_size, slots - prefix_len, prompt_len - prefix_len))
+    batch: list[int] = []
+    for rows, length, tokens in sets:
+        batch += _cache_host_requests(cfg, policy, rows, length, itemsize, layers)
+        batch += [count * length * cfg.hidden_size * itemsize
+                  for tier, count, length in _hidden_rows(policy, rows, tokens) if tier != "gpu"]
+    return batch * policy.num_gpu_batches
+
+
+def _cache_host_requests(cfg: ModelConfig, policy: Policy, rows: int, slots: int, itemsize: int,
+                         layers: int) -> list[int]:
+    """Host allocations of one batch's ``rows`` cache rows of ``slots`` slots, in order."""
+    requests: list[int] = []
+    for piece in split_rows(rows, policy.cache):
         if piece.tier == "gpu":
             continue
-        pair = kv_buffer_parts(cfg, length, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
+        count = piece.stop - piece.start
+        pair = kv_buffer_parts(cfg, slots, count, policy.compress_cache, itemsize) * 2
         if piece.tier == "cpu":
-            cache += pair * layers
+            requests += pair * layers
         else:
-            slot = kv_buffer_parts(cfg, 1, piece.stop - piece.start, policy.compress_cache, itemsize) * 2
-            cache += pair * DISK_HOST_PAIRS + (slot * DISK_SLOT_RING if takes_slots else [])
-    activations = [rows * tokens * cfg.hidden_size * itemsize
-                   for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len) if tier != "gpu"]
-    return (cache + activations) * policy.num_gpu_batches
+            slot = kv_buffer_parts(cfg, 1, count, policy.compress_cache, itemsize) * 2
+            requests += pair * DISK_HOST_PAIRS + slot * DISK_SLOT_RING
+    return requests
 
 
-def activation_rows(policy: Policy, prompt_len: int, prefix_len: int = 0) -> list[tuple[str, int, int]]:
-    """(tier, rows, tokens) of one GPU batch's hidden states at the prefill: its rows of
-    ``prompt_len`` tokens as the policy places them, and with a shared prefix one more row of
-    ``prefix_len`` tokens, placed as one row of them is."""
-    rows = [(p.tier, p.stop - p.start, prompt_len) for p in split_rows(policy.gpu_batch_size, policy.activations)]
+def _hidden_rows(policy: Policy, rows: int, tokens: int) -> list[tuple[str, int, int]]:
+    return [(p.tier, p.stop - p.start, tokens) for p in split_rows(rows, policy.activations)]
+
+
+def activation_rows(policy: Policy, prompt_len: int, prefix_len: int = 0,
+                    prefix_rows: int = 1) -> list[tuple[str, int, int]]:
+    """(tier, rows, tokens) of one GPU batch's hidden states at the prefill: its rows of their own
+    ``prompt_len - prefix_len`` tokens as the policy places them, and with shared prefixes
+    ``prefix_rows`` more rows of ``prefix_len`` tokens, placed as that many rows are."""
+    rows = _hidden_rows(policy, policy.gpu_batch_size, prompt_len - prefix_len)
     if prefix_len:
-        rows += [(p.tier, 1, prefix_len) for p in split_rows(1, policy.activations)]
+        rows += _hidden_rows(policy, prefix_rows, prefix_len)
     return rows
 
 
 def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
-                     owned: range | None = None, *, prefix_len: int = 0) -> list[int]:
+                     owned: range | None = None, *, prefix_len: int = 0, prefix_rows: int = 1) -> list[int]:
     """Sizes of one block's offload files: per batch, two (keys, values) for each layer of its disk
-    rows (and of its shared prefix's row, where on disk), and one for each of its disk rows' hidden
-    states."""
+    rows (and of its shared prefixes' rows, where on disk), and one for each of its disk rows' hidden
+    states (and its prefixes')."""
     files: list[int] = []
     layers = len(owned_layers(cfg, owned))
     pieces = [(piece, slots - prefix_len) for piece in split_rows(policy.gpu_batch_size, policy.cache)]
     if prefix_len:
-        pieces += [(piece, prefix_len) for piece in split_rows(1, policy.cache)]
+        pieces += [(piece, prefix_len) for piece in split_rows(prefix_rows, policy.cache)]
     for piece, length in pieces:
         if piece.tier == "disk":
             size = sum(kv_buffer_parts(cfg, length, piece.stop - piece.start, policy.compress_cache, itemsize))
             files += [disk_file_bytes(size)] * (2 * layers)
-    for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len):
+    for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len, prefix_rows):
         if tier == "disk":
             files.append(disk_file_bytes(rows * tokens * cfg.hidden_size * itemsize))
     return files * policy.num_gpu_batches
 
 
 def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
-                    owned: range | None = None, *, prefix_len: int = 0) -> dict[str, int]:
+                    owned: range | None = None, *, prefix_len: int = 0, prefix_rows: int = 1) -> dict[str, int]:
     """One block's GPU memory by what holds it; ``block_bytes`` counts their sum on the GPU. A
     pipeline stage (``owned``) holds the caches of its layers; the rest is counted as for the whole
-    model. ``prefix_len``: the tokens each GPU batch's rows share (see kv_cache_bytes); the working
-    memory, step state and stores in flight stay those of whole prompts, a bound on the prefix's."""
+    model. ``prefix_len``, ``prefix_rows``: each GPU batch's shared prefixes (see kv_cache_bytes);
+    the working memory, step state and stores in flight stay those of whole prompts, a bound on
+    the prefixes' and the rows' own (a batch's groups are no more than its rows)."""
     rows = policy.gpu_batch_size
-    activation_bytes = sum(rows_here * tokens for tier, rows_here, tokens in activation_rows(policy, prompt_len, prefix_len)
-                           if tier == "gpu") * cfg.hidden_size * itemsize
+    held = activation_rows(policy, prompt_len, prefix_len, prefix_rows)
+    activation_bytes = sum(count * tokens for tier, count, tokens in held if tier == "gpu") * cfg.hidden_size * itemsize
     # The host worker's queued prefill jobs (and the store stream's copies) each keep one batch's
     # new keys and values of the rows stored in host memory on the GPU until copied.
     off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
     per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
     return {
         "kv cache and workspace": kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize, owned,
-                                                 prefix_len=prefix_len)["gpu"],
+                                                 prefix_len=prefix_len, prefix_rows=prefix_rows)["gpu"],
         "activations": activation_bytes * policy.num_gpu_batches,
         # the largest step, one batch at a time
         "working memory": working_bytes(cfg, rows * prompt_len, rows, itemsize),
@@ -275,14 +284,17 @@ def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: 
 
 
 def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int, itemsize: int,
-                pinned: bool = False, owned: range | None = None, *, prefix_len: int = 0) -> dict[str, int]:
+                pinned: bool = False, owned: range | None = None, *, prefix_len: int = 0,
+                prefix_rows: int = 1) -> dict[str, int]:
     """KV cache, activations and working memory of one full block, per tier. ``pinned``: host
     memory is pinned, so its figure is the slabs the block's allocations take. ``owned``: a
-    pipeline stage's range of stages (see block_gpu_parts). ``prefix_len``: the tokens each GPU
-    batch's rows share, counted once per batch (see kv_cache_bytes and activation_rows)."""
+    pipeline stage's range of stages (see block_gpu_parts). ``prefix_len``: the longest prefix a
+    GPU batch's groups of rows share, ``prefix_rows`` its number of groups; each group's prefix is
+    counted once per batch (see kv_cache_bytes and activation_rows)."""
     slots = prompt_len + gen_len
-    sizes = kv_cache_bytes(cfg, policy, slots, itemsize, owned, prefix_len=prefix_len)
-    for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len):
+    shared = {"prefix_len": prefix_len, "prefix_rows": prefix_rows}
+    sizes = kv_cache_bytes(cfg, policy, slots, itemsize, owned, **shared)
+    for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len, prefix_rows):
         if tier == "gpu":
             continue  # among the GPU parts
         hidden = rows * tokens * cfg.hidden_size * itemsize * policy.num_gpu_batches
@@ -290,9 +302,8 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
         if tier == "disk":
             sizes["disk"] += hidden
     if pinned:
-        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, slots, itemsize, owned,
-                                                      prefix_len=prefix_len))
-    parts = block_gpu_parts(cfg, policy, prompt_len, gen_len, itemsize, owned, prefix_len=prefix_len)
+        sizes["cpu"] = slab_bytes(block_host_requests(cfg, policy, prompt_len, slots, itemsize, owned, **shared))
+    parts = block_gpu_parts(cfg, policy, prompt_len, gen_len, itemsize, owned, **shared)
     sizes["gpu"] = sum(parts.values())
     if parts["stores in flight"]:
         sizes["cpu"] += 2 * HOST_CHUNK  # the host worker's pinned chunks

@@ -44,14 +44,16 @@ def tier_name(tier: str, device: torch.device | str) -> str:
 
 def job_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int, gen_len: int,
               pinned: bool = False, owned: range | None = None, blocks: int = 1, *,
-              prefix_len: int = 0) -> dict[str, int]:
+              prefix_len: int = 0, prefix_rows: int = 1) -> dict[str, int]:
     """What a run holds per tier at its peak: the weights and one full block (KV cache, activations,
     workspaces and working memory) of prompts up to ``prompt_len`` tokens generating ``gen_len``;
     of a pipeline stage's range of stages with ``owned``; with ``blocks`` blocks in rotation;
-    with ``prefix_len`` tokens at the start of each prompt that its GPU batch's rows share, counted
-    once per batch (``block.kv_cache_bytes``)."""
+    with shared prefixes of up to ``prefix_len`` tokens at the start of the prompts, ``prefix_rows``
+    of them in each GPU batch (one per group of its rows that shares one), each counted once per
+    batch (``block.kv_cache_bytes``)."""
     weights = weight_bytes(cfg, policy, dtype, pinned, owned)
-    block = block_bytes(cfg, policy, prompt_len, gen_len, dtype.itemsize, pinned, owned, prefix_len=prefix_len)
+    block = block_bytes(cfg, policy, prompt_len, gen_len, dtype.itemsize, pinned, owned, prefix_len=prefix_len,
+                        prefix_rows=prefix_rows)
     return {tier: weights[tier] + blocks * block[tier] for tier in TIERS}
 
 

@@ -64,12 +64,12 @@ class MemoryForm:
 
 
 def memory_form(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len: int, gen_len: int,
-                pinned: bool = False, *, prefix_len: int = 0) -> MemoryForm:
+                pinned: bool = False, *, prefix_len: int = 0, prefix_rows: int = 1) -> MemoryForm:
     """``job_bytes``' figure for ``policy``'s frame (its batches, compression, CPU attention) and
-    ``prefix_len`` shared tokens per GPU batch as a constant plus a coefficient per placement
-    fraction; the policy's own fractions are not read. A prefix's row lies on the tier one row of
-    its group is placed on, so at a vertex, where every row of a group is on one tier, it is
-    ``job_bytes``' too."""
+    ``prefix_rows`` shared prefixes of ``prefix_len`` tokens per GPU batch as a constant plus a
+    coefficient per placement fraction; the policy's own fractions are not read. The prefixes' rows
+    are placed as that many rows of their group are, so at a vertex, where every row of a group is
+    on one tier, it is ``job_bytes``' too."""
     on_gpu = whole_tier("gpu")
     base = replace(policy, weights=on_gpu, cache=on_gpu, activations=on_gpu,
                    experts=on_gpu if cfg.num_experts else None)
@@ -78,7 +78,8 @@ def memory_form(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, prompt_len
         return weight_bytes(cfg, moved, dtype, pinned)
 
     def block(moved: Policy) -> dict[str, int]:
-        return block_bytes(cfg, moved, prompt_len, gen_len, dtype.itemsize, pinned, prefix_len=prefix_len)
+        return block_bytes(cfg, moved, prompt_len, gen_len, dtype.itemsize, pinned, prefix_len=prefix_len,
+                           prefix_rows=prefix_rows)
 
     parts = {"weights": weights, "experts": weights, "cache": block, "activations": block}
     constant = {tier: weights(base)[tier] + block(base)[tier] for tier in TIERS}

@@ -17,10 +17,11 @@ size, gbs GPU batch size; wg..hd the nine placement fractions) and extends it to
 - the page cache: disk data that fits in the host memory left free is read back at the cached
   rate, when the profile has one. The search plans with the cold rate, so that a policy it picks
   never relies on memory that other processes may take;
-- shared prompt prefixes (``Workload.shared_prefix``, P tokens): each GPU batch prefills, stores
-  and moves them once, as one row (``flexoff.prefixes``), so the prefill's tokens, its cache's and
-  activations' bytes and a decode step's cache bytes are each smaller by the P tokens of the other
-  rows (``shared_tokens``), and prefill attention by those rows' P queries. Decode attention is
+- shared prompt prefixes (``Workload.shared_prefix``, P tokens, each shared by ``prefix_group``
+  prompts): each GPU batch prefills, stores and moves each of its G prefixes once, as one row
+  (``flexoff.prefixes``), so the prefill's tokens, its cache's and activations' bytes and a decode
+  step's cache bytes are each smaller by the P tokens of the other gbs - G rows (``shared_tokens``),
+  and prefill attention by those rows' P queries. Decode attention is
   bound by its scan of the cache, whose measured rate is a scan's, so a prefix scanned once per
   batch counts once there too. Each such term is written as today's less the share, so that with no
   prefix every figure is today's to the bit;
@@ -173,8 +174,8 @@ class CostModel(MemoryTerms):
 
     def shared_tokens(self, frame: PolicyFrame) -> int:
         """Token positions of one block that its GPU batches' shared prefixes save: each batch holds
-        its prefix once instead of in every row, so gbs - 1 copies of it per batch."""
-        return frame.num_gpu_batches * (frame.gpu_batch_size - 1) * self.workload.batch_prefix(frame.gpu_batch_size)
+        each of its G prefixes once instead of in every row, so gbs - G copies of it per batch."""
+        return frame.num_gpu_batches * self.workload.batch_saved_tokens(frame.gpu_batch_size)
 
     def prefill_tokens(self, frame: PolicyFrame) -> int:
         """Tokens one block's prefill computes: s per sequence, less what shared prefixes save."""
@@ -239,13 +240,13 @@ class CostModel(MemoryTerms):
         """Prefill attention always runs on the GPU: the cache is produced there."""
         hw, frame = self.hardware, q.frame
         s, gbs, bls, nb = self.workload.prompt_len, frame.gpu_batch_size, frame.block_size, frame.num_gpu_batches
-        prefix = self.workload.batch_prefix(gbs)
+        prefix, groups = self.workload.batch_prefix(gbs), self.workload.prefix_rows(gbs)
         tokens = self.prefill_tokens(frame)
-        # Every query attends over s keys (A.3); a batch's shared prefix is one row's P queries
-        # over its P keys instead of every row's P queries.
-        queries_saved = nb * prefix * (gbs * s - prefix)
+        # Every query attends over s keys (A.3); a batch's G shared prefixes are G rows' P queries
+        # over their P keys instead of every row's P queries over s.
+        queries_saved = nb * prefix * (gbs * s - groups * prefix)
         return {
-            "gpu_matmul": self.matmul_seconds(tokens, bls, gbs * s - (gbs - 1) * prefix),
+            "gpu_matmul": self.matmul_seconds(tokens, bls, gbs * s - self.workload.batch_saved_tokens(gbs)),
             "gpu_attention": (4 * s * s * self.query_width * bls - 4 * self.query_width * queries_saved)
             / hw.prefill_attention_flops,
             # Norms, residual adds and activations stream every prompt token through GPU memory

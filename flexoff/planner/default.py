@@ -37,7 +37,8 @@ def job_needs(config: ModelConfig, policy: Policy, dtype: torch.dtype, workload:
     shared prefix once)."""
     return job_bytes(config, policy, dtype, workload.prompt_len, workload.gen_len,
                      pins_host_memory(policy.pin_cpu_memory),
-                     prefix_len=workload.batch_prefix(policy.gpu_batch_size))
+                     prefix_len=workload.batch_prefix(policy.gpu_batch_size),
+                     prefix_rows=workload.prefix_rows(policy.gpu_batch_size))
 
 
 def check_job(config: ModelConfig, policy: Policy, dtype: torch.dtype, workload: Workload,

@@ -19,12 +19,15 @@ class Workload:
     ``num_prompts`` None means an endless stream: no block is ever partly empty. ``shared_prefix``:
     the tokens at the start of each prompt that the rows of its GPU batch share
     (``flexoff.prefixes``), prefilled, stored and moved once per GPU batch; 0 shares nothing.
+    ``prefix_group``: how many prompts share each prefix (``flexoff.prefixes.job_prefix_group``), so
+    that a GPU batch holds one prefix per group of its rows; 0 means all of a batch's rows share one.
     """
 
     prompt_len: int
     gen_len: int
     num_prompts: int | None = None
     shared_prefix: int = 0
+    prefix_group: int = 0
 
     def __post_init__(self):
         for name in ("prompt_len", "gen_len"):
@@ -37,11 +40,31 @@ class Workload:
         if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared < self.prompt_len:
             raise ConfigError(f"shared prefix must be an integer from 0 to prompt length - 1 ({self.prompt_len - 1}), "
                               f"got {shared!r}")
+        group = self.prefix_group
+        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+            raise ConfigError(f"prefix group must be an integer >= 0 (0: a GPU batch's rows all share one), "
+                              f"got {group!r}")
+
+    def _group_rows(self, gpu_batch_size: int) -> int:
+        """The rows of a GPU batch that share each prefix."""
+        return min(gpu_batch_size, self.prefix_group) if self.prefix_group else gpu_batch_size
 
     def batch_prefix(self, gpu_batch_size: int) -> int:
-        """The prefix a GPU batch of ``gpu_batch_size`` rows shares: none with one row, as
-        ``flexoff.prefixes.batch_prefix`` says."""
-        return self.shared_prefix if gpu_batch_size > 1 else 0
+        """The prefix a GPU batch of ``gpu_batch_size`` rows shares: none where a group of its rows
+        is one row, as ``flexoff.prefixes.batch_groups`` says."""
+        return self.shared_prefix if self._group_rows(gpu_batch_size) > 1 else 0
+
+    def prefix_rows(self, gpu_batch_size: int) -> int:
+        """The prefixes a GPU batch of ``gpu_batch_size`` rows holds, a row each: one per group of
+        ``prefix_group`` rows (the last may be smaller); 1 with none shared, where it counts nothing."""
+        if not self.batch_prefix(gpu_batch_size):
+            return 1
+        return -(-gpu_batch_size // self._group_rows(gpu_batch_size))
+
+    def batch_saved_tokens(self, gpu_batch_size: int) -> int:
+        """Token positions a GPU batch's shared prefixes save: of its rows' copies of the prefix, all
+        but one per prefix row."""
+        return (gpu_batch_size - self.prefix_rows(gpu_batch_size)) * self.batch_prefix(gpu_batch_size)
 
 
 class Placement(NamedTuple):

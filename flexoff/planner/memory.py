@@ -14,9 +14,10 @@ more than the host worker's queue, CPU attention has an fp32 host workspace the 
 list, and a split weight tensor is priced as the GPU share times two of the largest matrices. The reference policies in
 ``policies/`` were searched and calibrated with these figures; the layout's change them.
 
-A shared prefix (``Workload.shared_prefix``) is held once per GPU batch, as the layout holds it:
-its cache, workspace and waiting stores are smaller by the other rows' copies of it, and its
-prefill adds one activation row of the prefix per batch. Each term is today's less (or plus) the
+A shared prefix (``Workload.shared_prefix``) is held once per group of a GPU batch's rows that
+share it (``Workload.prefix_rows``: G per batch), as the layout holds it: its cache, workspace and
+waiting stores are smaller by the other gbs - G rows' copies of it, and its prefill adds G
+activation rows of the prefix per batch. Each term is today's less (or plus) the
 prefix's share, so that with no prefix every figure is today's to the bit.
 """
 
@@ -88,13 +89,18 @@ class MemoryTerms:
 
 
     def batch_shared_tokens(self, frame: PolicyFrame) -> int:
-        """Token positions of one GPU batch that its shared prefix saves: the gbs - 1 copies of it
-        it does not hold."""
-        return (frame.gpu_batch_size - 1) * self.workload.batch_prefix(frame.gpu_batch_size)
+        """Token positions of one GPU batch that its shared prefixes save: the gbs - G copies of
+        them it does not hold, G being its prefix rows."""
+        return self.workload.batch_saved_tokens(frame.gpu_batch_size)
+
+    def batch_prefix_tokens(self, frame: PolicyFrame) -> int:
+        """Tokens of one GPU batch's prefix rows: G of the prefix."""
+        gbs = frame.gpu_batch_size
+        return self.workload.prefix_rows(gbs) * self.workload.batch_prefix(gbs)
 
     def prefix_rows_tokens(self, frame: PolicyFrame) -> int:
-        """Tokens of the prefix rows a block's prefill adds to its activations: one per GPU batch."""
-        return frame.num_gpu_batches * self.workload.batch_prefix(frame.gpu_batch_size)
+        """Tokens of the prefix rows a block's prefill adds to its activations: G per GPU batch."""
+        return frame.num_gpu_batches * self.batch_prefix_tokens(frame)
 
     def memory_terms(self, frame: PolicyFrame, p: Placement) -> dict:
         """{(tier, phase): peak bytes}, affine in ``p``."""
@@ -192,7 +198,7 @@ class MemoryTerms:
         prefill = (home + p.hc * act * s * bls + 2 * p.wd * W
                    + 2 * p.hd * act * s * gbs + (2 * p.cd * kv * s * gbs - 2 * p.cd * kv * shared)
                    + p.hc * act * self.prefix_rows_tokens(frame)
-                   + 2 * p.hd * act * self.workload.batch_prefix(gbs))
+                   + 2 * p.hd * act * self.batch_prefix_tokens(frame))
         workspace = 0.0
         if frame.cpu_attention:
             # fp32 copy of one batch's keys and values, and its scores

@@ -172,7 +172,8 @@ def _rotating(view: ModelConfig, workload: Workload, hardware: HardwareProfile, 
         pinned = pins_host_memory(policy.pin_cpu_memory)
         extra = {tier: later - first for tier, (first, later) in zip(TIERS, zip(
             *(job_bytes(view, policy, torch.float16, workload.prompt_len, workload.gen_len, pinned, blocks=n,
-                        prefix_len=workload.batch_prefix(policy.gpu_batch_size)).values()
+                        prefix_len=workload.batch_prefix(policy.gpu_batch_size),
+                        prefix_rows=workload.prefix_rows(policy.gpu_batch_size)).values()
               for n in (1, blocks))))}
         over = {tier: prediction.peak_memory[tier] + extra[tier] - hardware.capacity(tier) for tier in TIERS}
         if all(value <= 0 for value in over.values()):

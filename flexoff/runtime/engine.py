@@ -150,12 +150,11 @@ class Engine:
         arranged = [arrange(group) if shares else (group, []) for group in groups]
         longest = max((length for _, spans in arranged for _, _, length in spans), default=0)
         most = max((len(spans) for _, spans in arranged), default=0)
-        # The layout counts one prefix row a batch: the longest, beside the longest rows of their own;
-        # where a batch holds several prefixes, every row is counted whole, as unshared.
+        # The layout counts each batch as the longest rows of their own beside the most prefix rows
+        # of the longest prefix.
         own_len = max(len(q.prompt_ids) - n for group, spans in arranged for q, n in _prefix_of(group, spans))
-        counted = longest if longest and most == 1 else 0
-        check_fits(job_bytes(self.cfg, policy, self.dtype, own_len + counted if counted else prompt_len, extra_slots,
-                             self.pins_host, self.owned, blocks, prefix_len=counted),
+        check_fits(job_bytes(self.cfg, policy, self.dtype, own_len + longest, extra_slots, self.pins_host, self.owned,
+                             blocks, prefix_len=longest, prefix_rows=max(most, 1)),
                    self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), own_len + extra_slots,
                                           self.device, self.dtype, self.streams)
