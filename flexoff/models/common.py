@@ -130,9 +130,11 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Softmax attention that also gives each query's log-sum-exp of its scores, so that attention
     over two sets of keys (a shared prefix, a row's own tokens) merges exactly
     (:func:`merge_attention`). Shapes as :func:`attention`; ``mask`` None lets every query see
-    every key, and a mask of one query row applies to all. Returns (out in q's dtype, lse as fp32
-    (batch, heads, seq, 1)). The products run in the inputs' dtype, as the math kernel of
-    ``scaled_dot_product_attention`` runs them; the softmax and its sums in fp32."""
+    every key, and a mask of one query row applies to all. As for :func:`attention`, every query
+    must see at least one key. Returns (out in q's dtype, lse as fp32 (batch, heads, seq, 1)).
+    The products run in the inputs' dtype, as the math kernel of ``scaled_dot_product_attention``
+    runs them; the softmax and its sums in fp32. A decode step calls this for every layer of every
+    batch, twice: it launches as few kernels as it can."""
     batch, heads, seq, head_dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -140,34 +142,36 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if mask is not None and groups > 1 and mask.shape[2] > 1:
         mask = mask.repeat(1, 1, groups, 1)
     keys_t = k.transpose(-1, -2)
-    out = torch.empty_like(folded)
-    lse = torch.empty((batch, kv_heads, groups * seq, 1), dtype=torch.float32, device=q.device)
     step = max(1, LSE_SCORE_ENTRIES // max(1, batch * kv_heads * keys))
+    outs, sums = [], []
     for start in range(0, groups * seq, step):
         queries = slice(start, min(start + step, groups * seq))
-        scores = torch.matmul(folded[:, :, queries] * head_dim ** -0.5, keys_t).float()
+        scores = torch.matmul(folded[:, :, queries], keys_t).float().mul_(head_dim ** -0.5)
         if mask is not None:
             part = mask[:, :, queries] if mask.shape[2] > 1 else mask
             if part.dtype == torch.bool:
                 scores.masked_fill_(~part, float("-inf"))
             else:
                 scores.add_(part)
-        part_lse = lse[:, :, queries] = torch.logsumexp(scores, dim=-1, keepdim=True)
-        # A query that sees no key here has lse -inf: its weights come out 0, not NaN.
-        shift = torch.where(torch.isfinite(part_lse), part_lse, 0.0)
-        out[:, :, queries] = torch.matmul(scores.sub_(shift).exp_().to(v.dtype), v)
+        top = scores.amax(dim=-1, keepdim=True)
+        weights = scores.sub_(top).exp_()
+        total = weights.sum(dim=-1, keepdim=True)
+        out = torch.matmul(weights.to(v.dtype), v)
+        outs.append(out.div_(total.to(out.dtype)))
+        sums.append(total.log_().add_(top))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    lse = sums[0] if len(sums) == 1 else torch.cat(sums, dim=2)
     return out.reshape(batch, heads, seq, head_dim), lse.reshape(batch, heads, seq, 1)
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two sets of keys, from each set's output and log-sum-exp: each
-    output weighted by its share of the softmax's normaliser, in place in ``out_a`` (the weights,
-    one per query, are fp32). A query sees at least one key in one of the sets."""
-    top = torch.maximum(lse_a, lse_b)
-    weight_a, weight_b = (lse_a - top).exp_(), (lse_b - top).exp_()
-    total = weight_a + weight_b
-    return out_a.mul_((weight_a / total).to(out_a.dtype)).add_(out_b * (weight_b / total).to(out_b.dtype))
+    """Attention over the union of two sets of keys, from each set's output and log-sum-exp, in
+    place in ``out_a``: b's share of the softmax's normaliser is sigmoid(lse_b - lse_a), so the
+    union is a's output moved that far towards b's. A set a query sees no key of has lse -inf and
+    a share of 0."""
+    share = torch.sigmoid(lse_b - lse_a)
+    return out_a.lerp_(out_b, share.to(out_a.dtype))
 
 
 def fold_rows(q: torch.Tensor) -> torch.Tensor:

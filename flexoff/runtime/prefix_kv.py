@@ -112,8 +112,9 @@ class Prefixes:
         self.prefill_mask = attention_mask(self.valid, 0, self.length)
         self.key_mask = self.valid[:, None, None, :]  # every query of a group sees its whole prefix
         # Row r of the batch is query row _place[r] of the folded (groups * width) rows.
-        self._place = torch.tensor([g * width + j for g, (start, stop, _) in enumerate(spans)
-                                    for j in range(stop - start)], device=device)
+        place = [g * width + j for g, (start, stop, _) in enumerate(spans) for j in range(stop - start)]
+        self._place = torch.tensor(place, device=device)
+        self._tiled = place == list(range(len(spans) * width))  # groups alike: folding is a reshape
         self.kv, self.activations = make_prefix(len(spans), self.length)
         self.hidden: torch.Tensor | None = None
         self.context = None
@@ -122,16 +123,20 @@ class Prefixes:
         """The grouped rows' queries (rows, heads, seq, head_dim) as their prefix rows' (groups,
         heads, width * seq, head_dim), a group's rows side by side (padded with zeros)."""
         _, heads, seq, head_dim = q.shape
-        folded = q.new_zeros((len(self.spans) * self.width, heads, seq, head_dim))
-        folded.index_copy_(0, self._place, q[:self.rows])
-        return folded.view(len(self.spans), self.width, heads, seq, head_dim).transpose(1, 2).reshape(
+        if self._tiled:
+            folded = q[:self.rows]
+        else:
+            folded = q.new_zeros((len(self.spans) * self.width, heads, seq, head_dim))
+            folded.index_copy_(0, self._place, q[:self.rows])
+        return folded.reshape(len(self.spans), self.width, heads, seq, head_dim).transpose(1, 2).reshape(
             len(self.spans), heads, self.width * seq, head_dim)
 
     def unfold(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of :meth:`fold` for an output or log-sum-exp: (rows, heads, seq, last)."""
         groups, heads, length, last = x.shape
         rows = x.view(groups, heads, self.width, length // self.width, last).transpose(1, 2)
-        return rows.reshape(groups * self.width, heads, length // self.width, last).index_select(0, self._place)
+        rows = rows.reshape(groups * self.width, heads, length // self.width, last)
+        return rows if self._tiled else rows.index_select(0, self._place)
 
     def merged(self, own, shared):
         """Attention of the rows over their own tokens (``own``, giving its log-sum-exp) and over
@@ -144,8 +149,7 @@ class Prefixes:
 
     def merge(self, out: torch.Tensor, lse: torch.Tensor, finish: Shared) -> torch.Tensor:
         shared_out, shared_lse = finish()
-        out[:self.rows] = merge_attention(out[:self.rows], lse[:self.rows], self.unfold(shared_out),
-                                          self.unfold(shared_lse))
+        merge_attention(out[:self.rows], lse[:self.rows], self.unfold(shared_out), self.unfold(shared_lse))
         return out
 
     def attend_fresh(self, k: torch.Tensor, v: torch.Tensor):
