@@ -172,16 +172,3 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
     a share of 0."""
     share = torch.sigmoid(lse_b - lse_a)
     return out_a.lerp_(out_b, share.to(out_a.dtype))
-
-
-def fold_rows(q: torch.Tensor) -> torch.Tensor:
-    """Queries (rows, heads, seq, head_dim) as one row's (1, heads, rows * seq, head_dim): every
-    row's queries against keys they all share, in one call."""
-    rows, heads, seq, head_dim = q.shape
-    return q.transpose(0, 1).reshape(1, heads, rows * seq, head_dim)
-
-
-def unfold_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """The inverse of :func:`fold_rows` for an output or lse (1, heads, rows * seq, last)."""
-    _, heads, length, last = x.shape
-    return x.reshape(heads, rows, length // rows, last).transpose(0, 1)

@@ -59,14 +59,28 @@ def test_results_match_the_api_and_honour_each_line(tiny_opt, tiny_llm, tmp_path
     assert results["p5"]["meta"] == {"source": "b"}
 
 
-def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_opt, tmp_path, capsys):
-    """Only the killed job runs in a child: the uninterrupted one and the rerun run in-process."""
-    source = write_jsonl(tmp_path / "in.jsonl", prompts(32))
+def few_shot(count):
+    """Token-id prompts in groups of eight that share a 20-token prefix, as few-shot questions do."""
+    rows = []
+    for i in range(count):
+        head = [4 + (i // 8 + j) % 30 for j in range(20)]
+        rows.append({"id": f"p{i}", "prompt": head + [4 + (i * 5 + j) % 30 for j in range(1 + i % 5)]})
+    return rows
+
+
+@pytest.mark.parametrize("shape", ["words", "few-shot"])
+def test_sigkill_then_rerun_equals_an_uninterrupted_run(tiny_opt, tmp_path, capsys, shape):
+    """Only the killed job runs in a child: the uninterrupted one and the rerun run in-process. A
+    few-shot job's blocks are formed by prefix, and its batches share them."""
+    rows = prompts(32) if shape == "words" else few_shot(32)
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
     env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
     # Sampled, so a resumed job must seed each line by its id, not by its place in the job.
     flags = ("--max-new-tokens", "16", "--temperature", "0.8", "--seed", "5")
+    flags += ("--gpu-batch-size", "4") if shape == "few-shot" else ()  # batches that hold a group or two
     reference = tmp_path / "reference.jsonl"
     assert main(batch_args(tiny_opt[0], source, reference, *flags)) == 0
+    assert " shared · " in capsys.readouterr().out or shape == "words"
 
     output = tmp_path / "out.jsonl"
     written = kill_after_lines(cli_command() + batch_args(tiny_opt[0], source, output, *flags), output, 8, env)
