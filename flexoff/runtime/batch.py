@@ -81,6 +81,14 @@ def arrange(seqs: list[Sequence]) -> tuple[list[Sequence], list[tuple[int, int, 
     return [seqs[r] for r in order], spans
 
 
+def span_lengths(rows: int, spans) -> list[int]:
+    """Each of a batch's ``rows`` rows' shared prefix length, from ``arrange``'s spans (0 past them)."""
+    lengths = [0] * rows
+    for start, stop, length in spans:
+        lengths[start:stop] = [length] * (stop - start)
+    return lengths
+
+
 class GpuBatch:
     """One GPU batch of a block: left-padded inputs, its cache and activations, and the state of the
     token in flight.
@@ -100,12 +108,10 @@ class GpuBatch:
         self.dtype = dtype
         pad = self.pad = cfg.pad_token_id if cfg.pad_token_id is not None else 0
         self.prefix: Prefixes | None = None
-        prefix_lengths = [0] * len(seqs)
         if spans:
             self.prefix = Prefixes(list(spans), [seqs[start].prompt_ids[:length] for start, _, length in spans],
                                    pad, device, make_prefix)
-            for start, stop, length in spans:
-                prefix_lengths[start:stop] = [length] * (stop - start)
+        prefix_lengths = span_lengths(len(seqs), spans)
         own = [s.prompt_ids[n:] for s, n in zip(seqs, prefix_lengths)]
         self.prompt_len = max(len(ids) for ids in own)
         self.slots = self.prompt_len + extra_slots

@@ -17,7 +17,7 @@ from ..errors import PolicyError
 from ..models import ModelConfig, architecture, stages
 from ..weights import WeightSource
 from .activations import BatchActivations
-from .batch import GpuBatch, Sequence, arrange
+from .batch import GpuBatch, Sequence, arrange, span_lengths
 from .block_run import BlockContext, BlockRun
 from .interpreter import BlockInterpreter, HeadReady, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
@@ -57,14 +57,6 @@ def logprob_chunks(rows: int, positions: int, per_chunk: int):
     for row in range(rows):
         for start in range(0, positions, per_chunk):
             yield slice(row, row + 1), slice(start, min(start + per_chunk, positions))
-
-
-def _prefix_of(seqs: list[Sequence], spans: list[tuple[int, int, int]]):
-    """(sequence, its shared prefix's length) for a batch's rows."""
-    lengths = [0] * len(seqs)
-    for start, stop, length in spans:
-        lengths[start:stop] = [length] * (stop - start)
-    return zip(seqs, lengths)
 
 
 class Engine:
@@ -152,7 +144,8 @@ class Engine:
         most = max((len(spans) for _, spans in arranged), default=0)
         # The layout counts each batch as the longest rows of their own beside the most prefix rows
         # of the longest prefix.
-        own_len = max(len(q.prompt_ids) - n for group, spans in arranged for q, n in _prefix_of(group, spans))
+        own_len = max(len(q.prompt_ids) - n for group, spans in arranged
+                      for q, n in zip(group, span_lengths(len(group), spans)))
         check_fits(job_bytes(self.cfg, policy, self.dtype, own_len + longest, extra_slots, self.pins_host, self.owned,
                              blocks, prefix_len=longest, prefix_rows=max(most, 1)),
                    self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
