@@ -119,9 +119,9 @@ def attention_mask(valid: torch.Tensor, start: int, num_queries: int) -> torch.T
     return mask[:, None]
 
 
-# Scores ``attention_lse`` makes at once (all rows, a slice of the queries): a long prefill over a
-# long prefix goes a slice of queries at a time, within about 100 MB beside the layout's working
-# memory (the scores in the inputs' dtype, in fp32, and as weights).
+# Scores ``attention_lse_by_parts`` makes at once (all rows, a slice of the queries): a long prefill
+# over a long prefix goes a slice of queries at a time, within about 100 MB beside the layout's
+# working memory (the scores in the inputs' dtype, in fp32, and as weights).
 LSE_SCORE_ENTRIES = 1 << 23
 
 
@@ -132,21 +132,71 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (:func:`merge_attention`). Shapes as :func:`attention`; ``mask`` None lets every query see
     every key, and a mask of one query row applies to all. As for :func:`attention`, every query
     must see at least one key. Returns (out in q's dtype, lse as fp32 (batch, heads, seq, 1)).
-    The products run in the inputs' dtype, as the math kernel of ``scaled_dot_product_attention``
-    runs them; the softmax and its sums in fp32. A decode step calls this for every layer of every
-    batch, twice: it launches as few kernels as it can."""
+
+    A decode step calls this for every layer of every batch, twice, and a shared prefill over
+    every prefix: it runs as one fused kernel where torch has one for the inputs (the
+    memory-efficient kernel on CUDA, the flash kernel on the CPU), and by parts otherwise."""
     batch, heads, seq, head_dim = q.shape
-    kv_heads, keys = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     groups = heads // kv_heads
     folded = q.reshape(batch, kv_heads, groups * seq, head_dim)
     if mask is not None and groups > 1 and mask.shape[2] > 1:
         mask = mask.repeat(1, 1, groups, 1)
+    if _fuses(q):
+        out, lse = _fused_lse(folded, k, v, mask)
+    else:
+        out, lse = attention_lse_by_parts(folded, k, v, mask)
+    return out.reshape(batch, heads, seq, head_dim), lse.reshape(batch, heads, seq, 1)
+
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _fuses(q: torch.Tensor) -> bool:
+    """Whether the fused kernels take these queries (the memory-efficient kernel's head sizes)."""
+    head_dim = q.shape[-1]
+    return q.numel() > 0 and q.dtype in _FUSED_DTYPES and head_dim % 8 == 0 and head_dim <= 256 \
+        and q.device.type in ("cuda", "cpu")
+
+
+def _fused_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One kernel's attention and log-sum-exp, heads already alike: (batch, heads, seq, head_dim)
+    and fp32 (batch, heads, seq)."""
+    batch, heads, seq, _ = q.shape
+    bias = mask
+    if mask is not None and mask.dtype == torch.bool:
+        bias = attention_bias(mask, q.dtype)
+    elif mask is not None and (mask.dtype != q.dtype or (mask.shape[-2] > 1 and mask.stride(-2) % BIAS_ALIGNMENT)):
+        bias = _aligned(mask.to(q.dtype))
+    if bias is not None:
+        # The kernels take a bias of the scores' full shape; broadcast dimensions are stride 0.
+        bias = bias.expand(batch, heads, seq, k.shape[2])
+    if q.is_cuda:
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)
+        return out, lse[..., :seq]  # the kernel pads its lse rows to a multiple of 32 queries
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+
+
+def _aligned(bias: torch.Tensor) -> torch.Tensor:
+    """``bias`` copied into rows of ``bias_row_entries`` entries, as the CUDA kernel reads them."""
+    keys = bias.shape[-1]
+    room = bias.new_empty((*bias.shape[:-1], bias_row_entries(keys)))[..., :keys]
+    return room.copy_(bias)
+
+
+def attention_lse_by_parts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_lse` without a fused kernel, heads already alike: the products in the
+    inputs' dtype, as the math kernel of ``scaled_dot_product_attention`` runs them, the softmax
+    and its sums in fp32, a slice of the queries at a time (``LSE_SCORE_ENTRIES``)."""
+    batch, heads, seq, head_dim = q.shape
     keys_t = k.transpose(-1, -2)
-    step = max(1, LSE_SCORE_ENTRIES // max(1, batch * kv_heads * keys))
+    step = max(1, LSE_SCORE_ENTRIES // max(1, batch * heads * k.shape[2]))
     outs, sums = [], []
-    for start in range(0, groups * seq, step):
-        queries = slice(start, min(start + step, groups * seq))
-        scores = torch.matmul(folded[:, :, queries], keys_t).float().mul_(head_dim ** -0.5)
+    for start in range(0, seq, step):
+        queries = slice(start, min(start + step, seq))
+        scores = torch.matmul(q[:, :, queries], keys_t).float().mul_(head_dim ** -0.5)
         if mask is not None:
             part = mask[:, :, queries] if mask.shape[2] > 1 else mask
             if part.dtype == torch.bool:
@@ -161,7 +211,7 @@ def attention_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sums.append(total.log_().add_(top))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     lse = sums[0] if len(sums) == 1 else torch.cat(sums, dim=2)
-    return out.reshape(batch, heads, seq, head_dim), lse.reshape(batch, heads, seq, 1)
+    return out, lse[..., 0]
 
 
 def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

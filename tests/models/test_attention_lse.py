@@ -34,3 +34,38 @@ def test_a_set_a_query_cannot_see_has_no_share():
     out, lse = attention_lse(q, k, v)
     unseen = torch.full_like(lse, float("-inf"))
     torch.testing.assert_close(merge_attention(out.clone(), lse, torch.randn_like(out), unseen), out)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("shape", ["prefill", "decode", "prefix"])
+def test_the_fused_kernel_gives_the_attention_by_parts(device, dtype, atol, shape):
+    """The one-kernel path (CUDA's memory-efficient kernel, the CPU's flash kernel) against the
+    attention by parts, on the masks the runtime gives it: a prefill's boolean mask over left
+    padding with GQA, a decode step's aligned bias, a shared prefix's one-row key mask."""
+    from flexoff.models.common import _fuses, attention_lse_by_parts
+
+    torch.manual_seed(2)
+    batch, heads, kv_heads, head_dim = 3, 8, 2, 64
+    seq, keys = {"prefill": (7, 7), "decode": (1, 20), "prefix": (12, 33)}[shape]
+    q = torch.randn(batch, heads, seq, head_dim, device=device).to(dtype)
+    k, v = (torch.randn(batch, kv_heads, keys, head_dim, device=device).to(dtype) for _ in range(2))
+    valid = torch.ones(batch, keys, dtype=torch.bool, device=device)
+    valid[0, :3] = False
+    if shape == "prefix":
+        mask = valid[:, None, None, :]
+    else:
+        mask = attention_mask(valid, keys - seq, seq)
+        mask = attention_bias(mask, dtype) if shape == "decode" else mask
+    assert _fuses(q)
+    out, lse = attention_lse(q, k, v, mask)
+    groups = heads // kv_heads
+    folded = q.reshape(batch, kv_heads, groups * seq, head_dim)
+    parts_mask = mask.repeat(1, 1, groups, 1) if mask.shape[2] > 1 else mask
+    parts, parts_lse = attention_lse_by_parts(folded, k, v, parts_mask)
+    torch.testing.assert_close(out.float(), parts.reshape(out.shape).float(), rtol=0, atol=atol)
+    torch.testing.assert_close(lse, parts_lse.reshape(lse.shape), rtol=0, atol=atol)
+    assert lse.dtype == torch.float32 and lse.shape == (batch, heads, seq, 1)
