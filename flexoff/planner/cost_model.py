@@ -172,6 +172,11 @@ class CostModel(MemoryTerms):
             seconds += 2 * self.routed_matmul_numel * tokens / rate
         return seconds
 
+    def caches_per_batch(self, frame: PolicyFrame) -> int:
+        """The caches a GPU batch's decode layer attends over: its rows', and its prefixes' where
+        its rows share any."""
+        return 2 if self.workload.batch_prefix(frame.gpu_batch_size) else 1
+
     def shared_tokens(self, frame: PolicyFrame) -> int:
         """Token positions of one block that its GPU batches' shared prefixes save: each batch holds
         each of its G prefixes once instead of in every row, so gbs - G copies of it per batch."""
@@ -286,11 +291,14 @@ class CostModel(MemoryTerms):
     def _decode_host(self, q: _Shares, shipped, gpu_att, disk_cache_read):
         """The host's seconds per decode layer. It issues more per batch where the cache travels or
         attention reads a compressed one, and per pass over compressed weights (as measured: rows
-        off the GPU in proportion)."""
+        off the GPU in proportion). A batch's shared prefixes are a second cache of its own, which
+        the host issues the same work for."""
         hw, frame = self.hardware, q.frame
         compressed_cache = (gpu_att * hw.host_seconds_per_compressed_cache_layer
                             if frame.compress_cache is not None else 0.0)
-        return (q.host + frame.num_gpu_batches * (shipped * hw.host_seconds_per_travelling_layer + compressed_cache)
+        caches = self.caches_per_batch(frame)
+        return (q.host + frame.num_gpu_batches * caches * (shipped * hw.host_seconds_per_travelling_layer
+                                                           + compressed_cache)
                 + (q.dequantized * hw.host_seconds_per_compressed_weight_layer
                    if frame.compress_weight is not None else 0.0)
                 + self.disk_rows_host_seconds(frame) * has_any(q.p.cd)
@@ -313,8 +321,11 @@ class CostModel(MemoryTerms):
         # a batch's prefix is scanned (and dequantized) once for all its rows.
         scanned = q.shared / s_avg  # sequences' worth of cache a block does not scan
         # Each GPU batch attends in calls of up to CPU_ATTENTION_ROWS sequences, each with a fixed cost.
-        cpu_attention_calls = (frame.num_gpu_batches * math.ceil(gbs / CPU_ATTENTION_ROWS)
-                               * hw.cpu_attention_seconds_per_call)
+        # A batch's prefixes are attended in calls of their own, a prefix row standing for its group.
+        calls = math.ceil(gbs / CPU_ATTENTION_ROWS)
+        if self.caches_per_batch(frame) > 1:
+            calls += math.ceil(self.workload.prefix_rows(gbs) / CPU_ATTENTION_ROWS)
+        cpu_attention_calls = frame.num_gpu_batches * calls * hw.cpu_attention_seconds_per_call
         cpu_share = q.c_off if frame.cpu_attention else 0.0
         compute = {
             "gpu_matmul": self.matmul_seconds(bls, bls, gbs),

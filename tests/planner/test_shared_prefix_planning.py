@@ -2,6 +2,8 @@
 bytes in both phases, and the peak memory. Hand-computed on the tiny OPT of test_cost_model (KV 16
 bytes per token per layer, W = 472 bytes per layer), then on OPT-30B on the H200's profile."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,3 +97,29 @@ def test_the_default_plans_check_counts_the_prefix_as_the_layout_does():
     single = Policy(1, 2)
     assert (job_needs(cfg, single, torch.float16, Workload(64, 8, shared_prefix=40))
             == job_needs(cfg, single, torch.float16, Workload(64, 8)))
+
+
+def test_a_batchs_prefixes_are_a_second_cache_the_host_issues_work_for(tiny_opt, make_hardware):
+    # Per decode layer: 0.5 s a batch, 0.25 more where its cache travels, 0.125 more where the GPU
+    # reads it compressed; CPU attention 0.5 s a call of up to 32 rows.
+    from flexoff.policy import CompressionConfig
+
+    hardware = make_hardware(host_seconds_per_layer=0.5, host_seconds_per_travelling_layer=0.25,
+                             host_seconds_per_compressed_cache_layer=0.125, cpu_attention_seconds_per_call=0.5)
+    four_bit = CompressionConfig(4, 64)
+
+    def decode(shared: int, group: int = 0, **changes):
+        policy = Policy(**{**dict(gpu_batch_size=4, num_gpu_batches=2, weights=GPU, cache=CPU, activations=GPU,
+                                  compress_cache=four_bit), **changes})
+        return CostModel(tiny_opt, Workload(6, 2, shared_prefix=shared, prefix_group=group), hardware).predict(policy)
+
+    # Two batches, each its rows' cache and its prefixes' travelling compressed: 2 x 2 x 0.375.
+    assert decode(0).decode.io["host"] == pytest.approx(2 * 0.5 + 2 * 0.375)
+    assert decode(4).decode.io["host"] == pytest.approx(2 * 0.5 + 2 * 2 * 0.375)
+    # A batch of one row holds no prefix: nothing more.
+    assert decode(4, gpu_batch_size=1).decode.io["host"] == decode(0, gpu_batch_size=1).decode.io["host"]
+    # Under CPU attention (its FLOPs free here) each batch's two prefix rows are one call more.
+    hardware = dataclasses.replace(hardware, cpu_attention_flops=1e30)
+    on_cpu = dict(cpu_attention=True, compress_cache=None)
+    alone, shared = decode(0, **on_cpu).decode.compute, decode(4, 2, **on_cpu).decode.compute
+    assert shared["cpu_attention"] - alone["cpu_attention"] == pytest.approx(2 * 0.5)
