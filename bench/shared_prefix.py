@@ -114,6 +114,8 @@ def main(argv=None) -> None:
     parser.add_argument("--hardware", default=None)
     parser.add_argument("--policy-flags", help="one policy for both arms instead of --policy auto, as flexoff "
                         "batch's flags, e.g. '--gpu-batch-size 20 --num-gpu-batches 7 --percent 50 50 0 100 100 0'")
+    parser.add_argument("--arms", nargs="+", choices=["on", "off"], default=["on", "off"],
+                        help="which arms to run: sharing on, off (default both)")
     parser.add_argument("--offload-dir", default="/tmp")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -127,7 +129,7 @@ def main(argv=None) -> None:
         with (args.out / f"{shape}.jsonl").open("w") as job:
             for line in SHAPES[shape](rng):
                 job.write(json.dumps(line) + "\n")
-        for share in (True, False):
+        for share in (arm == "on" for arm in args.arms):
             rows.append(run_batch(args, shape, share, args.out))
             print(json.dumps(rows[-1]), flush=True)
     for shape in args.shapes:

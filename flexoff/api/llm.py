@@ -193,11 +193,14 @@ class LLM:
                      by_gpu_batch: bool = False) -> list[list[int]]:
         """The job's blocks (``runtime.block_forming``): with prefix sharing, the rows sharing a long
         prefix in one GPU batch, ``keep[r]`` of row r's last positions its own; without, by length,
-        and by GPU batch inside a block where ``by_gpu_batch`` asks."""
+        and by GPU batch inside a block where ``by_gpu_batch`` asks. Under a searched policy a
+        generated token weighs what the plan predicts it costs."""
         sharing = self.prefix_sharing
+        searched = self.plan.search if self.plan is not None else None
         return form_blocks([len(p) for p in prompts], budgets, self.policy.block_size,
                            gpu_batch_size=self.policy.gpu_batch_size if sharing or by_gpu_batch else None,
-                           prompts=prompts if sharing else None, keep=keep if sharing else None)
+                           prompts=prompts if sharing else None, keep=keep if sharing else None,
+                           budget_weight=searched.prediction.generated_token_weight if searched else 1)
 
     def generate(self, prompts, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  *, progress: bool | None = None,

@@ -161,3 +161,15 @@ class Prediction:
     @property
     def over_capacity(self) -> list[str]:
         return [t for t in TIERS if self.peak_memory[t] > self.capacity[t] * (1 + 1e-9)]
+
+    @property
+    def generated_token_weight(self) -> int:
+        """What one generated token of a block costs in prompt tokens computed, as predicted (at
+        least 1): block forming weighs a GPU batch's generation padding by it."""
+        policy, workload = self.policy, self.workload
+        steps = policy.block_size * (workload.gen_len - 1)
+        computed = (workload.prompt_len * policy.block_size
+                    - policy.num_gpu_batches * workload.batch_saved_tokens(policy.gpu_batch_size))
+        if steps <= 0 or self.prefill_seconds <= 0 or self.decode_seconds <= 0:
+            return 1
+        return max(1, round((self.decode_seconds / steps) / (self.prefill_seconds / computed)))

@@ -41,20 +41,25 @@ _THRESHOLDS = 6
 
 def form_blocks(prompt_lens: Sequence[int], max_new_tokens: Sequence[int], block_size: int,
                 *, gpu_batch_size: int | None = None, prompts: Sequence[Sequence[int]] | None = None,
-                keep: Sequence[int] | None = None) -> list[list[int]]:
+                keep: Sequence[int] | None = None, budget_weight: int = 1) -> list[list[int]]:
     """Group prompt indices into at most ``ceil(n / block_size)`` blocks of at most ``block_size``.
 
     Returns every index exactly once. Blocks come in ascending order of their longest prompt;
     inside a block, members come in GPU-batch groups when ``gpu_batch_size`` is given.
     ``prompts``: each prompt's token ids, to put rows sharing a prefix in one GPU batch; ``keep``:
     how many of each prompt's last positions the head reads, never shared (default 1 each; see
-    ``flexoff.prefixes.batch_prefix``).
+    ``flexoff.prefixes.batch_prefix``). ``budget_weight``: what a generated token costs in prompt
+    tokens (1 counts padding as FlexGen does; a planned policy's prediction gives the time each
+    costs, ``Prediction.generated_token_weight``).
     """
     _check(prompt_lens, max_new_tokens, block_size, gpu_batch_size, prompts, keep)
+    if not isinstance(budget_weight, int) or budget_weight < 1:
+        raise ValueError(f"budget_weight must be an integer >= 1, got {budget_weight!r}")
     if len(prompt_lens) == 0:
         return []
     p = np.asarray(prompt_lens, dtype=np.int64)
-    g = np.asarray(max_new_tokens, dtype=np.int64)
+    # Every cost below counts p + g per row: budgets in prompt tokens' worth weigh them so.
+    g = np.asarray(max_new_tokens, dtype=np.int64) * budget_weight
     blocks = _ordered(_partition(p, g, np.arange(len(p)), block_size), p, g)
     if gpu_batch_size is not None and gpu_batch_size < block_size:
         blocks = [np.concatenate(_ordered(_partition(p, g, block, gpu_batch_size), p, g)) for block in blocks]

@@ -73,6 +73,19 @@ def test_high_efficiency_on_a_skewed_mix():
     assert efficiency > baseline + 0.01
 
 
+def test_a_weighted_generated_token_groups_on_the_budget():
+    # Prompts of 10 and 100, budgets of 1 and 50, blocks of 2. Counted alike, grouping on the
+    # prompt pads 2 x 49 + 2 x 49 generated tokens against grouping on the budget's 2 x 90 prompt
+    # ones; a generated token worth 10 prompt tokens turns that round.
+    p, g = [10, 10, 100, 100], [1, 50, 1, 50]
+    by_prompt, by_budget = [[0, 1], [2, 3]], [[0, 2], [1, 3]]
+    assert sorted(map(sorted, form_blocks(p, g, 2))) == by_prompt
+    assert sorted(map(sorted, form_blocks(p, g, 2, budget_weight=10))) == by_budget
+    # Inside a block, its GPU batches likewise.
+    (block,) = form_blocks(p, g, 4, gpu_batch_size=2, budget_weight=10)
+    assert sorted(map(sorted, (block[:2], block[2:]))) == by_budget
+
+
 @pytest.mark.parametrize("args, message", [
     (([1, 2], [1], 2), "2 prompt lengths but 1"),
     (([1], [1], 0), "block_size"),
@@ -81,6 +94,12 @@ def test_high_efficiency_on_a_skewed_mix():
 def test_bad_arguments(args, message):
     with pytest.raises(ValueError, match=message):
         form_blocks(*args)
+
+
+@pytest.mark.parametrize("weight", [0, 1.5, -2])
+def test_a_budget_weight_is_a_whole_number_of_prompt_tokens(weight):
+    with pytest.raises(ValueError, match="budget_weight must be an integer >= 1"):
+        form_blocks([1, 2], [1, 1], 2, budget_weight=weight)
 
 
 def test_empty_job():

@@ -123,3 +123,16 @@ def test_a_batchs_prefixes_are_a_second_cache_the_host_issues_work_for(tiny_opt,
     on_cpu = dict(cpu_attention=True, compress_cache=None)
     alone, shared = decode(0, **on_cpu).decode.compute, decode(4, 2, **on_cpu).decode.compute
     assert shared["cpu_attention"] - alone["cpu_attention"] == pytest.approx(2 * 0.5)
+
+
+def test_a_generated_token_weighs_its_predicted_cost_in_prompt_tokens(tiny_opt, round_hardware):
+    model = CostModel(tiny_opt, Workload(5, 3, shared_prefix=3), round_hardware)
+    p = model.predict(Policy(2, 2, CPU, CPU, GPU))
+    # A block of 4 computes 2 batches x (3 + 2 x 2) = 14 prompt positions and 4 x 2 generated tokens.
+    per_prompt, per_generated = p.prefill_seconds / 14, p.decode_seconds / 8
+    assert p.generated_token_weight == max(1, round(per_generated / per_prompt))
+    assert dataclasses.replace(p, decode_seconds=p.prefill_seconds / 14 * 8 * 37).generated_token_weight == 37
+    assert dataclasses.replace(p, decode_seconds=p.prefill_seconds / 100).generated_token_weight == 1
+    # Nothing generated after the prefill: no weight to give.
+    assert CostModel(tiny_opt, Workload(6, 1), round_hardware).predict(Policy(2, 2, CPU, CPU, GPU)) \
+        .generated_token_weight == 1
