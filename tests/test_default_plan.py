@@ -177,3 +177,34 @@ def test_the_python_api_measuring_a_profile_logs_it_and_prints_nothing(tiny, tmp
     assert capsys.readouterr() == ("", "")
     said = [record.getMessage() for record in caplog.records if record.name == "flexoff"]
     assert said[0].startswith("no hardware profile saved at ") and said[-1].startswith("measured in ")
+
+
+@pytest.mark.parametrize("search_stages", [False, True])
+def test_a_planned_job_forms_its_blocks_with_the_plans_generated_token_weight(tiny, monkeypatch, search_stages):
+    """The Python API's plan and the command line's (each pipeline stage searched, one here) keep
+    the searched policy's prediction; the blocks are formed weighing a generated token by it, and
+    an explicit policy counts both alike."""
+    import flexoff.api.llm as llm_module
+    from flexoff import LLM
+    from flexoff.deploy.deployment import Request, resolve_deployment
+
+    path, config = tiny
+    cap = job_needs(config, DEFAULT_POLICY, torch.bfloat16, WORKLOAD)["gpu"] // 4
+    weights = []
+    real = llm_module.form_blocks
+    monkeypatch.setattr(llm_module, "form_blocks", lambda *a, **k: weights.append(k["budget_weight"]) or real(*a, **k))
+    if search_stages:
+        request = Request(str(path), dtype="bfloat16", gpu_mem=str(cap), hardware=H100, policy="auto",
+                          search_stages=True)
+        llm = LLM.from_deployment(resolve_deployment(request), WORKLOAD)
+    else:
+        llm = LLM(str(path), dtype="bfloat16", gpu_mem=cap, workload=WORKLOAD, hardware=H100)
+    with llm:
+        predicted = llm.plan.prediction
+        assert predicted is not None and predicted.policy.gpu_batch_size == llm.policy.gpu_batch_size
+        llm.generate(PROMPTS[:2])
+        assert weights == [predicted.generated_token_weight]
+    with LLM(str(path), dtype="bfloat16", policy=llm.policy, gpu_mem=cap) as explicit:
+        assert explicit.plan is None or explicit.plan.prediction is None
+        explicit.generate(PROMPTS[:2])
+        assert weights[-1] == 1

@@ -196,11 +196,11 @@ class LLM:
         and by GPU batch inside a block where ``by_gpu_batch`` asks. Under a searched policy a
         generated token weighs what the plan predicts it costs."""
         sharing = self.prefix_sharing
-        searched = self.plan.search if self.plan is not None else None
+        predicted = self.plan.prediction if self.plan is not None else None
         return form_blocks([len(p) for p in prompts], budgets, self.policy.block_size,
                            gpu_batch_size=self.policy.gpu_batch_size if sharing or by_gpu_batch else None,
                            prompts=prompts if sharing else None, keep=keep if sharing else None,
-                           budget_weight=searched.prediction.generated_token_weight if searched else 1)
+                           budget_weight=predicted.generated_token_weight if predicted else 1)
 
     def generate(self, prompts, params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  *, progress: bool | None = None,

@@ -79,9 +79,9 @@ def _plan(deployment: Deployment, job, given, default, capacity, caps):
     from ..planner.default import fit_job
 
     request = deployment.request
-    layers, policies = request.parallel.layers, None
+    layers, policies, prediction = request.parallel.layers, None, None
     if request.searched and request.search_stages:
-        policies, layers = _search_stages(deployment, job, caps)
+        policies, layers, prediction = _search_stages(deployment, job, caps)
         given = policies[0]  # rank 0 runs the first stage
         if given.uses_disk and capacity.disk is None:
             capacity = deployment.machine(caps[0], True)
@@ -90,13 +90,16 @@ def _plan(deployment: Deployment, job, given, default, capacity, caps):
     config = deployment.config if ranks is None else ranks.largest_stage(deployment.config)
     plan = fit_job(config, job, given, deployment.dtype, capacity, deployment.hardware, default,
                    deployment.offload_dir, request.compress, search=request.searched and policies is None)
+    if prediction is not None:
+        plan = replace(plan, prediction=prediction)
     return plan, policies, layers
 
 
-def _search_stages(deployment: Deployment, job, caps) -> tuple[list[Policy], tuple[int, ...] | None]:
+def _search_stages(deployment: Deployment, job, caps):
     """The planner's best policy for each pipeline stage on the request's hardware profile, each
     for its layers and its GPU's cap, with the host's memory shared by the processes on it, all of
-    one batch shape; the request's overrides on top. The stages' layers, where there are several."""
+    one batch shape; the request's overrides on top. The stages' layers, where there are several;
+    the prediction of the one stage's policy where there is one and nothing overrides it."""
     from ..planner.pipeline import plan_pipeline, stage_hardware
     from ..planner.report import policy_summary
 
@@ -114,4 +117,5 @@ def _search_stages(deployment: Deployment, job, caps) -> tuple[list[Policy], tup
     policies = plan.policies
     if request.overrides:
         policies = [replace(policy, **dict(request.overrides)) for policy in policies]
-    return policies, (tuple(plan.layer_counts) if several else None)
+    prediction = plan.stages[0].prediction if not several and not request.overrides else None
+    return policies, (tuple(plan.layer_counts) if several else None), prediction

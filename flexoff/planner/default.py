@@ -21,6 +21,7 @@ from ..models.config import ModelConfig
 from ..policy import CompressionConfig, Policy
 from ..units import format_size
 from .cost_model import Workload
+from .frame import Prediction
 from .hardware import HardwareProfile
 from .report import policy_summary
 from .search import SearchResult, search_policy
@@ -72,6 +73,8 @@ class DefaultPlan:
     search: SearchResult | None  # None: the default fits as it is
     message: str | None  # what was planned and why, for the user; None when nothing was
     offload_dir: str | None = None  # where a planned policy's disk data goes
+    # The searched policy's prediction: the search's, or a one-stage deployment's searched stage.
+    prediction: Prediction | None = None
 
 
 def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtype: torch.dtype,
@@ -137,7 +140,7 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     check_job(config, result.policy, dtype, workload, capacity)
     message = (f"planned    {policy_summary(result.policy)} on {profile.name}, "
                f"{result.throughput:.4g} token/s predicted ({short})")
-    return DefaultPlan(result.policy, result, message, offload_dir)
+    return DefaultPlan(result.policy, result, message, offload_dir, result.prediction)
 
 
 def planning_memory(capacity: Capacity) -> tuple[int | None, int | None, int]:
