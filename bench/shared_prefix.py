@@ -7,8 +7,8 @@ Shapes (token-id prompts drawn from a seeded generator, so nothing is tokenized 
 - ``chat``: 240 requests behind one 300-token system prompt, 20-200 tokens of their own, 32-128
   new tokens each;
 - ``choices``: an lm-eval-shaped multiple-choice job, 200 contexts of 300-500 tokens with four
-  continuations of 1-8 tokens each, scored through ``LLM.score`` (both arms in one process: the
-  time is the scoring's alone).
+  continuations of 1-8 tokens each, scored through ``LLM.score`` (both arms in one process, each
+  an LLM planned for its own job: the time is the scoring's alone).
 
 Each batch shape runs ``flexoff batch`` twice, sharing on then ``--no-prefix-sharing``, with the
 same flags (default ``--policy auto --gpu-mem 16GiB --compress auto``: each arm plans for its own
@@ -82,26 +82,30 @@ def run_batch(args, shape: str, share: bool, out: Path) -> dict:
 
 
 def choices(args, out: Path) -> list[dict]:
-    """Both arms of the multiple-choice job in one process, through LLM.score."""
+    """The multiple-choice job through LLM.score, each arm an LLM planned for its own job (the
+    shared one for the prefix its rows share, measured from the prompts); the time is the
+    scoring's alone."""
     from flexoff import LLM
+    from flexoff.prompts import prompt_workload
 
     rng = random.Random(7)
     contexts = [ids(rng, rng.randint(300, 500)) for _ in range(200)]
     prompts = [c for c in contexts for _ in range(4)]
     continuations = [ids(rng, rng.randint(1, 8)) for _ in prompts]
+    whole = [p + c for p, c in zip(prompts, continuations)]
     rows = []
-    from flexoff.planner.frame import Workload
-
-    workload = Workload(max(len(p) + len(c) for p, c in zip(prompts, continuations)), 1, len(prompts))
-    with LLM(args.model, dummy=True, policy="auto", gpu_mem=args.gpu_mem, compress=args.compress,
-             offload_dir=args.offload_dir, workload=workload, hardware=args.hardware) as llm:
-        for share in (True, False):
-            llm.engine.share_prefixes = share
+    for share in (True, False):
+        workload = prompt_workload(whole, [1] * len(whole), args.model, None, share=share)
+        with LLM(args.model, dummy=True, policy="auto", gpu_mem=args.gpu_mem, compress=args.compress,
+                 offload_dir=args.offload_dir, workload=workload, hardware=args.hardware,
+                 prefix_sharing=share) as llm:
             start = time.perf_counter()
             llm.score(prompts, continuations)
             wall = time.perf_counter() - start
             rows.append({"shape": "choices", "sharing": share, "rc": 0, "wall_s": round(wall, 2),
-                         "prompts_per_s": round(len(contexts) / wall, 3), "policy": str(llm.policy)})
+                         "prompts_per_s": round(len(contexts) / wall, 3), "policy": str(llm.policy),
+                         "workload": str(workload)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
