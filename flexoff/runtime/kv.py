@@ -298,15 +298,21 @@ class BatchKV:
     def _attend_on_gpu(self, layer, start, mask, q, k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Decode attention of the GPU rows, in place; returns the output (q's shape) and, with
         ``merges``, its log-sum-exp, whose other rows the caller fills."""
-        end = start + k.shape[2]
         out, lse = torch.empty_like(q), lse_like(q, self.merges)
+        self._attend_resident(layer, start + k.shape[2], q, mask, (out, lse), (start, k, v))
+        return out, lse
+
+    def _attend_resident(self, layer: int, end: int, q, mask, outputs, new=None) -> None:
+        """Attention of the GPU rows over their slots up to ``end``, into ``outputs`` (the output,
+        and the log-sum-exp or None); ``new`` (start, k, v): the step's slot, stored first."""
         for group in self.groups:
             if group.tier == "gpu":
-                group.put(layer, start, k[group.rows], v[group.rows])
+                if new is not None:
+                    start, k, v = new
+                    group.put(layer, start, k[group.rows], v[group.rows])
                 keys, values = (group.read(buffer, end, out=space)
                                 for buffer, space in zip(group.pair(layer), self._dequantized()))
-                attend_rows(out, lse, group.rows, q[group.rows], keys, values, mask[group.rows])
-        return out, lse
+                attend_rows(*outputs, group.rows, q[group.rows], keys, values, mask[group.rows])
 
     def attends_on_cpu(self, start: int) -> bool:
         """Whether a step from slot ``start`` runs attention on the CPU (decode, with rows off the GPU)."""
@@ -323,22 +329,31 @@ class BatchKV:
         batch's next job waits for an event recorded after that read was enqueued, so it never
         overwrites an output still in flight.
         """
-        end = start + k.shape[2]
         out, lse = self._attend_on_gpu(layer, start, mask, q, k, v)
-        offloaded = self._offloaded()
+        return self._attend_on_host(layer, start + k.shape[2], q, mask, (out, lse), self._offloaded(), (start, k, v))
+
+    def _attend_on_host(self, layer: int, end: int, q, mask, outputs, offloaded, new=None):
+        """CPU attention of the ``offloaded`` rows over their slots up to ``end`` on the host
+        worker, landing in this cache's pinned buffers; ``new`` (start, k, v): the step's slot,
+        stored by the worker first. Returns ``finish()``: the output (and log-sum-exp) filled."""
+        out, lse = outputs
         rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
         shape = (rows.stop - rows.start, *q.shape[1:])
         if self._landing is None or self._landing[0].shape != shape:
             self._landing = (self.host.empty(shape, q.dtype),
-                             self.host.empty((*shape[:-1], 1), torch.float32) if self.merges else None)
+                             self.host.empty((*shape[:-1], 1), torch.float32) if lse is not None else None)
         landing, landing_lse = self._landing
 
         def attend() -> None:
             # Blocking copies, on the worker's store stream: only the worker waits for them.
             queries, allowed = q[rows].to("cpu", self.dtype), mask[rows].cpu()
             for group in offloaded:
-                group.load(layer, start)
-                group.put(layer, start, k[group.rows], v[group.rows], self.worker.copy_to_host, staged=True)
+                if new is None:
+                    group.load(layer, end)
+                else:
+                    start, k, v = new
+                    group.load(layer, start)
+                    group.put(layer, start, k[group.rows], v[group.rows], self.worker.copy_to_host, staged=True)
                 keys, values = group.pair(layer)
                 local = slice(group.rows.start - rows.start, group.rows.stop - rows.start)
                 cpu_attention(queries[local], partial(group.read, keys, end), partial(group.read, values, end),
@@ -359,20 +374,8 @@ class BatchKV:
 
     def _attend_loaded(self, layer, start, end, q, k, v, mask, outputs, offloaded) -> None:
         """GPU attention for off-GPU rows, on the slots ``prefetch`` loaded into the workspace, into
-        ``outputs`` (the output, and the log-sum-exp or None)."""
-        index, ready, from_disk = self._state[layer].take_load()
-        self.streams.wait(self.streams.compute, ready)
-        if from_disk is not None:
-            self.streams.wait(self.streams.compute, from_disk.result())
-        first = offloaded[0].rows.start
-        runs = {group: self._workspace_rows(index, group, first) for group in offloaded}  # a run of the set a tier
-        for group, loaded in runs.items():
-            for buffer, new in zip(loaded, (k, v)):
-                SLOT_MAJOR.write(self.fmt, buffer, start, new[group.rows])
-            keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
-                            for buffer, space in zip(loaded, self._dequantized()))
-            attend_rows(*outputs, group.rows, q[group.rows], keys, values, mask[group.rows])
-        self.workspace.free_events[index] = self.streams.record(self.streams.compute)
+        ``outputs`` (the output, and the log-sum-exp or None); the new slot then goes home."""
+        index, runs = self._attend_workspace(layer, end, q, mask, outputs, offloaded, (start, k, v))
         streamed = [group for group in offloaded if self._on_store_stream(group)]
         if streamed:
             self._send_slot(layer, start, runs, streamed, index)
@@ -382,6 +385,27 @@ class BatchKV:
         others = [group for group in offloaded if group not in streamed and group not in on_disk]
         if others:
             self._store(layer, start, k, v, others)
+
+    def _attend_workspace(self, layer: int, end: int, q, mask, outputs, offloaded, new=None):
+        """Attention of the ``offloaded`` rows over their slots up to ``end`` in the workspace set
+        their layer's load filled (``new`` (start, k, v): the step's slot, written in first), into
+        ``outputs``; the set is free again once it ran. Returns the set and each tier's run of it."""
+        index, ready, from_disk = self._state[layer].take_load()
+        self.streams.wait(self.streams.compute, ready)
+        if from_disk is not None:
+            self.streams.wait(self.streams.compute, from_disk.result())
+        first = offloaded[0].rows.start
+        runs = {group: self._workspace_rows(index, group, first) for group in offloaded}  # a run of the set a tier
+        for group, loaded in runs.items():
+            if new is not None:
+                start, k, v = new
+                for buffer, slot in zip(loaded, (k, v)):
+                    SLOT_MAJOR.write(self.fmt, buffer, start, slot[group.rows])
+            keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
+                            for buffer, space in zip(loaded, self._dequantized()))
+            attend_rows(*outputs, group.rows, q[group.rows], keys, values, mask[group.rows])
+        self.workspace.free_events[index] = self.streams.record(self.streams.compute)
+        return index, runs
 
     def _send_slot(self, layer: int, start: int, runs: dict, groups: list[TierRows], index: int) -> None:
         """Copy the new slot of slot-major CPU rows home from their ``runs`` of workspace set

@@ -16,14 +16,10 @@ row.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
-
 import torch
 
 from ..models.common import attention_lse, attention_mask, merge_attention
-from .kv import BatchKV, attend_rows, cpu_attention
-from .kv_storage import SLOT_MAJOR
-from .tiers import read_pinned
+from .kv import BatchKV
 
 Shared = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # finish() -> (output, log-sum-exp), folded
 
@@ -33,63 +29,17 @@ class PrefixKV(BatchKV):
 
     def attend_shared(self, layer: int, q: torch.Tensor, mask: torch.Tensor) -> Shared:
         """A decode step's attention of the folded queries ``q`` (prefix rows, heads, queries,
-        head_dim) over the prefixes' slots allowed by ``mask`` (prefix rows, 1, 1, slots)."""
-        end = self.slots
+        head_dim) over the prefixes' slots allowed by ``mask`` (prefix rows, 1, 1, slots): the rows'
+        own attention paths (``BatchKV``) without a new slot."""
         out = torch.empty_like(q)
         lse = torch.empty((*q.shape[:-1], 1), dtype=torch.float32, device=q.device)
-        for group in self.groups:
-            if group.tier == "gpu":
-                keys, values = (group.read(buffer, end, out=space)
-                                for buffer, space in zip(group.pair(layer), self._dequantized()))
-                attend_rows(out, lse, group.rows, q[group.rows], keys, values, mask[group.rows])
+        self._attend_resident(layer, self.slots, q, mask, (out, lse))
         offloaded = self._offloaded()
         if offloaded and self.cpu_attention:
-            return self._attend_on_host(layer, q, mask, out, lse, offloaded)
+            return self._attend_on_host(layer, self.slots, q, mask, (out, lse), offloaded)
         if offloaded:
-            self._attend_travelled(layer, q, mask, out, lse, offloaded)
+            self._attend_workspace(layer, self.slots, q, mask, (out, lse), offloaded)
         return lambda: (out, lse)
-
-    def _attend_travelled(self, layer, q, mask, out, lse, offloaded) -> None:
-        """Attention over the copy ``prefetch`` loaded into the prefixes' workspace."""
-        index, ready, from_disk = self._state[layer].take_load()
-        self.streams.wait(self.streams.compute, ready)
-        if from_disk is not None:
-            self.streams.wait(self.streams.compute, from_disk.result())
-        first = offloaded[0].rows.start
-        for group in offloaded:
-            keys, values = (SLOT_MAJOR.read(self.fmt, buffer, self.slots, out=space)
-                            for buffer, space in zip(self._workspace_rows(index, group, first), self._dequantized()))
-            attend_rows(out, lse, group.rows, q[group.rows], keys, values, mask[group.rows])
-        self.workspace.free_events[index] = self.streams.record(self.streams.compute)
-
-    def _attend_on_host(self, layer, q, mask, out, lse, offloaded) -> Shared:
-        """CPU attention over the off-GPU prefixes on the host worker (disk rows read in first),
-        landing in pinned buffers that the next job waits to reuse, as ``attend_later``'s do."""
-        end = self.slots
-        rows = slice(offloaded[0].rows.start, offloaded[-1].rows.stop)
-        shape = (rows.stop - rows.start, *q.shape[1:])
-        if self._landing is None or self._landing[0].shape != shape:
-            self._landing = (self.host.empty(shape, q.dtype), self.host.empty((*shape[:-1], 1), torch.float32))
-        landing, landing_lse = self._landing
-
-        def attend() -> None:
-            queries, allowed = q[rows].to("cpu", self.dtype), mask[rows].cpu()
-            for group in offloaded:
-                group.load(layer, end)
-                keys, values = group.pair(layer)
-                local = slice(group.rows.start - rows.start, group.rows.stop - rows.start)
-                cpu_attention(queries[local], partial(group.read, keys, end), partial(group.read, values, end),
-                              allowed[local], out=landing[local], lse=landing_lse[local])
-
-        job = self.worker.submit(attend, self.streams.record(self.streams.compute))
-
-        def finish() -> tuple[torch.Tensor, torch.Tensor]:
-            job.result()
-            read_pinned(out[rows], landing)
-            read_pinned(lse[rows], landing_lse)
-            return out, lse
-
-        return finish
 
 
 class Prefixes:
