@@ -184,7 +184,7 @@ class CostModel(MemoryTerms):
 
     def prefill_tokens(self, frame: PolicyFrame) -> int:
         """Tokens one block's prefill computes: s per sequence, less what shared prefixes save."""
-        return self.workload.prompt_len * frame.block_size - self.shared_tokens(frame)
+        return self.workload.block_prefill_tokens(frame.gpu_batch_size, frame.num_gpu_batches)
 
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
         """Stored KV bytes of one token in one layer."""

@@ -66,6 +66,12 @@ class Workload:
         but one per prefix row."""
         return (gpu_batch_size - self.prefix_rows(gpu_batch_size)) * self.batch_prefix(gpu_batch_size)
 
+    def block_prefill_tokens(self, gpu_batch_size: int, num_gpu_batches: int) -> int:
+        """Token positions a block's prefill computes: s per sequence, less what its batches'
+        shared prefixes save."""
+        return (self.prompt_len * gpu_batch_size * num_gpu_batches
+                - num_gpu_batches * self.batch_saved_tokens(gpu_batch_size))
+
 
 class Placement(NamedTuple):
     """The nine fractions; each a float, or a numpy array to evaluate many placements at once."""
@@ -168,8 +174,7 @@ class Prediction:
         least 1): block forming weighs a GPU batch's generation padding by it."""
         policy, workload = self.policy, self.workload
         steps = policy.block_size * (workload.gen_len - 1)
-        computed = (workload.prompt_len * policy.block_size
-                    - policy.num_gpu_batches * workload.batch_saved_tokens(policy.gpu_batch_size))
+        computed = workload.block_prefill_tokens(policy.gpu_batch_size, policy.num_gpu_batches)
         if steps <= 0 or self.prefill_seconds <= 0 or self.decode_seconds <= 0:
             return 1
         return max(1, round((self.decode_seconds / steps) / (self.prefill_seconds / computed)))
