@@ -110,7 +110,7 @@ class GpuBatch:
         self.prefix: Prefixes | None = None
         if spans:
             self.prefix = Prefixes(list(spans), [seqs[start].prompt_ids[:length] for start, _, length in spans],
-                                   pad, device, make_prefix)
+                                   pad, device, dtype, make_prefix)
         prefix_lengths = span_lengths(len(seqs), spans)
         own = [s.prompt_ids[n:] for s, n in zip(seqs, prefix_lengths)]
         self.prompt_len = max(len(ids) for ids in own)

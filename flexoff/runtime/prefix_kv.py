@@ -16,9 +16,10 @@ row.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import torch
 
-from ..models.common import attention_lse, attention_mask, merge_attention
+from ..models.common import attention_bias, attention_lse, attention_mask, merge_attention
 from .kv import BatchKV
 
 Shared = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # finish() -> (output, log-sum-exp), folded
@@ -47,7 +48,7 @@ class Prefixes:
     group) and prefix, their cache, and at the prefill their inputs, hidden state and context."""
 
     def __init__(self, spans: list[tuple[int, int, int]], ids: list[list[int]], pad: int, device: torch.device,
-                 make_prefix):
+                 dtype: torch.dtype, make_prefix):
         """``spans``: each group's rows [start, stop) and prefix length; ``ids``: each group's prefix;
         ``make_prefix(rows, slots)`` -> (its PrefixKV, its activations)."""
         self.spans = spans
@@ -60,7 +61,9 @@ class Prefixes:
         self.valid = torch.arange(self.length, device=device)[None] >= (self.length - lengths)[:, None]
         self.positions = (torch.cumsum(self.valid.long(), dim=1) - 1).clamp(min=0)
         self.prefill_mask = attention_mask(self.valid, 0, self.length)
-        self.key_mask = self.valid[:, None, None, :]  # every query of a group sees its whole prefix
+        # Every query of a group sees its whole prefix: one bias for every layer and step of the batch,
+        # where each attention would convert a boolean mask again.
+        self.key_mask = attention_bias(self.valid[:, None, None, :], dtype)
         # Row r of the batch is query row _place[r] of the folded (groups * width) rows.
         place = [g * width + j for g, (start, stop, _) in enumerate(spans) for j in range(stop - start)]
         self._place = torch.tensor(place, device=device)
