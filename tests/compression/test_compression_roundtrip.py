@@ -50,6 +50,22 @@ def per_element(meta: torch.Tensor, group_size: int, width: int, dim: int) -> to
     return meta.to(torch.float32).repeat_interleave(group_size, dim=-1)[..., :width].movedim(-1, dim)
 
 
+def allowed_error(step: torch.Tensor, bits: int, dtype: torch.dtype, exact: torch.Tensor,
+                  back: torch.Tensor) -> torch.Tensor:
+    """Half a step from the code's rounding, plus the arithmetic's own rounding.
+
+    The codec computes (x - minimum) / scale and minimum + code * scale. The two inner terms are
+    as large as the group's range (levels steps), whatever |x| is: a value near zero in a group
+    far from zero rounds at the range's precision, not its own. The outer ones are relative to
+    the value, and the last term is the spacing of subnormals.
+    """
+    finfo = torch.finfo(dtype)
+    step = step.double()
+    group_range = step * (2**bits - 1)
+    return (step / 2 * (1 + 1e-6) + finfo.eps * (torch.maximum(exact.abs(), back.abs()) + group_range)
+            + finfo.smallest_normal * finfo.eps)
+
+
 @SETTINGS
 @given(cases())
 def test_every_value_comes_back_within_half_a_step(case):
@@ -61,10 +77,7 @@ def test_every_value_comes_back_within_half_a_step(case):
     width = x.shape[dim]
     step = per_element(ct.scale, group_size, width, dim)
     exact, back = x.to(torch.float64), y.to(torch.float64)
-    eps = torch.finfo(x.dtype).eps
-    tiny = torch.finfo(x.dtype).smallest_normal * eps  # the spacing of subnormals
-    # scale/2 from the code's rounding; the rest is fp32 arithmetic and the final rounding.
-    bound = step.double() / 2 * (1 + 1e-6) + eps * torch.maximum(exact.abs(), back.abs()) + tiny
+    bound = allowed_error(step, bits, x.dtype, exact, back)
     error = (back - exact).abs()
     assert (error <= bound).all(), f"worst excess {(error - bound).max().item():.3g}"
 
@@ -171,7 +184,6 @@ def test_extreme_magnitudes_stay_within_half_a_step(dtype, magnitude, bits):
     y = dequantize(ct)
     assert torch.isfinite(ct.scale).all() and torch.isfinite(y).all()
     step = per_element(ct.scale, 32, 96, -1).double()
-    finfo = torch.finfo(dtype)
     exact, back = x.double(), y.double()
-    bound = step / 2 * (1 + 1e-6) + finfo.eps * torch.maximum(exact.abs(), back.abs()) + finfo.smallest_normal * finfo.eps
+    bound = allowed_error(step, bits, dtype, exact, back)
     assert ((back - exact).abs() <= bound).all()
