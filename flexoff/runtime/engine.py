@@ -22,7 +22,7 @@ from .block_run import BlockContext, BlockRun
 from .interpreter import BlockInterpreter, HeadReady, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import Capacity, check_fits, job_bytes, logprob_positions, owned_layers, pins_host_memory, weight_bytes
-from .memory import grow_segments_in_place
+from .memory import configure_cuda_allocators
 from .metrics import MemoryMeter, Metrics
 from .offload_dir import remove_dead_folders
 from .pipeline import PipelineLink
@@ -76,7 +76,7 @@ class Engine:
         self.link = link
         self.share_prefixes = share_prefixes
         self.owned = link.place.owned if link is not None else None
-        grow_segments_in_place(device)
+        configure_cuda_allocators(device)
         self.streams = Streams(device, policy.overlap)
         # Host-side cache work (see kv.py), on one thread for the engine's lifetime.
         self.worker: HostWorker | None = HostWorker(device, self.streams, policy.pin_cpu_memory)

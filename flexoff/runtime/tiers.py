@@ -6,8 +6,11 @@ streams ordered by events; on a machine without CUDA the same calls run in place
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import shutil
+import sys
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -21,6 +24,10 @@ from ..units import format_size
 from ..layout.host import (HOST_CHUNK, HOST_JOBS_IN_FLIGHT, PAGE, SlabPlan, disk_file_bytes, pages,
                            pins_host_memory)
 from .offload_dir import make_private_folder
+
+HUGE_PAGE = 2 << 20
+HUGE_PAGE_MIN = 32 << 20  # smaller ones stay in small pages, where a huge page would be mostly padding
+MADV_HUGEPAGE = 14  # Linux's value
 
 _CHUNK = 64 << 20  # bytes per read/write call: large enough for full disk bandwidth
 
@@ -109,8 +116,14 @@ class HostMemory:
     def _register(self, nbytes: int) -> torch.Tensor:
         # Whole pages of its own: two registrations must never share a page.
         size = pages(nbytes)
-        base = torch.empty(size + PAGE, dtype=torch.uint8)
-        buffer = base[-base.data_ptr() % PAGE:][:size]
+        align = HUGE_PAGE if size >= HUGE_PAGE_MIN else PAGE
+        base = torch.empty(size + align, dtype=torch.uint8)  # the slack is address space, never touched
+        buffer = base[-base.data_ptr() % align:][:size]
+        if align == HUGE_PAGE:
+            advise_huge_pages(buffer)
+        # Registering faults the pages in on one thread (2.2 GB/s on the H200 machine); touched
+        # on every thread first, and in huge pages, 4 GiB registered at 19 GB/s.
+        buffer.zero_()
         error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0))
         if error:
             raise PolicyError(f"cannot pin {format_size(size)} of host memory (CUDA error {error}); run without "
@@ -121,6 +134,28 @@ class HostMemory:
     def close(self) -> None:
         self._unregister()
         self._slabs.clear()
+
+
+def advise_huge_pages(buffer: torch.Tensor) -> None:
+    """Ask Linux to back ``buffer`` (2 MiB aligned) with transparent huge pages: a 512th of the page
+    faults, and of the pages to pin. Only a hint: where the kernel or the libc has no such advice,
+    nothing changes."""
+    libc = _libc()
+    if libc is not None:
+        libc.madvise(ctypes.c_void_p(buffer.data_ptr()), ctypes.c_size_t(buffer.numel() * buffer.element_size()),
+                     MADV_HUGEPAGE)
+
+
+@functools.cache
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def _unregister(buffers: list[torch.Tensor]) -> None:

@@ -1,5 +1,7 @@
-"""Under a GPU cap, the engine keeps CUDA's caching allocator from stranding reserved memory: a large
-block freed and reused in part no longer blocks a later large block that fits the cap."""
+"""The engine's settings of CUDA's allocators. Under a GPU cap, the device's no longer strands
+reserved memory: a large block freed and reused in part no longer blocks a later large block that
+fits the cap. The pinned host allocator, registering memory it faulted in on many threads, still
+gives pinned memory that copies both ways."""
 
 import os
 import sys
@@ -8,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from flexoff.runtime.memory import grow_segments_in_place
+from flexoff.runtime.memory import configure_cuda_allocators
 from tests import processes
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -17,11 +19,11 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 # behind it stays reserved and a 1.5 GiB block would take the process past the cap.
 PATTERN = textwrap.dedent("""
     import sys, torch
-    from flexoff.runtime.memory import grow_segments_in_place
+    from flexoff.runtime.memory import configure_cuda_allocators
     GiB = 1 << 30
     torch.cuda.init()
     if sys.argv[1] == "grow":
-        grow_segments_in_place(torch.device("cuda"))
+        configure_cuda_allocators(torch.device("cuda"))
     torch.cuda.set_per_process_memory_fraction(3 * GiB / torch.cuda.get_device_properties(0).total_memory)
     def block(gib):
         return torch.empty(int(gib * GiB), dtype=torch.uint8, device="cuda")
@@ -59,11 +61,34 @@ def test_growing_segments_fit_the_block_and_keep_the_cap():
     assert _pattern("grow") == "fits, cap held"
 
 
+PINNED = textwrap.dedent("""
+    import torch
+    from flexoff.runtime.memory import configure_cuda_allocators
+    print(configure_cuda_allocators(torch.device("cuda")) is not None)
+    host = torch.empty(48 << 20, dtype=torch.uint8, pin_memory=True)
+    host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+    device = host.to("cuda", non_blocking=True)
+    back = torch.empty(host.shape, dtype=torch.uint8, pin_memory=True)
+    back.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    print(host.is_pinned(), back.is_pinned(), torch.equal(host, back))
+""")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_pinned_memory_registered_on_many_threads_is_pinned_and_copies():
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    done = processes.run([sys.executable, "-c", PINNED], env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True", "True", "True"]
+
+
 def test_the_users_allocator_settings_are_left_alone(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
-    assert not grow_segments_in_place(torch.device("cuda"))
+    assert configure_cuda_allocators(torch.device("cuda")) is None
     assert calls == []
 
 
@@ -72,7 +97,10 @@ def test_a_cpu_device_is_left_alone(monkeypatch):
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
-    assert not grow_segments_in_place(torch.device("cpu"))
+    monkeypatch.setattr("os.cpu_count", lambda: 24)
+    assert configure_cuda_allocators(torch.device("cpu")) is None
     assert calls == []
-    assert grow_segments_in_place(torch.device("cuda"))
-    assert calls == ["expandable_segments:True"]
+    made = configure_cuda_allocators(torch.device("cuda"))
+    assert calls == [made]
+    assert made.split(",") == ["expandable_segments:True", "pinned_use_cuda_host_register:True",
+                               "pinned_num_register_threads:16"]

@@ -171,3 +171,52 @@ def test_a_travelling_caches_stores_hold_at_most_what_the_estimate_reserves(tiny
         cfg = llm.config
     one_prefill = 2 * policy.gpu_batch_size * prompt * cfg.num_kv_heads * cfg.head_dim * 2  # keys and values, fp16
     assert 0 <= result.metrics.peak_memory["gpu_store_stream_peak"] <= 3 * one_prefill
+
+
+def _huge_pages_in(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address``, in bytes."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:
+            start, stop = (int(part, 16) for part in fields[0].split("-"))
+            inside = start <= address < stop
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1]) * 1024
+    return 0
+
+
+def _transparent_huge_pages() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "never"
+    return text.split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(_transparent_huge_pages() == "never", reason="the kernel gives no transparent huge pages")
+def test_advised_buffers_are_backed_by_huge_pages():
+    size = 64 * MiB
+    base = torch.empty(size + tiers.HUGE_PAGE, dtype=torch.uint8)
+    buffer = base[-base.data_ptr() % tiers.HUGE_PAGE:][:size]
+    tiers.advise_huge_pages(buffer)
+    buffer.zero_()
+    assert _huge_pages_in(buffer.data_ptr()) > 0
+
+
+@pytest.mark.gpu
+def test_large_registrations_are_huge_page_aligned_and_zeroed():
+    memory = tiers.HostMemory(pin=True, exact=True)
+    try:
+        large = memory.empty((40 * MiB + 3,), torch.uint8)
+        small = memory.empty((3 * MiB,), torch.uint8)
+        large_buffer, small_buffer = memory._registered
+        assert large_buffer.data_ptr() % tiers.HUGE_PAGE == 0 and large.data_ptr() == large_buffer.data_ptr()
+        assert small_buffer.data_ptr() % tiers.PAGE == 0
+        assert large_buffer.numel() == 40 * MiB + tiers.PAGE and small_buffer.numel() == 3 * MiB
+        assert not large.any() and not small.any()
+        device = large.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert not device.any()
+    finally:
+        memory.close()
