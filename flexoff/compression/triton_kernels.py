@@ -21,8 +21,8 @@ _TILE_VALUES = 4096
 
 
 # Triton compiles a kernel anew for every pattern of its integer arguments (equal to 1, divisible
-# by 16, neither): a run's tensors and cache steps gave 15 compilations, 12.8 s of OPT-30B's first
-# job on a fresh machine. Counts only bound the masks and the grid, so they are compiled generic;
+# by 16, neither): one OPT-30B job left 15 entries in its cache and spent 12.8 s compiling on a fresh
+# machine. Counts only bound the masks and the grid, so they are compiled generic;
 # widths and strides stay specialised, where divisibility lets loads and stores vectorise.
 @triton.jit(do_not_specialize=["rows", "num_groups", "num_col_blocks"])
 def _dequantize_4bit_kernel(
