@@ -2,8 +2,8 @@
 
 Shapes (token-id prompts drawn from a seeded generator, so nothing is tokenized or downloaded):
 
-- ``mmlu``: 57 subjects, each a 480-token prefix of in-context examples shared by its 12
-  questions, a 40-120-token question of its own, 4 new tokens each (684 prompts);
+- ``mmlu``: 57 subjects (``--subjects``), each a 480-token prefix of in-context examples shared
+  by its 12 questions, a 40-120-token question of its own, 4 new tokens each (684 prompts);
 - ``chat``: 240 requests behind one 300-token system prompt, 20-200 tokens of their own, 32-128
   new tokens each;
 - ``choices``: an lm-eval-shaped multiple-choice job, 200 contexts of 300-500 tokens with four
@@ -38,9 +38,9 @@ def ids(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(count)]
 
 
-def mmlu(rng: random.Random) -> list[dict]:
+def mmlu(rng: random.Random, subjects: int = 57) -> list[dict]:
     lines = []
-    for subject in range(57):
+    for subject in range(subjects):
         head = ids(rng, 480)
         for question in range(12):
             lines.append({"id": f"{subject}.{question}", "prompt": head + ids(rng, rng.randint(40, 120)),
@@ -114,6 +114,8 @@ def main(argv=None) -> None:
     parser.add_argument("--model", default="opt-30b")
     parser.add_argument("--shapes", nargs="+", default=["mmlu", "chat"], choices=[*SHAPES, "choices"])
     parser.add_argument("--gpu-mem", default="16GiB")
+    parser.add_argument("--subjects", type=int, default=57,
+                        help="mmlu: subjects of 12 questions each (default 57, MMLU's; fewer for a shorter run)")
     parser.add_argument("--compress", default="auto")
     parser.add_argument("--hardware", default=None)
     parser.add_argument("--policy-flags", help="one policy for both arms instead of --policy auto, as flexoff "
@@ -131,7 +133,8 @@ def main(argv=None) -> None:
             continue
         rng = random.Random(0)
         with (args.out / f"{shape}.jsonl").open("w") as job:
-            for line in SHAPES[shape](rng):
+            lines = mmlu(rng, args.subjects) if shape == "mmlu" else SHAPES[shape](rng)
+            for line in lines:
                 job.write(json.dumps(line) + "\n")
         for share in (arm == "on" for arm in args.arms):
             rows.append(run_batch(args, shape, share, args.out))
