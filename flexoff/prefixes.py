@@ -25,24 +25,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def batch_prefix(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
-                 minimum: int = MIN_SHARED_PREFIX) -> int:
-    """The prefix the rows of one GPU batch share: their common leading ids, leaving row r at least
-    ``keep[r]`` (default 1) of its own prompt's last ids, whose hidden states the head reads; 0 where
-    that is shorter than ``minimum`` or the batch has one row."""
-    if len(prompts) < 2:
-        return 0
-    first = prompts[0]
-    shared = len(first)
-    for other in prompts[1:]:
-        shared = common_prefix(first[:shared], other)
-        if shared < minimum:
-            return 0
-    tails = keep if keep is not None else [1] * len(prompts)
-    shared = min(shared, min(len(p) - t for p, t in zip(prompts, tails)))
-    return shared if shared >= minimum else 0
-
-
 def batch_groups(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
                  minimum: int = MIN_SHARED_PREFIX) -> list[tuple[list[int], int]]:
     """The groups of one GPU batch's rows that each share a prefix: (rows, prefix length) pairs,
@@ -115,7 +97,7 @@ def _sorted_neighbours(prompts: Sequence[Sequence[int]]) -> tuple[list[list[int]
 def prompt_shares(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
                   minimum: int = MIN_SHARED_PREFIX) -> list[int]:
     """Per prompt, the longest prefix it shares with any other prompt of the job, leaving it at
-    least ``keep[r]`` (default 1) of its own last ids as ``batch_prefix`` does; 0 below ``minimum``.
+    least ``keep[r]`` (default 1) of its own last ids as ``batch_groups`` does; 0 below ``minimum``.
     In the prompts' sorted order the longest prefix a prompt shares with any other is the one it
     shares with a neighbour, so the job is sorted once and each neighbour pair compared once."""
     ids, order, between = _sorted_neighbours(prompts)

@@ -142,8 +142,7 @@ class GpuBatch:
         slot = torch.arange(self.slots, device=device)
         # (batch, slots): False on left padding; every generated slot is real.
         self.valid = slot[None, :] >= (self.prompt_len - own_lengths)[:, None]
-        self.kv: BatchKV = make_kv(len(seqs), self.slots)
-        self.kv.merges = self.prefix is not None
+        self.kv: BatchKV = make_kv(len(seqs), self.slots, self.prefix is not None)
         self.activations: BatchActivations = make_activations(len(seqs), self.prompt_len)
         self._active = True
         # The token in flight (set by begin_token): its inputs, first cache slot, mask and the

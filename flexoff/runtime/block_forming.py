@@ -48,7 +48,7 @@ def form_blocks(prompt_lens: Sequence[int], max_new_tokens: Sequence[int], block
     inside a block, members come in GPU-batch groups when ``gpu_batch_size`` is given.
     ``prompts``: each prompt's token ids, to put rows sharing a prefix in one GPU batch; ``keep``:
     how many of each prompt's last positions the head reads, never shared (default 1 each; see
-    ``flexoff.prefixes.batch_prefix``). ``budget_weight``: what a generated token costs in prompt
+    ``flexoff.prefixes.batch_groups``). ``budget_weight``: what a generated token costs in prompt
     tokens (1 counts padding as FlexGen does; a planned policy's prediction gives the time each
     costs, ``Prediction.generated_token_weight``).
     """

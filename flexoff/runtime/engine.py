@@ -162,8 +162,8 @@ class Engine:
         for number, (group, spans) in enumerate(arranged):
             name = f"b{number}" if block == 0 else f"r{block}.b{number}"
 
-            def make_kv(count, slots, name=name):
-                return BatchKV(shared, count, slots, name)
+            def make_kv(count, slots, merges, name=name):
+                return BatchKV(shared, count, slots, name, merges)
 
             def make_activations(count, length, name=name):
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,

@@ -98,7 +98,7 @@ class BatchKV:
     thread's alone.
     """
 
-    def __init__(self, block: BlockKV, rows: int, slots: int, name: str):
+    def __init__(self, block: BlockKV, rows: int, slots: int, name: str, merges: bool = False):
         policy = block.policy
         self.cfg = block.cfg
         self.cpu_attention = policy.cpu_attention
@@ -112,7 +112,7 @@ class BatchKV:
         self.fmt = kv_format(policy.compress_cache, block.dtype)
         self.slots = slots
         # Whether attention also gives its log-sum-exp, to be merged with a shared prefix's.
-        self.merges = False
+        self.merges = merges
         layers = range(block.cfg.num_layers) if block.layers is None else block.layers
         home = RowsHome(block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk)
         self.groups = [tier_rows(p, home, policy.cpu_attention, f"{name}.{p.tier}")

@@ -1,7 +1,7 @@
 """Block forming by shared prompt prefixes: the prefix tree of a job's prompts, what a group of
 rows shares, and GPU batches carved where rows share a long prefix.
 
-A GPU batch whose rows begin alike runs that prefix once (``flexoff.prefixes.batch_prefix``), so
+A GPU batch whose rows begin alike runs that prefix once (``flexoff.prefixes.batch_groups``), so
 it costs ``P + rows * (longest own prompt part + largest budget)`` padded tokens instead of
 ``rows * (longest prompt + largest budget)``. The prompts sorted by their token ids, with each
 neighbour's common prefix, are the prefix tree: the rows sharing at least ``d`` tokens with one
@@ -61,15 +61,6 @@ class PrefixIndex:
             row = self.table[lv]
             out[at] = np.minimum(row[low[at] + 1], row[high[at] - (1 << lv) + 1])
         return out
-
-    def shared(self, rows: np.ndarray) -> int:
-        """``prefixes.batch_prefix`` of these rows' prompts and keeps."""
-        if len(rows) < 2:
-            return 0
-        ranks = self.rank[rows]
-        low, high = np.array([ranks.min()]), np.array([ranks.max()])
-        shared = min(int(self.between(low, high)[0]), int(self.room[rows].min()))
-        return shared if shared >= MIN_SHARED_PREFIX else 0
 
     def batch_cost(self, rows: np.ndarray, p: np.ndarray, g: np.ndarray) -> int:
         """Padded tokens of one GPU batch of ``rows`` as the runtime runs it: each group of rows

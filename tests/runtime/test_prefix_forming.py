@@ -4,14 +4,17 @@ nothing gets exactly the blocks it gets without its prompts."""
 
 import random
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flexoff.prefixes import MIN_SHARED_PREFIX, batch_prefix
+from flexoff.prefixes import MIN_SHARED_PREFIX, common_prefix
 from flexoff.runtime.block_forming import form_blocks, padded_tokens
-from flexoff.runtime.prefix_forming import PrefixIndex
+
+
+def shared_by_all(prompts: list[list[int]]) -> int:
+    """The leading ids every one of ``prompts`` has."""
+    return min(common_prefix(prompts[0], other) for other in prompts) if prompts else 0
 
 
 def families(rng: random.Random, count: int, vocab: int = 3) -> list[list[int]]:
@@ -66,7 +69,7 @@ def test_every_gpu_batch_of_a_few_shot_job_shares_its_subjects_prefix(gpu_batch,
     assert len(blocks) == -(-len(prompts) // block_size)
     for rows in gpu_batches(blocks, gpu_batch):
         assert len({subjects[i] for i in rows}) == 1
-        assert batch_prefix([prompts[i] for i in rows]) >= 100
+        assert shared_by_all([prompts[i] for i in rows]) >= 100
     shared = padded_tokens(blocks, lens, budgets, gpu_batch_size=gpu_batch, prompts=prompts)
     by_length = form_blocks(lens, budgets, block_size, gpu_batch_size=gpu_batch)
     assert shared < padded_tokens(by_length, lens, budgets, gpu_batch_size=gpu_batch, prompts=prompts)
@@ -77,7 +80,7 @@ def test_a_subject_that_does_not_fill_its_batches_shares_where_it_does():
     subjects, prompts, budgets = few_shot()
     lens = [len(ids) for ids in prompts]
     blocks = form_blocks(lens, budgets, 16, gpu_batch_size=8, prompts=prompts)
-    shares = [batch_prefix([prompts[i] for i in rows]) for rows in gpu_batches(blocks, 8)]
+    shares = [shared_by_all([prompts[i] for i in rows]) for rows in gpu_batches(blocks, 8)]
     assert sum(s >= 100 for s in shares) == 6
 
 
@@ -117,18 +120,6 @@ def test_samples_and_choices_of_one_context_run_together():
     blocks = form_blocks(lens, [1] * len(rows), 8, gpu_batch_size=4, prompts=prompts, keep=keep)
     for batch in gpu_batches(blocks, 4):
         assert len({rows[i][0] for i in batch}) == 1
-
-
-def test_shared_counts_as_batch_prefix():
-    rng = random.Random(2)
-    for _ in range(30):
-        prompts = families(rng, rng.randint(1, 30), vocab=2)
-        keep = [rng.randint(1, 6) for _ in prompts]
-        index = PrefixIndex(prompts, keep)
-        for _ in range(10):
-            rows = rng.sample(range(len(prompts)), rng.randint(1, len(prompts)))
-            expect = batch_prefix([prompts[i] for i in rows], [keep[i] for i in rows])
-            assert index.shared(np.array(rows)) == expect
 
 
 @pytest.mark.parametrize("kwargs, message", [
