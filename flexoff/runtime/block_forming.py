@@ -118,15 +118,16 @@ def _shared_cost(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray, batch: 
 def _by_prefix(blocks: list[np.ndarray], p: np.ndarray, g: np.ndarray, size: int, batch: int,
                index: PrefixIndex) -> list[np.ndarray]:
     """The cheapest, counting shared prefixes once, of ``blocks`` (the grouping by length), those
-    blocks with their GPU batches formed by prefix, and the whole job formed by prefix (carving
-    nodes of the prefix tree from a few depths up); ``blocks`` where nothing is cheaper."""
+    blocks with their GPU batches formed by prefix, the rows sharing a prefix side by side (their
+    runs in the order of their ids, or of their length), and the whole job formed by prefix
+    (carving nodes of the prefix tree from a few depths up); ``blocks`` where nothing is cheaper."""
     items = np.arange(len(p))
     depths = index.depths(items)
     if not depths or size % batch:  # nothing shared; or GPU batches that do not tile a block
         return blocks
-    runs = index.runs(items, p, g)
-    candidates = [blocks, [_cheaper_inside(block, p, g, batch, index) for block in blocks],
-                  [runs[i:i + size] for i in range(0, len(runs), size)]]
+    candidates = [blocks, [_cheaper_inside(block, p, g, batch, index) for block in blocks]]
+    for runs in (index.runs(items, p, g), index.runs(items, p, g, by_length=True)):
+        candidates.append([runs[i:i + size] for i in range(0, len(runs), size)])
     thresholds: list[int] = []
     for depth in depths:  # deeper thresholds leave shallow prefixes to the grouping by length
         if len(thresholds) < _THRESHOLDS and (not thresholds or depth >= 2 * thresholds[-1]):

@@ -73,13 +73,18 @@ class PrefixIndex:
         longest = max((length for _, length in groups), default=0)
         return len(groups) * longest + len(rows) * int((p[rows] - shared).max() + g[rows].max())
 
-    def runs(self, items: np.ndarray, p: np.ndarray, g: np.ndarray) -> np.ndarray:
+    def runs(self, items: np.ndarray, p: np.ndarray, g: np.ndarray, by_length: bool = False) -> np.ndarray:
         """``items`` with the rows that share a prefix side by side, each such run by prompt length
-        and budget: cut into consecutive GPU batches, a batch then holds few prefixes."""
+        and budget: cut into consecutive GPU batches, a batch then holds few prefixes. The runs come
+        in the order of their ids, or ``by_length``, of their longest prompt and budget: a batch of
+        many short runs (a context's four choices) then holds prefixes alike in length, which its
+        prefix rows pad to the longest."""
         ordered, links = self.links(items)
         starts = np.flatnonzero(links < MIN_SHARED_PREFIX)
-        runs = np.split(ordered, starts[1:])
-        return np.concatenate([r[np.lexsort((r, g[r], p[r]))] for r in runs])
+        runs = [r[np.lexsort((r, g[r], p[r]))] for r in np.split(ordered, starts[1:])]
+        if by_length:
+            runs.sort(key=lambda r: (int(p[r].max()), int(g[r].max()), int(r[0])))
+        return np.concatenate(runs)
 
     def links(self, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``items`` in rank order, and what each shares with the one before it (0 for the first),

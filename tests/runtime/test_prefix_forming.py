@@ -108,6 +108,25 @@ def test_rows_that_keep_their_whole_prompt_share_nothing():
             == form_blocks(lens, budgets, 8, gpu_batch_size=4))
 
 
+def test_a_batch_of_many_contexts_holds_contexts_alike_in_length():
+    # 60 contexts of 100-300 tokens, each with four scored continuations, in GPU batches of 20 rows
+    # (five contexts): a batch's prefix rows pad to its longest context, so alike lengths run together.
+    rng = random.Random(3)
+    contexts = [[300 + c] + [rng.randrange(900) for _ in range(rng.randint(100, 300))] for c in range(60)]
+    rows = [(c, contexts[c] + [rng.randrange(900) for _ in range(rng.randint(1, 8))]) for c in range(60) for _ in range(4)]
+    prompts = [ids for _, ids in rows]
+    keep = [len(ids) - len(contexts[c]) + 1 for c, ids in rows]
+    lens = [len(ids) for ids in prompts]
+    blocks = form_blocks(lens, [1] * len(rows), 20, gpu_batch_size=20, prompts=prompts, keep=keep)
+    spreads = []
+    for batch in gpu_batches(blocks, 20):
+        held = {rows[i][0] for i in batch}
+        assert len(held) == 5 and all(sum(rows[i][0] == c for i in batch) == 4 for c in held)
+        spreads.append(max(len(contexts[c]) for c in held) - min(len(contexts[c]) for c in held))
+    # 60 lengths drawn from 200 values, in sorted runs of five: a few tokens apart, not ~150 as at random.
+    assert max(spreads) < 40
+
+
 def test_samples_and_choices_of_one_context_run_together():
     # Four continuations of each of six contexts, scored: a context's rows share it.
     rng = random.Random(1)
