@@ -148,7 +148,8 @@ def test_the_python_api_points_policy_auto_to_the_planner():
     (["run", "--policy", "auto", "--hardware", "t4", "--dtype", "bfloat16", "--gpu-mem", "1KB"],
      "cannot run on this machine even with everything offloaded"),
     (["bench", "--scenario", "xsum", "--data", str(DATA / "xsum.jsonl"), "--model", "opt-125m", "--dummy",
-      "--policy", "auto", "--hardware", "t4", "--output-dir", "{tmp}"], "not `flexoff bench`"),
+      "--policy", "auto", "--hardware", "t4", "--dtype", "bfloat16", "--output-dir", "{tmp}"],
+     "scenarios are text; model 'opt-125m' has no tokenizer"),
 ])
 def test_policy_auto_bad_input_is_one_line_and_exit_2(argv, message, tmp_path):
     code, out, err = run_cli(*(arg.replace("{tmp}", str(tmp_path / "bench")) for arg in argv))

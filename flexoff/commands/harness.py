@@ -134,7 +134,7 @@ def run_bench(args) -> int:
                        num_in_context=args.num_in_context, subject=args.subject)
     try:
         _dropped(bench.store)
-        llm = make_llm(deployment, job, args=args)
+        llm = make_llm(deployment, job, lambda: bench.workload(deployment.config), args)
         try:
             metrics = bench.run(llm, TqdmProgress(not args.quiet))
         except KeyboardInterrupt:

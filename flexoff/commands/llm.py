@@ -84,9 +84,8 @@ def make_llm(deployment: Deployment, job: Job, workload: Callable[[], Workload] 
     ``args``: the command's flags, each one that has no effect on the job named in a warning."""
     from ..api import LLM
 
-    if job.policy.searched and workload is None:
-        raise FlexoffError("--policy auto works with `flexoff run` and `flexoff batch`, not `flexoff bench`: "
-                           "save a policy with `flexoff search --output FILE` and pass --policy FILE")
+    if job.policy.searched and workload is None:  # a command's bug, never the user's
+        raise ValueError("--policy auto needs the job's workload to plan for")
     workload = cache(workload) if workload is not None else None  # text prompts are tokenized once
 
     def measured_workload():

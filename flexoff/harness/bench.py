@@ -119,15 +119,33 @@ class BenchRun:
     prepared: list = field(default_factory=list)
     gen_items: list = field(default_factory=list)
 
+    def _prepare(self, tokenizer, cfg) -> list:
+        """Every evaluated instance's prompt, fitted to the model's context."""
+        if tokenizer is None:
+            raise TokenizerError(f"scenarios are text; model {cfg.name!r} has no tokenizer")
+        return [fit_prompt(self.scenario, self.examples, inst, tokenizer, cfg.max_positions, self.subject,
+                           cfg.bos_token_id) for inst in self.evaluated]
+
+    def workload(self, cfg):
+        """The planner's workload of the samples still to generate (all of them once none is left),
+        their prompts fitted to ``cfg``'s context as :meth:`run` fits them: for a policy searched
+        for them, the in-context examples the prompts share measured as the prompts' shared prefix."""
+        from ..prompts import prompt_workload
+        from ..tokenizer import Tokenizer
+
+        prepared = self._prepare(Tokenizer.for_model(self.job.model, self.job.tokenizer), cfg)
+        samples = [(item.prompt, [item.instance.id, j]) for item in prepared for j in range(self.scenario.num_outputs)]
+        pending = [prompt for prompt, sample_id in samples if id_key(sample_id) not in self.store.done]
+        prompts = pending or [prompt for prompt, _ in samples]
+        return prompt_workload(prompts, [self.scenario.max_new_tokens] * len(prompts), self.job.model,
+                               self.job.tokenizer, self.job.prefix_sharing)
+
     def run(self, llm, progress: Progress | None = None):
         """Generate the samples and score the references not yet in the output; the Metrics of the
         generation, or None if none was left."""
         scenario = self.scenario
-        if llm.tokenizer is None:
-            raise TokenizerError(f"scenarios are text; model {llm.config.name!r} has no tokenizer")
         cfg = llm.config
-        self.prepared = [fit_prompt(scenario, self.examples, inst, llm.tokenizer, cfg.max_positions, self.subject,
-                                    cfg.bos_token_id) for inst in self.evaluated]
+        self.prepared = self._prepare(llm.tokenizer, cfg)
         gen_items, score_items = [], []
         stride = scenario.num_outputs + 1  # an instance's samples, then its reference score
         for position, item in enumerate(self.prepared):

@@ -147,6 +147,37 @@ def test_user_errors_exit_2_with_one_line(tiny_opt, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_policy_auto_plans_for_the_prompts_the_scenario_builds(tiny_opt, tmp_path, capsys, monkeypatch):
+    """--policy auto searches a policy for the scenario's own prompts: the longest as fitted to the
+    context, the scenario's generation budget, and the in-context examples every prompt begins
+    with as the job's shared prefix."""
+    import flexoff.prompts
+
+    planned = []
+    measure = flexoff.prompts.prompt_workload
+
+    def recording(*args, **kwargs):
+        planned.append(measure(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(flexoff.prompts, "prompt_workload", recording)
+    output_dir = tmp_path / "auto"
+    assert main(["bench", "--scenario", "synthetic_reasoning", "--model", str(tiny_opt[0]), "--max-instances", "6",
+                 "--output-dir", str(output_dir), "--no-progress", "--policy", "auto", "--hardware", "t4",
+                 "--dtype", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    scenario = get_scenario("synthetic_reasoning")
+    records = [json.loads(line) for line in (output_dir / "results.jsonl").read_text().splitlines()]
+    generated = [r for r in records if r.get("kind") == "generate"]
+    longest = max(r["prompt_tokens"] for r in generated)
+    [workload] = planned
+    assert (workload.prompt_len, workload.gen_len, workload.num_prompts) == (longest, scenario.max_new_tokens, 6)
+    assert 0 < workload.shared_prefix < longest  # the five examples, not the question
+    assert f"for prompt {longest}, generate {scenario.max_new_tokens} on t4" in err
+    summary, _ = read_outputs(output_dir)
+    assert summary["generation"]["shared_prompt_tokens"] > 0
+
+
 def test_summary_logprob_is_finite(tiny_opt, tmp_path, capsys):
     assert main(bench_args(tiny_opt[0], "wikifact", tmp_path / "w", "--num-in-context", "0")) == 0
     summary, rows = read_outputs(tmp_path / "w")
