@@ -2,6 +2,8 @@
 in slabs. The layout lists the runtime's host allocations in its order, and reserves for them
 what the runtime reserves."""
 
+import sys
+
 import pytest
 import torch
 
@@ -173,35 +175,28 @@ def test_a_travelling_caches_stores_hold_at_most_what_the_estimate_reserves(tiny
     assert 0 <= result.metrics.peak_memory["gpu_store_stream_peak"] <= 3 * one_prefill
 
 
-def _huge_pages_in(address: int) -> int:
-    """AnonHugePages of the mapping of this process that holds ``address``, in bytes."""
+def _mapping_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address``."""
     inside = False
     for line in open("/proc/self/smaps"):
         fields = line.split()
         if "-" in fields[0] and ":" not in fields[0]:
             start, stop = (int(part, 16) for part in fields[0].split("-"))
             inside = start <= address < stop
-        elif inside and fields[0] == "AnonHugePages:":
-            return int(fields[1]) * 1024
-    return 0
+        elif inside and fields[0] == "VmFlags:":
+            return fields[1:]
+    return []
 
 
-def _transparent_huge_pages() -> str:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return "never"
-    return text.split("[")[1].split("]")[0]
-
-
-@pytest.mark.skipif(_transparent_huge_pages() == "never", reason="the kernel gives no transparent huge pages")
-def test_advised_buffers_are_backed_by_huge_pages():
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and /proc are Linux's")
+def test_advised_buffers_are_marked_for_huge_pages():
+    # "hg": the kernel backs the mapping with huge pages where it can. Whether it could depends on
+    # the machine's free memory at the time, so that is not what is asserted.
     size = 64 * MiB
     base = torch.empty(size + tiers.HUGE_PAGE, dtype=torch.uint8)
     buffer = base[-base.data_ptr() % tiers.HUGE_PAGE:][:size]
     tiers.advise_huge_pages(buffer)
-    buffer.zero_()
-    assert _huge_pages_in(buffer.data_ptr()) > 0
+    assert "hg" in _mapping_flags(buffer.data_ptr())
 
 
 @pytest.mark.gpu
