@@ -6,7 +6,11 @@ others down; its peak resident memory comes from the kernel's accounting of that
   planner's predicted prefill / decode / total beside the measured ones;
 - named policies (POLICIES, FlexGen's flags) run by both flexoff and FlexGen (--policies), or by FlexGen
   alone (--flexgen-policies); the best FlexGen policy is marked, one that fails is "cannot run: <why>";
-- HF transformers + Accelerate with CPU offload at the largest batch that fits (--systems ...,hf).
+- HF transformers + Accelerate with CPU offload at the largest batch that fits (--systems ...,hf);
+- DeepSpeed ZeRO-Inference: ZeRO-3 with parameters on pinned host memory, 4-bit weights, the largest batch
+  that fits (--systems ...,deepspeed; bench/deepspeed_driver.py names what it could not enable);
+- llama.cpp's llama-batched-bench on a dummy Q4_0 GGUF, as much of it on the GPU as the cap holds, at each of
+  --llamacpp-batch-sizes (--systems ...,llamacpp; bench/llamacpp.py says how it is placed and counted).
 FlexGen runs OPT models only: for others its rows say so. --gpu-mem caps every system's GPU memory; --cpu-mem
 caps flexoff's host memory. The decode roofline is the token/s a policy would reach if decode were bound only
 by moving its bytes (off-GPU weights, a travelling cache) over the busiest link, PCIe or disk, at the packaged
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import shlex
 import subprocess
@@ -35,9 +40,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+import llamacpp  # noqa: E402
 from flexoff.models import REGISTRY  # noqa: E402
 from flexoff.policy import CompressionConfig, Policy, placement_from_percent  # noqa: E402
-from throughput_runs import run_flexgen, run_flexoff, run_flexoff_auto, run_hf  # noqa: E402
+from throughput_runs import run_flexgen, run_flexoff, run_flexoff_auto, run_hf, run_llamacpp  # noqa: E402
+from throughput_runs import run_deepspeed  # noqa: E402
 
 GiB = 2**30
 
@@ -198,6 +205,14 @@ def run_all(args) -> list[dict]:
         if result.get("experts"):
             label += f", experts {result['experts']}"
         rows.append(row("hf", label, result, args))
+    if "deepspeed" in systems:
+        result = in_workdir(run_deepspeed)
+        label = f"ZeRO-3 offload, {result['weights']}, batch {result['batch']}" if "batch" in result else "ZeRO-3"
+        rows.append(row("deepspeed", label, result, args))
+    if "llamacpp" in systems:
+        result = in_workdir(run_llamacpp)
+        label = f"Q4_0, {result['flags']}, batch {result['batch']}" if "flags" in result else "Q4_0"
+        rows.append(row("llamacpp", label, result, args))
     return rows
 
 
@@ -246,7 +261,7 @@ def table(rows: list[dict], args) -> str:
         values = [fmt(res.get(k)) if good else "—" for k in ("prefill", "decode", "total")]
         roof = entry.get("roofline_decode")
         lines.append("| " + " | ".join([
-            {"hf": "HF Accelerate", "flexgen": "FlexGen 0.1.8"}.get(entry["system"], entry["system"]),
+            system_name(entry),
             entry["policy"], *values,
             " / ".join(fmt(pred[k]) for k in ("prefill", "decode", "total")) if pred else "—",
             f"{res['gpu_peak'] / GiB:.1f}" if good and res.get("gpu_peak") else "—",
@@ -255,6 +270,16 @@ def table(rows: list[dict], args) -> str:
             f"{entry['moved_bytes_per_token'] / 1e6:.0f}" if "moved_bytes_per_token" in entry else "—",
             note]) + " |")
     return "\n".join(lines + [""] + ratio_lines(rows, top))
+
+
+SYSTEMS = {"flexoff": "flexoff", "flexgen": "FlexGen 0.1.8", "hf": "HF Accelerate", "deepspeed": "DeepSpeed",
+           "llamacpp": "llama.cpp"}
+
+
+def system_name(entry: dict) -> str:
+    name = SYSTEMS[entry["system"]]
+    version = entry["result"].get("version")
+    return f"{name} {version}" if version else name
 
 
 def ratio_lines(rows: list[dict], top: dict | None) -> list[str]:
@@ -279,6 +304,17 @@ def ratio_lines(rows: list[dict], top: dict | None) -> list[str]:
         lines.append(f"- HF Accelerate {hf['result']['error']}.")
     elif hf and ours:
         lines.append(f"- flexoff ({ours['policy']}) / HF Accelerate ({hf['policy']}): {ratio(ours, hf)}")
+    for other in (r for r in rows if r["system"] in ("deepspeed", "llamacpp")):
+        name = SYSTEMS[other["system"]]
+        if not ok(other):
+            lines.append(f"- {name} {other['result']['error']}.")
+        elif ours:
+            lines.append(f"- flexoff ({ours['policy']}) / {name} ({other['policy']}): {ratio(ours, other)}")
+    others = [r for r in rows if r["system"] != "flexoff" and ok(r)]
+    if ours and others:
+        rival = max(others, key=lambda r: r["result"]["total"])
+        lines.append(f"- flexoff / the best other system ({system_name(rival)}, {rival['policy']}): "
+                     f"total {ours['result']['total'] / rival['result']['total']:.2f}×")
     for mine in rows:
         twin = next((r for r in rows if r["system"] == "flexgen" and r["policy"] == mine["policy"]), None)
         if mine["system"] == "flexoff" and ok(mine) and twin and ok(twin):
@@ -300,7 +336,8 @@ def parse_args(argv=None):
     parser.add_argument("--model", default="opt-30b")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--systems", default="flexoff,flexgen", help="comma-separated: flexoff, flexgen, hf")
+    parser.add_argument("--systems", default="flexoff,flexgen",
+                        help="comma-separated: " + ", ".join(SYSTEMS))
     parser.add_argument("--policy", choices=["auto"], help="auto: a flexoff row at the policy flexoff searches")
     parser.add_argument("--hardware", default="h100", metavar="NAME|FILE",
                         help="the planner's profile for --policy auto and the predictions (default h100), or a "
@@ -320,7 +357,16 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="auto", help="flexoff's --dtype (on a CPU, float16 or bfloat16 for auto)")
     parser.add_argument("--hf-batch-sizes", help="batch sizes HF tries, largest first (default: from its estimate)")
     parser.add_argument("--hf-experts", help="HF's experts kernel (transformers 5), e.g. eager (default: its own)")
-    parser.add_argument("--offload-dir", default=tempfile.gettempdir())
+    parser.add_argument("--deepspeed-quant-bits", type=int, choices=[0, 4, 8], default=4,
+                        help="DeepSpeed's weight bits at initialization, 0 for 16-bit (default 4)")
+    parser.add_argument("--deepspeed-batch-sizes", help="batch sizes DeepSpeed tries, largest first "
+                                                        "(default: from its estimate)")
+    parser.add_argument("--llamacpp-bin", help=f"llama.cpp's llama-batched-bench (default: ${llamacpp.BINARY_ENV}, "
+                                                "else PATH)")
+    parser.add_argument("--llamacpp-batch-sizes", type=sizes, default=[64, 32, 16],
+                        help="parallel sequences llama.cpp runs, one run each (default 64,32,16)")
+    parser.add_argument("--offload-dir", default=tempfile.gettempdir(),
+                        help="offload files, and llama.cpp's dummy GGUF (kept for later runs)")
     parser.add_argument("--timeout", type=int, default=480, help="seconds per run")
     parser.add_argument("--flexgen-fewer-batch", action="store_true",
                         help="FlexGen's own projection from a partial run (--debug-mode fewer_batch)")
@@ -328,10 +374,34 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.policies is None:
         args.policies = [] if args.policy or args.flexgen_policies else list(POLICIES)
-    unknown = set(args.systems.split(",")) - {"flexoff", "flexgen", "hf"}
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
     if unknown:
-        parser.error(f"--systems: unknown {', '.join(sorted(unknown))}; choose from flexoff, flexgen, hf")
+        fail(f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+    if "deepspeed" in args.systems.split(",") and importlib.util.find_spec("deepspeed") is None:
+        fail("--systems deepspeed: the deepspeed package is not installed; DS_BUILD_OPS=0 pip install deepspeed "
+             "--no-build-isolation (it needs torch installed first)")
+    if "llamacpp" in args.systems.split(","):
+        try:
+            llamacpp.find_binary(args.llamacpp_bin)
+        except llamacpp.Missing as err:
+            fail(f"--systems llamacpp: {err}")
     return args
+
+
+def fail(message: str) -> None:
+    """A user's mistake: one line, exit code 2."""
+    print(f"throughput.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def sizes(text: str) -> list[int]:
+    try:
+        chosen = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of whole numbers: {text!r}") from None
+    if not chosen or min(chosen) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be 1 or more: {text!r}")
+    return chosen
 
 
 def main() -> None:

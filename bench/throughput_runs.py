@@ -1,5 +1,6 @@
 """One run of each system for bench/throughput.py, each in its own process: flexoff at a named or a searched
-policy, the published FlexGen 0.1.8 (bench/flexgen_driver.py), and HF Accelerate (bench/hf_accelerate_driver.py).
+policy, the published FlexGen 0.1.8 (bench/flexgen_driver.py), HF Accelerate (bench/hf_accelerate_driver.py),
+DeepSpeed ZeRO-Inference (bench/deepspeed_driver.py) and llama.cpp (bench/llamacpp.py).
 
 A run returns a dict of prefill / decode / total token/s, peak GPU bytes and the process's peak RSS, or
 {"error": "cannot run: <why>", "rss": ...} when it failed.
@@ -19,8 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HF_MARK = "HF_RESULT "
 
 
-def run_process(argv: list[str], timeout: int, log: Path) -> tuple[int, str, int, bool]:
-    """Run argv; return (exit code, output, peak RSS in bytes of that process, whether it timed out)."""
+def run_process(argv: list[str], timeout: int, log: Path, sample=None) -> tuple[int, str, int, bool]:
+    """Run argv; return (exit code, output, peak RSS in bytes of that process, whether it timed out).
+    ``sample(pid)``, if given, is called while it runs, twice a second."""
     timed_out = False
     with open(log, "w") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -34,6 +36,8 @@ def run_process(argv: list[str], timeout: int, log: Path) -> tuple[int, str, int
                 pid, status, usage = os.wait4(proc.pid, 0)
                 timed_out = True
                 break
+            if sample:
+                sample(proc.pid)
             time.sleep(0.5)
     code = os.waitstatus_to_exitcode(status)
     return code, log.read_text(), usage.ru_maxrss * 1024, timed_out
@@ -139,17 +143,94 @@ def hf_result(output: str) -> dict | None:
 
 
 def run_hf(args, workdir: Path) -> dict:
-    argv = [sys.executable, str(ROOT / "bench" / "hf_accelerate_driver.py"), "--model", args.model,
-            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len)]
+    extra = (["--batch-sizes", args.hf_batch_sizes] if args.hf_batch_sizes else []) \
+        + (["--experts", args.hf_experts] if args.hf_experts else [])
+    return _driver("hf_accelerate_driver.py", extra, args, workdir / "hf.out")
+
+
+def run_deepspeed(args, workdir: Path) -> dict:
+    """DeepSpeed ZeRO-Inference (bench/deepspeed_driver.py) at the largest batch that fits the cap."""
+    extra = ["--quant-bits", str(args.deepspeed_quant_bits)] \
+        + (["--batch-sizes", args.deepspeed_batch_sizes] if args.deepspeed_batch_sizes else [])
+    return _driver("deepspeed_driver.py", extra, args, workdir / "deepspeed.out")
+
+
+def _driver(script: str, extra: list[str], args, log: Path) -> dict:
+    """A baseline driver that ends its output with an HF_RESULT line."""
+    argv = [sys.executable, str(ROOT / "bench" / script), "--model", args.model,
+            "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len), *extra]
     if args.gpu_mem:
         argv += ["--gpu-mem", args.gpu_mem]
-    if args.hf_batch_sizes:
-        argv += ["--batch-sizes", args.hf_batch_sizes]
-    if args.hf_experts:
-        argv += ["--experts", args.hf_experts]
-    code, output, rss, timed_out = run_process(argv, args.timeout, workdir / "hf.out")
+    code, output, rss, timed_out = run_process(argv, args.timeout, log)
     result = hf_result(output)
     if result is None or (code != 0 and "error" not in result):
         return {"error": failure(code, output, timed_out, args.timeout), "rss": rss}
     result["rss"] = rss
     return result
+
+
+def gpu_capacity(args) -> int:
+    """The bytes a baseline without an allocator cap may fill: --gpu-mem, else the whole card."""
+    from flexoff.units import parse_size
+
+    if args.gpu_mem:
+        return parse_size(args.gpu_mem)
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 2**62
+
+
+def dummy_gguf_file(args) -> Path:
+    """The model's dummy Q4_0 GGUF, written once into --offload-dir and kept for later runs."""
+    from dummy_gguf import write_dummy_gguf
+    from flexoff.models import REGISTRY
+
+    path = Path(args.offload_dir) / f"{args.model}.dummy-q4_0.gguf"
+    if not path.exists():
+        write_dummy_gguf(REGISTRY[args.model], path, context=args.prompt_len + args.gen_len)
+    return path
+
+
+def run_llamacpp(args, workdir: Path) -> dict:
+    """llama.cpp's batched bench at each of --llamacpp-batch-sizes, its placement planned for the cap and run
+    again with a larger reserve where the buffers it reported went over it; the best total of those that ran."""
+    import llamacpp
+    from dummy_gguf import NotConvertible, architecture
+    from flexoff.models import REGISTRY
+
+    cfg = REGISTRY[args.model]
+    try:
+        architecture(cfg)
+    except NotConvertible as err:
+        return {"error": f"cannot run: {err}", "rss": 0}
+    binary, cap = llamacpp.find_binary(args.llamacpp_bin), gpu_capacity(args)
+    gguf, tried, last = dummy_gguf_file(args), [], {"error": "cannot run: no batch size was tried", "rss": 0}
+    for batch in args.llamacpp_batch_sizes:
+        reserve = llamacpp.COMPUTE_RESERVE
+        for _ in range(3):
+            offload = llamacpp.plan_offload(cfg, cap, batch, args.prompt_len, args.gen_len, reserve)
+            if offload is None:
+                last = {"error": f"cannot run: batch {batch}'s cache does not fit the GPU cap", "rss": 0}
+                break
+            argv = llamacpp.command(binary, gguf, offload, batch, args.prompt_len, args.gen_len)
+            sampler = llamacpp.GPUSampler()
+            code, output, rss, timed_out = run_process(argv, args.timeout, workdir / f"llamacpp-{batch}.out",
+                                                       sampler)
+            result = llamacpp.parse_result(output, args.prompt_len, args.gen_len) if code == 0 else None
+            if result is None:
+                last = {"error": failure(code, output, timed_out, args.timeout), "rss": rss}
+                break
+            used = sampler.peak
+            if used - llamacpp.CONTEXT_ALLOWANCE > cap:
+                reserve += used - llamacpp.CONTEXT_ALLOWANCE - offload.gpu_bytes + 256 * 2**20
+                last = {"error": f"cannot run: batch {batch} allocated {used / 2**30:.1f} GiB, over the cap",
+                        "rss": rss}
+                continue
+            result.update(gpu_peak=used, rss=rss, flags=" ".join(offload.flags()))
+            tried.append(result)
+            break
+    if not tried:
+        return last
+    top = max(tried, key=lambda r: r["total"])
+    top.update(version=llamacpp.version(binary), tried={r["batch"]: round(r["total"], 1) for r in tried})
+    return top
