@@ -152,7 +152,10 @@ def run_deepspeed(args, workdir: Path) -> dict:
     """DeepSpeed ZeRO-Inference (bench/deepspeed_driver.py) at the largest batch that fits the cap."""
     extra = ["--quant-bits", str(args.deepspeed_quant_bits)] \
         + (["--batch-sizes", args.deepspeed_batch_sizes] if args.deepspeed_batch_sizes else [])
-    return _driver("deepspeed_driver.py", extra, args, workdir / "deepspeed.out")
+    result = _driver("deepspeed_driver.py", extra, args, workdir / "deepspeed.out")
+    if "deepspeed" in result:
+        result["version"] = result["deepspeed"]  # the table names the system with it
+    return result
 
 
 def _driver(script: str, extra: list[str], args, log: Path) -> dict:

@@ -52,7 +52,7 @@ def test_the_driver_runs_with_the_benchs_workload_cap_and_bits(monkeypatch, tmp_
     assert flag == {"--model": "opt-125m", "--prompt-len": "32", "--gen-len": "4", "--quant-bits": "4",
                     "--batch-sizes": "8,4", "--gpu-mem": "16GiB"}
     # The captured run's own figures, with the resident memory the bench measured of its process.
-    assert result["batch"] == 2 and result["deepspeed"] == "0.19.8" and result["rss"] == 3 * 2**30
+    assert result["batch"] == 2 and result["version"] == "0.19.8" and result["rss"] == 3 * 2**30
     assert result["prefill"] > result["decode"] > 0 and result["total"] > 0
     assert result["weights"].startswith("int4 in groups of 64 (73 matrices)")
     assert "kv_cache_offload" in result["not_enabled"]
@@ -72,7 +72,7 @@ def test_the_row_and_its_ratio_name_deepspeed(monkeypatch, tmp_path):
                        "total": 2 * result["total"], "rss": 0}}
     label = f"ZeRO-3 offload, {result['weights']}, batch {result['batch']}"
     text = throughput.table([ours, {"system": "deepspeed", "policy": label, "result": result}], args)
-    assert f"| DeepSpeed | {label} |" in text
+    assert f"| DeepSpeed 0.19.8 | {label} |" in text
     assert f"- flexoff (searched: 2×1) / DeepSpeed ({label}): prefill 2.00× · decode 2.00× · total 2.00×" in text
 
 
