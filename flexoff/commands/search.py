@@ -8,6 +8,7 @@ from ..errors import ConfigError, PolicyError
 from ..fileio import check_destination
 from ..models import resolve_model_config
 from ..planner.cost_model import Workload
+from ..planner.coverage import extrapolation_note
 from ..planner.hardware import PACKAGED_PROFILES, default_profile_path, resolve_hardware
 from ..planner.report import policy_summary
 from ..planner.search import pareto_frontier, search_policy
@@ -114,6 +115,9 @@ def run_search(args) -> int:
         + _shared(workload) + f", generate {workload.gen_len}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else "")
         + (f", block latency <= {args.max_latency:g} s" if args.max_latency else "")), stored=config.stored_compression))
+    note = extrapolation_note(hardware, workload)
+    if note:
+        print(note)
     print(f"searched {result.candidates} candidates, solved {result.lps_solved} LPs "
           f"in {time.perf_counter() - started:.2f} s")
     if args.pareto or args.pareto_csv or args.pareto_plot:

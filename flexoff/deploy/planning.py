@@ -100,6 +100,7 @@ def _search_stages(deployment: Deployment, job, caps):
     for its layers and its GPU's cap, with the host's memory shared by the processes on it, all of
     one batch shape; the request's overrides on top. The stages' layers, where there are several;
     the prediction of the one stage's policy where there is one and nothing overrides it."""
+    from ..planner.coverage import extrapolation_note
     from ..planner.pipeline import plan_pipeline, stage_hardware
     from ..planner.report import policy_summary
 
@@ -114,6 +115,9 @@ def _search_stages(deployment: Deployment, job, caps):
         request.tell(f"searched   {where}{policy_summary(stage.policy)} for prompt {job.prompt_len}, generate "
                      f"{job.gen_len} on {stage.hardware.name}: {stage.prediction.total_throughput:.4g} token/s "
                      "predicted")
+    note = extrapolation_note(hardware[0], job)
+    if note:
+        request.tell(f"           {note}")
     policies = plan.policies
     if request.overrides:
         policies = [replace(policy, **dict(request.overrides)) for policy in policies]

@@ -21,6 +21,7 @@ from ..models.config import ModelConfig
 from ..policy import CompressionConfig, Policy
 from ..units import format_size
 from .cost_model import Workload
+from .coverage import extrapolation_note
 from .frame import Prediction
 from .hardware import HardwareProfile
 from .report import policy_summary
@@ -140,6 +141,9 @@ def plan_default(config: ModelConfig, workload: Workload, capacity: Capacity, dt
     check_job(config, result.policy, dtype, workload, capacity)
     message = (f"planned    {policy_summary(result.policy)} on {profile.name}, "
                f"{result.throughput:.4g} token/s predicted ({short})")
+    note = extrapolation_note(profile, workload)
+    if note:
+        message += f"\n           {note}"
     return DefaultPlan(result.policy, result, message, offload_dir, result.prediction)
 
 
