@@ -20,10 +20,7 @@ the configuration; or ``{"error": "cannot run: ..."}``.
 
 from __future__ import annotations
 
-import argparse
-import gc
 import os
-import resource
 import socket
 import sys
 from pathlib import Path
@@ -31,7 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hf_accelerate_driver import BATCHES, batch_ladder, emit, generate, per_sequence_bytes, progress  # noqa: E402
+from hf_accelerate_driver import (BATCHES, batch_ladder, driver_parser, emit, generate,  # noqa: E402
+                                  per_sequence_bytes, progress, time_largest_batch)
 from hf_models import Unmapped, hf_config  # noqa: E402
 from flexoff.models import REGISTRY  # noqa: E402
 from flexoff.planner.sizes import parameter_count  # noqa: E402
@@ -91,13 +89,7 @@ def build(cfg, config: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="opt-30b", help="a model of flexoff's registry, e.g. llama-3-70b")
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--gpu-mem", help="cap the GPU memory, e.g. 24GiB (default: the whole card)")
-    parser.add_argument("--batch-sizes", help="comma-separated batch sizes to try, largest first "
-                                              "(default: from just above the memory estimate down to 1)")
+    parser = driver_parser(__doc__, "llama-3-70b")
     parser.add_argument("--quant-bits", type=int, choices=[0, 4, 8], default=4,
                         help="weight bits at initialization, 0 for fp16 (default 4)")
     args = parser.parse_args()
@@ -146,26 +138,7 @@ def main() -> None:
         live = 2 * config["zero_optimization"]["stage3_max_live_parameters"] * 2  # two buckets in flight
         free = cap - torch.cuda.memory_allocated(0) - live
         ladder = batch_ladder(free * 0.8 / per_sequence_bytes(cfg, positions, args.prompt_len), largest=BATCHES[-1])
-    for batch in ladder:
-        try:
-            generate(model, batch, positions - 1, 1, cfg.pad_token_id, device)  # a probe at the longest context
-            if device != "cpu":
-                torch.cuda.reset_peak_memory_stats(0)
-            prefill, decode = generate(model, batch, args.prompt_len, args.gen_len, cfg.pad_token_id, device)
-        except torch.cuda.OutOfMemoryError as error:
-            print(f"batch {batch}: out of GPU memory", flush=True)
-            del error
-            gc.collect()
-            torch.cuda.empty_cache()
-            continue
-        progress(f"batch {batch}: prefill {prefill:.1f} s, decode {decode:.1f} s")
-        emit({"prefill": batch * args.prompt_len / prefill,
-              "decode": batch * (args.gen_len - 1) / max(decode, 1e-10),
-              "total": batch * args.gen_len / (prefill + decode),
-              "gpu_peak": torch.cuda.max_memory_allocated(0) if device != "cpu" else 0, "batch": batch,
-              "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **described})
-        return
-    emit({"error": f"cannot run: out of GPU memory at batch {ladder[-1]}"})
+    time_largest_batch(model, cfg, ladder, args.prompt_len, args.gen_len, described, device)
 
 
 if __name__ == "__main__":

@@ -268,14 +268,53 @@ def warm_up(model, cfg) -> dict:
     return kernels
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="opt-30b", help="a model of flexoff's registry, e.g. mixtral-8x7b")
+def time_largest_batch(model, cfg, ladder: list[int], prompt_len: int, gen_len: int, described: dict,
+                       device: str = "cuda:0") -> None:
+    """Time a generation at the first batch of ``ladder`` whose probe fits, and emit its result with
+    ``described``; a batch out of GPU memory gives way to the next."""
+    import torch
+
+    cuda = device.startswith("cuda")
+    for batch in ladder:
+        try:
+            # Probe: a prefill at the longest context needs at least the timed run's GPU memory, in one forward.
+            generate(model, batch, prompt_len + gen_len - 1, 1, cfg.pad_token_id, device)
+            progress(f"batch {batch}: the probe fits; timing {gen_len} tokens")
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(0)
+            prefill, decode = generate(model, batch, prompt_len, gen_len, cfg.pad_token_id, device)
+        except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
+            # cuBLAS reports a failed allocation as a RuntimeError of its own.
+            if not isinstance(error, torch.cuda.OutOfMemoryError) and "ALLOC_FAILED" not in str(error):
+                raise
+            print(f"batch {batch}: out of GPU memory", flush=True)
+            del error
+            gc.collect()
+            torch.cuda.empty_cache()
+            continue
+        progress(f"batch {batch}: prefill {prefill:.1f} s, decode {decode:.1f} s")
+        emit({"prefill": batch * prompt_len / prefill, "decode": batch * (gen_len - 1) / max(decode, 1e-10),
+              "total": batch * gen_len / (prefill + decode),
+              "gpu_peak": torch.cuda.max_memory_allocated(0) if cuda else 0, "batch": batch,
+              "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **described})
+        return
+    emit({"error": f"cannot run: out of GPU memory at batch {ladder[-1]}"})
+
+
+def driver_parser(description: str, example: str) -> argparse.ArgumentParser:
+    """The flags every baseline driver takes: the model, the workload, the GPU cap and the batches to try."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="opt-30b", help=f"a model of flexoff's registry, e.g. {example}")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--gpu-mem", help="cap the GPU memory, e.g. 16GiB (default: the whole card)")
     parser.add_argument("--batch-sizes", help="comma-separated batch sizes to try, largest first "
                                               "(default: from just above the memory estimate down to 1)")
+    return parser
+
+
+def main() -> None:
+    parser = driver_parser(__doc__, "mixtral-8x7b")
     parser.add_argument("--experts", help="transformers 5's experts kernel, e.g. eager or grouped_mm "
                                           "(default: transformers' own choice)")
     args = parser.parse_args()
@@ -316,30 +355,7 @@ def main() -> None:
               else batch_ladder(estimate, largest=256))
     print(f"weights on the GPU {on_gpu / GiB:.1f} GiB, {free / GiB:.1f} GiB left beside a layer in flight; "
           f"{kernels}; batches to try {ladder}", flush=True)
-    for batch in ladder:
-        try:
-            # Probe: a prefill at the longest context needs at least the timed run's GPU memory, in one forward.
-            generate(model, batch, positions - 1, 1, cfg.pad_token_id)
-            progress(f"batch {batch}: the probe fits; timing {args.gen_len} tokens")
-            torch.cuda.reset_peak_memory_stats(0)
-            prefill, decode = generate(model, batch, args.prompt_len, args.gen_len, cfg.pad_token_id)
-        except (torch.cuda.OutOfMemoryError, RuntimeError) as error:
-            # cuBLAS reports a failed allocation as a RuntimeError of its own.
-            if not isinstance(error, torch.cuda.OutOfMemoryError) and "ALLOC_FAILED" not in str(error):
-                raise
-            print(f"batch {batch}: out of GPU memory", flush=True)
-            del error
-            gc.collect()
-            torch.cuda.empty_cache()
-            continue
-        progress(f"batch {batch}: prefill {prefill:.1f} s, decode {decode:.1f} s")
-        emit({"prefill": batch * args.prompt_len / prefill,
-              "decode": batch * (args.gen_len - 1) / max(decode, 1e-10),
-              "total": batch * args.gen_len / (prefill + decode),
-              "gpu_peak": torch.cuda.max_memory_allocated(0), "batch": batch, "gpu_weights": on_gpu,
-              "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **kernels})
-        return
-    emit({"error": f"cannot run: out of GPU memory at batch {ladder[-1]}"})
+    time_largest_batch(model, cfg, ladder, args.prompt_len, args.gen_len, {"gpu_weights": on_gpu, **kernels})
 
 
 if __name__ == "__main__":
