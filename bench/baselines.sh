@@ -7,7 +7,11 @@
 #                                    vocabularies), into DIR (default .baselines, which git ignores)
 #   bench/baselines.sh build [DIR]   there: DeepSpeed installed into /tmp/site (no compiled ops), and
 #                                    llama-batched-bench built for CUDA on the card's architecture into
-#                                    DIR/bin, statically linked to llama.cpp, with the build's time and size
+#                                    DIR/bin, statically linked to llama.cpp, with the build's time and size;
+#                                    where DIR holds llama-batched-bench.xz.part* from an earlier call, those
+#                                    are put together instead of building again
+#   bench/baselines.sh bundle [DIR] OUTDIR   there, after build: the binary xz-compressed in parts of 15 MiB
+#                                    into OUTDIR ($OUT), to come back and be carried in DIR by later calls
 # Then: python bench/throughput.py ... --systems flexoff,deepspeed,llamacpp --llamacpp-bin DIR/bin
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +40,10 @@ pack() {
     cp -r "$src"/ggml/{CMakeLists.txt,cmake,include} "$out/ggml/"
     cp "$src"/ggml/src/*.{c,cpp,h,in,txt} "$out/ggml/src/" 2>/dev/null || true
     cp -r "$src"/ggml/src/{ggml-cpu,ggml-cuda,ggml-blas} "$out/ggml/src/"
+    # The cut has no git history, from which llama.cpp's build takes the commit its --version prints.
+    local commit
+    commit=$(git -C "$src" rev-parse --short=7 HEAD)
+    sed -i "s/^set(BUILD_COMMIT \"unknown\")/set(BUILD_COMMIT \"$commit\")/" "$out/cmake/build-info.cmake"
     tar -czf "$DIR/llama.cpp.tar.gz" -C "$work" llama.cpp
     du -b "$DIR"/*.tar.gz
     echo "$(du -cb "$DIR"/*.tar.gz | tail -1 | cut -f1 | awk '{printf "%.1f", $1 / 2^20}') MiB in $DIR"
@@ -47,6 +55,13 @@ build() {
         "$DIR"/deepspeed-*.tar.gz
     echo "deepspeed: installed in $((SECONDS - start)) s"
     start=$SECONDS
+    if compgen -G "$DIR/llama-batched-bench.xz.part*" >/dev/null; then
+        mkdir -p "$DIR/bin" && cat "$DIR"/llama-batched-bench.xz.part* | xz -d >"$DIR/bin/llama-batched-bench"
+        chmod +x "$DIR/bin/llama-batched-bench"
+        echo "llama.cpp: the earlier build unpacked in $((SECONDS - start)) s"
+        "$DIR/bin/llama-batched-bench" --version 2>&1 | head -1
+        return
+    fi
     rm -rf "$DIR/llama.cpp" && tar -xzf "$DIR/llama.cpp.tar.gz" -C "$DIR"
     local arch
     arch=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(f'{major}{minor}')")
@@ -62,8 +77,15 @@ build() {
     "$DIR/bin/llama-batched-bench" --version 2>&1 | head -1
 }
 
+bundle() {
+    local out=${1:?usage: bench/baselines.sh bundle DIR OUTDIR}
+    xz -T0 -9 -c "$DIR/bin/llama-batched-bench" | split -b 15M -d - "$out/llama-batched-bench.xz.part"
+    ls -l "$out"/llama-batched-bench.xz.part*
+}
+
 case "$MODE" in
 pack) pack ;;
 build) build ;;
-*) echo "baselines.sh: error: unknown mode $MODE; use pack or build" >&2 && exit 2 ;;
+bundle) bundle "${3:-}" ;;
+*) echo "baselines.sh: error: unknown mode $MODE; use pack, build or bundle" >&2 && exit 2 ;;
 esac
