@@ -14,6 +14,7 @@ and each searched 16 GiB policy within 10% of the best measured of its grid (``-
     python bench/cost_model_accuracy.py --measure-profile --warmup --only "opt-30b gpu 16GiB searched"
     python bench/cost_model_accuracy.py --grid "opt-30b gpu 16GiB searched, compress auto" --predict-only
     python bench/cost_model_accuracy.py --measure-profile --warmup --only mixtral-8x7b --only qwen3-30b-a3b
+    python bench/cost_model_accuracy.py --measure-profile --warmup --set families --gen-len 256
     python bench/cost_model_accuracy.py --report a.json b.json         # one table from several calls
 
 A grid run generates --grid-gen-len tokens (default 8) for one block. --grid-part K/N splits a grid
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.calibration import report  # noqa: E402
 from bench.calibration import repredict  # noqa: E402
-from bench.calibration.cases import CASES, resolve, select  # noqa: E402
+from bench.calibration.cases import CASES, SETS, resolve, select  # noqa: E402
 from bench.calibration.grid import neighbours  # noqa: E402
 from bench.calibration.runner import device_info, measure, measure_profile  # noqa: E402
 from flexoff.errors import FlexoffError  # noqa: E402
@@ -81,7 +82,8 @@ def _record(case, policy, hardware, args, gen_len: int, num_prompts: int, workdi
         measured = measure(case.model, policy, prompt_len=args.prompt_len, gen_len=gen_len, num_prompts=num_prompts,
                            gpu_mem=case.gpu_mem, cpu_mem=case.cpu_mem, offload_dir=args.offload_dir,
                            warmup=args.warmup, timeout=args.timeout, workdir=workdir)
-    return {"name": case.name, "model": case.model, "searched": case.searched, "gpu_mem": case.gpu_mem,
+    return {"name": case.name, "model": case.model, "searched": case.searched, "held_out": case.held_out,
+            "gpu_mem": case.gpu_mem,
             "cpu_mem": case.cpu_mem, "compress": case.compress, "policy": policy.to_dict(),
             "summary": policy_summary(policy),
             "workload": {"prompt_len": args.prompt_len, "gen_len": gen_len, "num_prompts": num_prompts},
@@ -113,7 +115,7 @@ def run_cases(args, profile: HardwareProfile, output: Output, workdir: Path) -> 
     if not args.predict_only:
         print(report.CASE_HEADER)
         print(report.separator(report.CASE_HEADER), flush=True)
-    for spec in select(CASES, args.only):
+    for spec in select(SETS[args.set], args.only):
         try:
             case = resolve(spec, profile, workload)
         except FlexoffError as exc:  # the search finds nothing under these caps
@@ -130,8 +132,7 @@ def run_cases(args, profile: HardwareProfile, output: Output, workdir: Path) -> 
     for record in output.records:
         print(report.case_row(record))
     if not args.predict_only:
-        print("\nall: " + report.summary(output.records))
-        print("searched: " + report.summary([r for r in output.records if r["searched"]]))
+        print("\n" + "\n".join(report.summaries(output.records)))
     failed = [r["name"] for r in output.records if r["searched"] and "error" in r["measured"]]
     if failed:
         print(f"searched policies that failed: {', '.join(failed)}")
@@ -201,8 +202,7 @@ def print_report(files: list[str]) -> int:
     if cases:
         print("\n" + report.CASE_HEADER + "\n" + report.separator(report.CASE_HEADER))
         print("\n".join(report.case_row(r) for r in cases))
-        print("\nall: " + report.summary(cases))
-        print("searched: " + report.summary([r for r in cases if r["searched"]]))
+        print("\n" + "\n".join(report.summaries(cases)))
     for grid, records in grids.items():
         rows, verdict = report.grid_rows(records)
         print(f"\ngrid of {grid}\n\n{report.GRID_HEADER}\n{report.separator(report.GRID_HEADER)}")
@@ -238,6 +238,9 @@ def main() -> int:
     parser.add_argument("--blocks", type=int, default=1, help="blocks to generate per policy (default 1)")
     parser.add_argument("--predict-only", action="store_true", help="skip the runs (the default without CUDA)")
     parser.add_argument("--warmup", action="store_true", help="a 2-token generation before the timed one")
+    parser.add_argument("--set", choices=sorted(SETS), default="all",
+                        help="the cases to run: all, or families (today's models searched under 16 and 24 GiB; "
+                             "Qwen3-32B held out of the calibration)")
     parser.add_argument("--only", action="append", help="run only the case of this name, or else those whose name "
                                                         "contains it (repeatable)")
     parser.add_argument("--timeout", type=float, default=540, help="seconds a run may take, model build included "

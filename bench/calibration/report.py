@@ -100,6 +100,17 @@ def summary(records: list[dict]) -> str:
             + (f"; {failed} failed" if failed else ""))
 
 
+def summaries(records: list[dict]) -> list[str]:
+    """The summary lines of a call: every run, the searched ones, and where some were held out of the
+    calibration, the runs it was tuned on apart from those it was not (the figure a user meets)."""
+    lines = [f"all: {summary(records)}", f"searched: {summary([r for r in records if r['searched']])}"]
+    held = [r for r in records if r.get("held_out")]
+    if held:
+        lines += [f"calibration: {summary([r for r in records if not r.get('held_out')])}",
+                  f"held out: {summary(held)}"]
+    return lines
+
+
 GRID_HEADER = ("| policy | step | token/s pred | meas | err | vs searched | pred at search workload "
                "| GPU GiB pred | meas | CPU GiB pred | meas | block s pred | run s |")
 

@@ -42,3 +42,27 @@ def test_without_a_reserved_peak_the_allocated_one_is_judged():
 def test_a_failed_run_fills_every_column():
     row = report.case_row(_record({"error": "out of memory"}))
     assert len(_cells(row)) == len(_cells(report.CASE_HEADER))
+
+
+def test_runs_held_out_of_the_calibration_are_summed_up_apart():
+    tuned = {**_record({**MEASURED, "total_throughput": 11.0}), "searched": True, "held_out": False}
+    held = {**_record({**MEASURED, "total_throughput": 7.0}), "searched": True, "held_out": True}
+    lines = report.summaries([tuned, held])
+    assert [line.split(":")[0] for line in lines] == ["all", "searched", "calibration", "held out"]
+    assert "throughput within ±15%: 1/2 (worst -30%)" in lines[0]
+    assert "throughput within ±15%: 1/1 (worst +10%)" in lines[2]
+    assert "throughput within ±15%: 0/1 (worst -30%)" in lines[3]
+    # Records of calls before cases were held out have no such field: two lines, as before.
+    assert len(report.summaries([_record(MEASURED) | {"searched": True}])) == 2
+
+
+def test_the_families_set_covers_five_models_under_both_caps_with_one_held_out():
+    from bench.calibration.cases import CASES, SETS
+
+    families = SETS["families"]
+    assert [(s.model, s.gpu_mem) for s in families] == [
+        (model, cap) for model in ("llama-3-8b", "llama-3-70b", "qwen3-32b", "mixtral-8x7b", "qwen3-30b-a3b")
+        for cap in ("16GiB", "24GiB")]
+    assert all(s.searched and s.compress == "auto" for s in families)
+    assert {s.model for s in families if s.held_out} == {"qwen3-32b"}
+    assert len({s.name for s in CASES}) == len(CASES)  # a name selects one case
