@@ -44,6 +44,7 @@ MiB = 2**20
 # 512-token micro-batch, the output logits and the weights of a CPU layer shipped over for a batch.
 COMPUTE_RESERVE = 1536 * MiB
 KV_BYTES = 2  # the cache in f16, llama.cpp's default
+CONTEXT_PAD = 256
 CONTEXT_ALLOWANCE = 512 * MiB
 GPU_QUERY = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
 
@@ -78,7 +79,7 @@ class Offload:
 
     gpu_layers: int  # -ngl; above the layer count, the output layer is on the GPU too
     cpu_moe_layers: int  # --n-cpu-moe: layers whose experts stay on the CPU
-    context: int  # -c: every sequence's prompt and generation
+    context: int  # -c: every sequence's prompt and generation, each padded as llama.cpp pads it
     gpu_bytes: int
 
     def flags(self) -> list[str]:
@@ -99,7 +100,8 @@ def plan_offload(cfg: ModelConfig, cap: int, batch: int, prompt_len: int, gen_le
     """The most of ``cfg`` on the GPU within ``cap`` bytes for ``batch`` sequences, or None if not even the
     cache and the compute buffer fit (dense models: no layer at all)."""
     layout = tensors(cfg)
-    context = batch * (prompt_len + gen_len)
+    # llama.cpp pads each sequence's cache to CONTEXT_PAD cells (its own KV stream per sequence).
+    context = batch * -(-(prompt_len + gen_len) // CONTEXT_PAD) * CONTEXT_PAD
     kv = 2 * cfg.num_kv_heads * cfg.head_dim * KV_BYTES * context  # one layer's keys and values
     output = sum(stored_bytes(t) for t in layout if t.name.startswith("output"))
     layers = [_layer_bytes(layout, i) for i in range(cfg.num_layers)]

@@ -190,7 +190,7 @@ def dummy_gguf_file(args) -> Path:
 
     path = Path(args.offload_dir) / f"{args.model}.dummy-q4_0.gguf"
     if not path.exists():
-        write_dummy_gguf(REGISTRY[args.model], path, context=args.prompt_len + args.gen_len)
+        write_dummy_gguf(REGISTRY[args.model], path)
     return path
 
 

@@ -32,13 +32,14 @@ SMALL = tiny(hidden_size=64, num_heads=2, num_kv_heads=2, intermediate_size=128,
 # 8192 (4,608 bytes), the two norms 64 floats each.
 LAYER = 4 * 2304 + 3 * 4608 + 2 * 64 * 4
 OUTPUT = 256 * 64 // 32 * 18 + 64 * 4  # the output matrix and the final norm
-KV = 2 * 2 * 32 * 2 * (2 * (20 + 4))  # keys and values of 2 heads of 32, in f16, for 2 sequences of 24
+# Keys and values of 2 heads of 32, in f16, for 2 sequences of 24 positions, each padded to 256 as llama.cpp does.
+KV = 2 * 2 * 32 * 2 * (2 * 256)
 
 
 def test_dense_layers_go_on_the_gpu_from_the_last_while_they_and_their_cache_fit():
     reserve = 1000
     three = llamacpp.plan_offload(SMALL, reserve + 3 * (LAYER + KV) + 100, 2, 20, 4, reserve)
-    assert (three.gpu_layers, three.cpu_moe_layers, three.context) == (3, 0, 48)
+    assert (three.gpu_layers, three.cpu_moe_layers, three.context) == (3, 0, 512)
     assert three.gpu_bytes == reserve + 3 * (LAYER + KV)
     # Every layer fits, but not the output layer beside them: -ngl 4 leaves it on the CPU.
     four = llamacpp.plan_offload(SMALL, reserve + 4 * (LAYER + KV) + OUTPUT - 1, 2, 20, 4, reserve)
@@ -58,7 +59,7 @@ def test_experts_leave_the_gpu_from_the_first_layer_until_the_rest_fits():
     two = llamacpp.plan_offload(moe, everything - experts - 1, 2, 20, 4, 0)
     assert (two.gpu_layers, two.cpu_moe_layers) == (5, 2)
     assert two.gpu_bytes == everything - 2 * experts
-    assert two.flags() == ["-ngl", "5", "-c", "48", "--n-cpu-moe", "2"]
+    assert two.flags() == ["-ngl", "5", "-c", "512", "--n-cpu-moe", "2"]
     assert llamacpp.plan_offload(moe, OUTPUT + 4 * (layer + KV) - 1, 2, 20, 4, 0) is None
 
 
