@@ -14,7 +14,7 @@ The placement, as a user of llama.cpp sets it:
   CPU layer's weights to the GPU for batches of 32 tokens and more (its op offload), as an offloading engine does.
 - mixtures of experts: every layer on the GPU (``-ngl 999``) but the experts of the first K layers, which stay on
   the CPU (``--n-cpu-moe K``), the setting llama.cpp's documentation gives for experts that do not fit.
-Flash attention is on and every sequence has its own KV stream, the fastest settings for parallel sequences.
+Flash attention is on; every sequence has its own KV stream (llama.cpp's default, which pads each to 256 cells).
 
 The run does the work of flexoff's and FlexGen's: a prompt of ``prompt_len`` per sequence, then ``gen_len - 1``
 decode steps (the prompt's last logits give the first token). Throughputs are counted as FlexGen counts them:
