@@ -61,6 +61,17 @@ def ds_config(hidden: int, quant_bits: int | None, dtype: str) -> dict:
     return config
 
 
+def not_enabled(cfg, quant_bits: int, quantized: int, dtype: str) -> dict:
+    """What of ZeRO-Inference's configuration this run lacks, and why."""
+    missing = dict(NOT_ENABLED)
+    if quant_bits and not quantized:
+        missing["weight_quantization"] = "DeepSpeed quantized no parameter of this model"
+    elif quant_bits and cfg.num_experts:
+        missing["expert_quantization"] = (f"DeepSpeed quantizes nn.Linear and nn.Embedding weights only; "
+                                          f"transformers keeps a layer's experts in 3-D parameters, which stay {dtype}")
+    return missing
+
+
 def world_of_one() -> None:
     """The environment torch.distributed reads, for one process on this machine."""
     with socket.socket() as probe:
@@ -120,15 +131,13 @@ def main() -> None:
         return
     progress(f"{type(model).__name__} under ZeRO-3: {parameter_count(cfg) / 1e9:.1f}B parameters on the host")
     generate(model, 1, 32, 2, cfg.pad_token_id, device)  # warm up: the first fetches, kernels, the allocator
-    # DeepSpeed marks each matrix it quantized; where it quantized none, the run is not ZeRO-Inference's INT4.
+    # DeepSpeed marks each matrix it quantized.
     quantized = sum(1 for p in model.parameters() if getattr(p, "weight_quantized", False))
-    not_enabled = dict(NOT_ENABLED)
-    if args.quant_bits and not quantized:
-        not_enabled["weight_quantization"] = "DeepSpeed quantized no parameter of this model"
     described = {"deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
                  "weights": f"int{args.quant_bits} in groups of 64 ({quantized} matrices), the rest {dtype}"
                  if quantized else dtype,
-                 "offload": "ZeRO-3 parameters on pinned CPU memory", "not_enabled": not_enabled}
+                 "offload": "ZeRO-3 parameters on pinned CPU memory",
+                 "not_enabled": not_enabled(cfg, args.quant_bits, quantized, dtype)}
     positions = args.prompt_len + args.gen_len
     if args.batch_sizes:
         ladder = [int(b) for b in args.batch_sizes.split(",")]

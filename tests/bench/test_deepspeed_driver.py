@@ -29,6 +29,17 @@ def test_the_configuration_is_zero_3_with_parameters_on_pinned_host_memory_and_4
     assert "weight_quantization" not in plain and plain["bf16"] == {"enabled": True}
 
 
+def test_what_could_not_be_enabled_is_named():
+    from flexoff.models import REGISTRY
+
+    dense = deepspeed_driver.not_enabled(REGISTRY["llama-3-70b"], 4, 561, "fp16")
+    assert list(dense) == ["kv_cache_offload"]
+    moe = deepspeed_driver.not_enabled(REGISTRY["mixtral-8x7b"], 4, 129, "bf16")
+    assert "3-D parameters, which stay bf16" in moe["expert_quantization"]
+    assert "weight_quantization" in deepspeed_driver.not_enabled(REGISTRY["opt-30b"], 4, 0, "fp16")
+    assert list(deepspeed_driver.not_enabled(REGISTRY["mixtral-8x7b"], 0, 0, "bf16")) == ["kv_cache_offload"]
+
+
 def run_with(monkeypatch, tmp_path, output: str, code: int = 0, **flags):
     seen = {}
 
