@@ -209,8 +209,8 @@ def run_llamacpp(args, workdir: Path) -> dict:
     binary, cap = llamacpp.find_binary(args.llamacpp_bin), gpu_capacity(args)
     gguf, tried, last = dummy_gguf_file(args), [], {"error": "cannot run: no batch size was tried", "rss": 0}
     for batch in args.llamacpp_batch_sizes:
-        reserve = llamacpp.COMPUTE_RESERVE
-        for _ in range(3):
+        reserve, lost = llamacpp.COMPUTE_RESERVE, False
+        for _ in range(4):
             offload = llamacpp.plan_offload(cfg, cap, batch, args.prompt_len, args.gen_len, reserve)
             if offload is None:
                 last = {"error": f"cannot run: batch {batch}'s cache does not fit the GPU cap", "rss": 0}
@@ -219,9 +219,14 @@ def run_llamacpp(args, workdir: Path) -> dict:
             sampler = llamacpp.GPUSampler()
             code, output, rss, timed_out = run_process(argv, args.timeout, workdir / f"llamacpp-{batch}.out",
                                                        sampler)
-            result = llamacpp.parse_result(output, args.prompt_len, args.gen_len) if code == 0 else None
+            result = llamacpp.parse_result(output, args.prompt_len, args.gen_len, batch) if code == 0 else None
+            if result is None and code == 0 and not lost:  # its logger lost the line: once more
+                lost = True
+                continue
             if result is None:
-                last = {"error": failure(code, output, timed_out, args.timeout), "rss": rss}
+                why = "cannot run: it exited twice without its result line" if code == 0 else \
+                    failure(code, output, timed_out, args.timeout)
+                last = {"error": why, "rss": rss}
                 break
             used = sampler.peak
             if used - llamacpp.CONTEXT_ALLOWANCE > cap:

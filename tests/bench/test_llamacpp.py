@@ -67,15 +67,17 @@ def test_the_command_runs_the_prompt_then_gen_len_minus_one_steps():
     offload = llamacpp.Offload(5, 0, 48, 0)
     argv = llamacpp.command(Path("/bin/llama-batched-bench"), Path("m.gguf"), offload, 2, 20, 4)
     flag = dict(zip(argv[1::2], argv[2::2]))
-    assert flag["-npp"] == "20" and flag["-ntg"] == "3" and flag["-npl"] == "2" and flag["-c"] == "48"
-    assert flag["-fa"] == "on" and flag["--output-format"] == "jsonl" and flag["-ngl"] == "5"
+    assert flag["-npp"] == "20" and flag["-ntg"] == "3" and flag["-npl"] == "2,1" and flag["-c"] == "48"
+    assert flag["-fa"] == "on" and flag["--output-format"] == "jsonl" and flag["-ngl"] == "5" and flag["-lm"] == "none"
 
 
 @pytest.mark.parametrize("name", ["llamacpp-llama-cpu.txt", "llamacpp-qwen3moe-cpu.txt"])
 def test_a_captured_run_is_counted_as_flexgen_counts(name):
     output = capture(name)
-    line = json.loads(next(line for line in output.splitlines() if line.startswith("{")))
-    result = llamacpp.parse_result(output, 64, 4)
+    lines = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    assert [line["pl"] for line in lines] == [4, 1]  # the measured batch, then the short run after it
+    line = lines[0]
+    result = llamacpp.parse_result(output, 64, 4, 4)
     # Prefill and decode are llama.cpp's own speeds; the total counts generated tokens only (the first from the
     # prompt's logits, then its 3 steps), where llama.cpp's counts prompt tokens too.
     assert result["prefill"] == pytest.approx(line["speed_pp"], rel=1e-5)
@@ -83,13 +85,36 @@ def test_a_captured_run_is_counted_as_flexgen_counts(name):
     assert result["total"] == pytest.approx(line["speed"] * 4 / (64 + 3), rel=1e-4)
     assert (result["batch"], result["gpu_layers"], result["flash_attn"]) == (4, 3, 1)
     with pytest.raises(ValueError, match="ran 64\\+3, not 64\\+8"):
-        llamacpp.parse_result(output, 64, 9)
+        llamacpp.parse_result(output, 64, 9, 4)
+    assert llamacpp.parse_result(output, 64, 4, 8) is None  # no line of 8 sequences
 
 
 def test_a_failed_run_has_no_result_and_its_last_line_says_why():
     output = capture("llamacpp-missing-model.txt")
-    assert llamacpp.parse_result(output, 64, 4) is None
-    assert throughput_runs.failure(1, output, False, 60) == "cannot run: llama_batched_bench: error: unable to load model"
+    assert llamacpp.parse_result(output, 64, 4, 4) is None
+    assert throughput_runs.failure(1, output, False, 60) == \
+        "cannot run: llama_batched_bench: error: unable to load model"
+
+
+def test_a_result_line_the_logger_lost_is_run_again_once(tmp_path, monkeypatch):
+    """A real run that exited 0 with its result line unwritten (llama.cpp's logger is not flushed at exit)."""
+    lost = capture("llamacpp-llama-cpu-lost.txt")
+    assert llamacpp.parse_result(lost, 64, 4, 4) is None
+    monkeypatch.setattr(throughput_runs, "dummy_gguf_file", lambda args: tmp_path / "m.gguf")
+    calls = tmp_path / "calls"
+    binary = tmp_path / llamacpp.BINARY
+    runs = lambda: [line for line in calls.read_text().split() if line != "--version"]  # noqa: E731
+    binary.write_text(f"#!/bin/sh\necho \"$1\" >> '{calls}'\n"
+                      f"if [ $(wc -l < '{calls}') -eq 1 ]; then cat '{FIXTURES / 'llamacpp-llama-cpu-lost.txt'}'; "
+                      f"else cat '{FIXTURES / 'llamacpp-llama-cpu.txt'}'; fi\n")
+    binary.chmod(binary.stat().st_mode | stat.S_IXUSR)
+    result = throughput_runs.run_llamacpp(bench_args(tmp_path, binary), tmp_path)
+    assert len(runs()) == 2 and result["batch"] == 4
+    calls.unlink()
+    binary.write_text(f"#!/bin/sh\necho \"$1\" >> '{calls}'\ncat '{FIXTURES / 'llamacpp-llama-cpu-lost.txt'}'\n")
+    result = throughput_runs.run_llamacpp(bench_args(tmp_path, binary), tmp_path)
+    assert len(runs()) == 2  # lost twice: not run a third time
+    assert result["error"] == "cannot run: it exited twice without its result line"
 
 
 def test_the_version_is_read_from_the_binary(tmp_path):
