@@ -41,9 +41,12 @@ BINARY_ENV = "LLAMACPP_BIN"
 HOW_TO_GET = (f"build it from llama.cpp (cmake -B build -DGGML_CUDA=ON && cmake --build build --target {BINARY}) "
               f"and pass --llamacpp-bin PATH or set {BINARY_ENV}")
 MiB = 2**20
-# GPU memory beyond weights and cache before a run reports its compute buffer: llama.cpp's scratch for a
-# 512-token micro-batch, the output logits and the weights of a CPU layer shipped over for a batch.
-COMPUTE_RESERVE = 1536 * MiB
+# GPU memory beyond weights and cache before a run reports its compute buffer: the output logits and the
+# weights of a CPU layer shipped over for a batch, plus activations for each token of a micro-batch.
+COMPUTE_RESERVE = 1024 * MiB
+# Tokens per micro-batch (-b and -ub). Every micro-batch of a prompt ships the weights left on the CPU to the
+# GPU once, so a larger one divides prefill's traffic: 4096 ships them 8 times, not 64, for 64 prompts of 512.
+UBATCH = 4096
 KV_BYTES = 2  # the cache in f16, llama.cpp's default
 CONTEXT_PAD = 256
 CONTEXT_ALLOWANCE = 512 * MiB
@@ -96,10 +99,22 @@ def _layer_bytes(layout: list[Tensor], index: int) -> tuple[int, int]:
     return sum(stored_bytes(t) for t in mine) - experts, experts
 
 
+def compute_reserve(cfg: ModelConfig, ubatch: int = UBATCH) -> int:
+    """GPU bytes a run needs beyond weights and cache: COMPUTE_RESERVE and, per token of a micro-batch, f32
+    activations of a few hidden-wide vectors and the MLP's gate, up and product (its routed experts' for MoE)."""
+    if cfg.num_experts:
+        mlp = cfg.experts_per_token * (cfg.expert_intermediate_size or cfg.intermediate_size)
+    else:
+        mlp = cfg.intermediate_size
+    return COMPUTE_RESERVE + ubatch * 4 * (4 * cfg.hidden_size + 3 * mlp)
+
+
 def plan_offload(cfg: ModelConfig, cap: int, batch: int, prompt_len: int, gen_len: int,
-                 reserve: int = COMPUTE_RESERVE) -> Offload | None:
-    """The most of ``cfg`` on the GPU within ``cap`` bytes for ``batch`` sequences, or None if not even the
-    cache and the compute buffer fit (dense models: no layer at all)."""
+                 reserve: int | None = None) -> Offload | None:
+    """The most of ``cfg`` on the GPU within ``cap`` bytes for ``batch`` sequences, beside ``reserve`` bytes
+    (default: compute_reserve), or None if not even the cache and the compute buffer fit (dense models: no layer
+    at all)."""
+    reserve = compute_reserve(cfg) if reserve is None else reserve
     layout = tensors(cfg)
     # llama.cpp pads each sequence's cache to CONTEXT_PAD cells (its own KV stream per sequence).
     context = batch * -(-(prompt_len + gen_len) // CONTEXT_PAD) * CONTEXT_PAD
@@ -134,10 +149,11 @@ def trailed(batch: int) -> str:
 
 
 def command(binary: Path, gguf: Path, offload: Offload, batch: int, prompt_len: int, gen_len: int,
-            threads: int | None = None) -> list[str]:
+            threads: int | None = None, ubatch: int = UBATCH) -> list[str]:
     # -lm none: no memory map, so that the weights left on the CPU sit in pinned host buffers, which the GPU
     # reads at full PCIe speed (llama.cpp itself advises it where tensors are kept on the CPU).
-    argv = [str(binary), "-m", str(gguf), *offload.flags(), "-b", "2048", "-ub", "512", "-fa", "on", "-lm", "none",
+    size = str(ubatch)
+    argv = [str(binary), "-m", str(gguf), *offload.flags(), "-b", size, "-ub", size, "-fa", "on", "-lm", "none",
             "-npp", str(prompt_len), "-ntg", str(gen_len - 1), "-npl", trailed(batch), "--output-format", "jsonl"]
     return argv + (["-t", str(threads)] if threads else [])
 

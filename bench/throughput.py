@@ -283,7 +283,8 @@ def system_name(entry: dict) -> str:
 
 
 def ratio_lines(rows: list[dict], top: dict | None) -> list[str]:
-    """flexoff (the searched row, else its best) against FlexGen's best, HF, and FlexGen at the same policy."""
+    """flexoff (the searched row, else its best) against FlexGen's best, each other system, the best of
+    them, and FlexGen at the same policy."""
     searched = [r for r in rows if r["system"] == "flexoff" and r["policy"].startswith("searched")]
     ours = (searched[0] if searched and ok(searched[0]) else None) or best(rows, "flexoff")
     lines = []
@@ -299,12 +300,7 @@ def ratio_lines(rows: list[dict], top: dict | None) -> list[str]:
             lines.append("- FlexGen 0.1.8 has no policy that runs here: every one tried cannot run (see the notes).")
         elif ours:
             lines.append(f"- flexoff ({ours['policy']}) / FlexGen's best ({top['policy']}): {ratio(ours, top)}")
-    hf = next((r for r in rows if r["system"] == "hf"), None)
-    if hf and not ok(hf):
-        lines.append(f"- HF Accelerate {hf['result']['error']}.")
-    elif hf and ours:
-        lines.append(f"- flexoff ({ours['policy']}) / HF Accelerate ({hf['policy']}): {ratio(ours, hf)}")
-    for other in (r for r in rows if r["system"] in ("deepspeed", "llamacpp")):
+    for other in (r for r in rows if r["system"] in ("hf", "deepspeed", "llamacpp")):
         name = SYSTEMS[other["system"]]
         if not ok(other):
             lines.append(f"- {name} {other['result']['error']}.")
@@ -365,6 +361,8 @@ def parse_args(argv=None):
                                                 "else PATH)")
     parser.add_argument("--llamacpp-batch-sizes", type=sizes, default=[64, 32, 16],
                         help="parallel sequences llama.cpp runs, one run each (default 64,32,16)")
+    parser.add_argument("--llamacpp-ubatch", type=int, default=llamacpp.UBATCH,
+                        help=f"llama.cpp's tokens per micro-batch, -b and -ub (default {llamacpp.UBATCH})")
     parser.add_argument("--offload-dir", default=tempfile.gettempdir(),
                         help="offload files, and llama.cpp's dummy GGUF (kept for later runs)")
     parser.add_argument("--timeout", type=int, default=480, help="seconds per run")

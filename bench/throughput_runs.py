@@ -196,7 +196,7 @@ def dummy_gguf_file(args) -> Path:
 
 def run_llamacpp(args, workdir: Path) -> dict:
     """llama.cpp's batched bench at each of --llamacpp-batch-sizes, its placement planned for the cap and run
-    again with a larger reserve where the buffers it reported went over it; the best total of those that ran."""
+    again with a larger reserve where the process's GPU memory went over it; the best total of those that ran."""
     import llamacpp
     from dummy_gguf import NotConvertible, architecture
     from flexoff.models import REGISTRY
@@ -209,13 +209,14 @@ def run_llamacpp(args, workdir: Path) -> dict:
     binary, cap = llamacpp.find_binary(args.llamacpp_bin), gpu_capacity(args)
     gguf, tried, last = dummy_gguf_file(args), [], {"error": "cannot run: no batch size was tried", "rss": 0}
     for batch in args.llamacpp_batch_sizes:
-        reserve, lost = llamacpp.COMPUTE_RESERVE, False
+        reserve, lost = llamacpp.compute_reserve(cfg, args.llamacpp_ubatch), False
         for _ in range(4):
             offload = llamacpp.plan_offload(cfg, cap, batch, args.prompt_len, args.gen_len, reserve)
             if offload is None:
                 last = {"error": f"cannot run: batch {batch}'s cache does not fit the GPU cap", "rss": 0}
                 break
-            argv = llamacpp.command(binary, gguf, offload, batch, args.prompt_len, args.gen_len)
+            argv = llamacpp.command(binary, gguf, offload, batch, args.prompt_len, args.gen_len,
+                                    ubatch=args.llamacpp_ubatch)
             sampler = llamacpp.GPUSampler()
             code, output, rss, timed_out = run_process(argv, args.timeout, workdir / f"llamacpp-{batch}.out",
                                                        sampler)

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import llamacpp  # noqa: E402
 import throughput  # noqa: E402
 import throughput_runs  # noqa: E402
+from flexoff.models import REGISTRY  # noqa: E402
 from tests.bench.test_dummy_gguf import tiny  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -69,6 +70,20 @@ def test_the_command_runs_the_prompt_then_gen_len_minus_one_steps():
     flag = dict(zip(argv[1::2], argv[2::2]))
     assert flag["-npp"] == "20" and flag["-ntg"] == "3" and flag["-npl"] == "2,1" and flag["-c"] == "48"
     assert flag["-fa"] == "on" and flag["--output-format"] == "jsonl" and flag["-ngl"] == "5" and flag["-lm"] == "none"
+    assert flag["-b"] == flag["-ub"] == str(llamacpp.UBATCH)
+    argv = llamacpp.command(Path("/bin/llama-batched-bench"), Path("m.gguf"), offload, 2, 20, 4, ubatch=256)
+    small = dict(zip(argv[1::2], argv[2::2]))
+    assert small["-b"] == small["-ub"] == "256"
+
+
+def test_the_reserve_grows_with_the_micro_batch_by_each_token_activations():
+    dense = REGISTRY["llama-3-70b"]
+    per_token = 4 * (4 * dense.hidden_size + 3 * dense.intermediate_size)
+    assert llamacpp.compute_reserve(dense, 1) == llamacpp.COMPUTE_RESERVE + per_token
+    assert llamacpp.compute_reserve(dense, 2048) - llamacpp.compute_reserve(dense, 1024) == 1024 * per_token
+    moe = REGISTRY["qwen3-30b-a3b"]  # the routed experts' MLPs, not the dense intermediate size
+    routed = moe.experts_per_token * (moe.expert_intermediate_size or moe.intermediate_size)
+    assert llamacpp.compute_reserve(moe, 1) == llamacpp.COMPUTE_RESERVE + 4 * (4 * moe.hidden_size + 3 * routed)
 
 
 @pytest.mark.parametrize("name", ["llamacpp-llama-cpu.txt", "llamacpp-qwen3moe-cpu.txt"])
@@ -138,7 +153,8 @@ def stand_in(tmp_path: Path, fixture: str, code: int = 0) -> Path:
 
 def bench_args(tmp_path: Path, binary: Path, **changes):
     base = dict(model="llama-2-7b", prompt_len=64, gen_len=4, gpu_mem="24GiB", offload_dir=str(tmp_path),
-                timeout=60, llamacpp_bin=str(binary), llamacpp_batch_sizes=[4])
+                timeout=60, llamacpp_bin=str(binary), llamacpp_batch_sizes=[4],
+                llamacpp_ubatch=llamacpp.UBATCH)
     return SimpleNamespace(**{**base, **changes})
 
 
