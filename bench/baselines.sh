@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The two baselines bench/throughput.py adds with --systems ...,deepspeed,llamacpp, made ready for the GPU
 # machine, which has no network:
-#   bench/baselines.sh pack [DIR]    here: DeepSpeed's source package, and llama.cpp's sources as the
-#                                    llama-cpp-python source package vendors them, cut to what a build of
-#                                    llama-batched-bench reads (no other backends, tools, docs or
-#                                    vocabularies), into DIR (default .baselines, which git ignores)
-#   bench/baselines.sh build [DIR]   there: DeepSpeed installed into /tmp/site (no compiled ops), and
+#   bench/baselines.sh pack [DIR]    here: DeepSpeed's source package with the hjson and gguf wheels, and
+#                                    llama.cpp's sources as the llama-cpp-python source package vendors them,
+#                                    cut to what a build of llama-batched-bench reads (no other backends,
+#                                    tools, docs or vocabularies), into DIR (default .baselines, which git
+#                                    ignores)
+#   bench/baselines.sh build [DIR]   there: DeepSpeed and the wheels installed into /tmp/site (no compiled ops), and
 #                                    llama-batched-bench built for CUDA on the card's architecture into
 #                                    DIR/bin, statically linked to llama.cpp, with the build's time and size;
 #                                    where DIR holds llama-batched-bench.xz.part* from an earlier call, those
@@ -17,6 +18,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 LLAMA_CPP_PYTHON=0.3.36 # vendors llama.cpp 0c1e570
 DEEPSPEED=0.19.8
+HJSON=3.1.0
+GGUF=0.19.0
 MODE=${1:?usage: bench/baselines.sh pack|build [DIR]}
 DIR=${2:-.baselines}
 PYTHON=${PYTHON:-python3}
@@ -29,6 +32,8 @@ pack() {
     "$PYTHON" -m pip download -q --no-deps --no-binary=:all: -d "$work" \
         "llama-cpp-python==$LLAMA_CPP_PYTHON" "deepspeed==$DEEPSPEED"
     cp "$work"/deepspeed-*.tar.gz "$DIR"/
+    # What the GPU machine's image lacks: DeepSpeed's config reader, and the writer of the dummy GGUF files.
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d "$DIR" "hjson==$HJSON" "gguf==$GGUF"
     tar -xzf "$work"/llama_cpp_python-*.tar.gz -C "$work"
     local src=$work/llama_cpp_python-$LLAMA_CPP_PYTHON/vendor/llama.cpp out=$work/llama.cpp
     mkdir -p "$out/tools" "$out/ggml/src"
@@ -52,7 +57,7 @@ pack() {
 build() {
     local start=$SECONDS
     DS_BUILD_OPS=0 "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site \
-        "$DIR"/deepspeed-*.tar.gz
+        "$DIR"/deepspeed-*.tar.gz "$DIR"/*.whl
     echo "deepspeed: installed in $((SECONDS - start)) s"
     start=$SECONDS
     if compgen -G "$DIR/llama-batched-bench.xz.part*" >/dev/null; then
