@@ -118,6 +118,7 @@ def write_dummy_gguf(cfg: ModelConfig, path: str | Path, seed: int = 0, context:
 
     arch, layout = architecture(cfg), tensors(cfg)
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     writer = gguf.GGUFWriter(partial, arch)
     writer.add_name(f"{cfg.name} (dummy weights)")

@@ -64,6 +64,11 @@ def test_the_file_holds_llama_cpps_layout_for_its_architecture(tmp_path, kind):
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_the_file_goes_into_a_folder_that_does_not_exist_yet(tmp_path):
+    path = dummy_gguf.write_dummy_gguf(TINY["llama"], tmp_path / "new" / "offload" / "m.gguf")
+    assert path.is_file() and gguf.GGUFReader(path).tensors
+
+
 def test_matrices_are_random_small_and_finite_and_norms_are_one(tmp_path):
     path = dummy_gguf.write_dummy_gguf(TINY["llama"], tmp_path / "m.gguf")
     stored = {t.name: t for t in gguf.GGUFReader(path).tensors}
