@@ -102,10 +102,7 @@ def _layer_bytes(layout: list[Tensor], index: int) -> tuple[int, int]:
 def compute_reserve(cfg: ModelConfig, ubatch: int = UBATCH) -> int:
     """GPU bytes a run needs beyond weights and cache: COMPUTE_RESERVE and, per token of a micro-batch, f32
     activations of a few hidden-wide vectors and the MLP's gate, up and product (its routed experts' for MoE)."""
-    if cfg.num_experts:
-        mlp = cfg.experts_per_token * (cfg.expert_intermediate_size or cfg.intermediate_size)
-    else:
-        mlp = cfg.intermediate_size
+    mlp = cfg.experts_per_token * cfg.expert_intermediate_size if cfg.num_experts else cfg.intermediate_size
     return COMPUTE_RESERVE + ubatch * 4 * (4 * cfg.hidden_size + 3 * mlp)
 
 

@@ -82,7 +82,7 @@ def test_the_reserve_grows_with_the_micro_batch_by_each_token_activations():
     assert llamacpp.compute_reserve(dense, 1) == llamacpp.COMPUTE_RESERVE + per_token
     assert llamacpp.compute_reserve(dense, 2048) - llamacpp.compute_reserve(dense, 1024) == 1024 * per_token
     moe = REGISTRY["qwen3-30b-a3b"]  # the routed experts' MLPs, not the dense intermediate size
-    routed = moe.experts_per_token * (moe.expert_intermediate_size or moe.intermediate_size)
+    routed = moe.experts_per_token * moe.expert_intermediate_size
     assert llamacpp.compute_reserve(moe, 1) == llamacpp.COMPUTE_RESERVE + 4 * (4 * moe.hidden_size + 3 * routed)
 
 
