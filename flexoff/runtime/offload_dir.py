@@ -7,8 +7,10 @@ the id alone could make a dead owner look alive, or a live one dead.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -25,7 +27,9 @@ _START_TOLERANCE = 1.0  # seconds: start times are read from the kernel's clock 
 def make_private_folder(base: Path) -> Path:
     """A new mode-0700 folder in ``base``, marked as this process's, after removing dead owners'."""
     remove_dead_folders(base)
-    directory = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base))
+    # The name carries the host and process id too: a process killed before its mark is written
+    # leaves a folder that still names its owner.
+    directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{_host_tag()}-{os.getpid()}-", dir=base))
     # A folder is removed only when a whole mark names a dead owner, so another process cleaning up
     # cannot take this one between its creation and its mark. The mark is written aside and renamed
     # into place; one whose writer was killed before the rename still names it, and counts.
@@ -73,10 +77,29 @@ def remove_dead_folders(base: Path) -> list[Path]:
         if not entry.name.startswith(PREFIX) or entry.is_symlink() or not entry.is_dir():
             continue
         owner = _read_owner(entry)
-        if owner is not None and owner_is_dead(owner):
+        dead = owner_is_dead(owner) if owner is not None else _unmarked_owner_is_dead(entry.name)
+        if dead:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def _host_tag() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _unmarked_owner_is_dead(name: str) -> bool:
+    """Whether the process a folder's name gives as its maker, on this host, has exited. Without the
+    mark's start time a live process with that id may be another one; such a folder is kept."""
+    match = re.fullmatch(re.escape(PREFIX) + r"([0-9a-f]{8})-([0-9]+)-[^/]+", name)
+    if match is None or match.group(1) != _host_tag():
+        return False
+    try:
+        return psutil.Process(int(match.group(2))).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+    except (psutil.Error, OSError, ValueError):
+        return False
 
 
 def _read_owner(folder: Path) -> dict | None:

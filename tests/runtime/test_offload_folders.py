@@ -9,7 +9,7 @@ import sys
 
 import psutil
 
-from flexoff.runtime.offload_dir import OWNER_FILE, PREFIX, owner_of
+from flexoff.runtime.offload_dir import OWNER_FILE, PREFIX, _host_tag, owner_of
 from flexoff.runtime.tiers import DiskTier
 from tests import processes
 
@@ -59,6 +59,11 @@ def test_a_killed_process_folder_is_removed_by_the_next_start(tmp_path):
         # Killed between writing its mark and renaming it into place:
         unrenamed = marked_folder(base, PREFIX + "unrenamed", None)
         (unrenamed / (OWNER_FILE + ".partial")).write_text(json.dumps({**me, "pid": DEAD_PID}))
+        # Killed between making its folder and writing its mark: only the name tells the owner.
+        here = f"{PREFIX}{_host_tag()}"
+        unmarked_dead = marked_folder(base, f"{here}-{DEAD_PID}-abc123", None)
+        unmarked_live = marked_folder(base, f"{here}-{os.getpid()}-abc123", None)
+        unmarked_elsewhere = marked_folder(base, f"{PREFIX}00000000-{DEAD_PID}-abc123", None)
         half_written = marked_folder(base, PREFIX + "half-written", None)
         (half_written / (OWNER_FILE + ".partial")).write_text(json.dumps({**me, "pid": DEAD_PID})[:20])
         tier = DiskTier(base)
@@ -67,7 +72,9 @@ def test_a_killed_process_folder_is_removed_by_the_next_start(tmp_path):
             assert os.path.basename(killed_dir) not in kept
             assert not reused.exists()  # the id now belongs to another process (this one)
             assert not unrenamed.exists()
-            for folder in (live_dir, elsewhere, unmarked, half_written, not_ours, tier.directory):
+            assert not unmarked_dead.exists()
+            for folder in (live_dir, elsewhere, unmarked, half_written, not_ours, tier.directory, unmarked_live,
+                           unmarked_elsewhere):
                 assert os.path.isdir(folder), (folder, kept)
             assert os.path.getsize(os.path.join(live_dir, "weights")) == 1 << 20
         finally:
