@@ -8,6 +8,7 @@ TFLOP/s counts the active experts' FLOPs only (k of E experts a token).
 
     python bench/moe_kernel.py --model mixtral-8x7b --device cuda --hardware h100
     python bench/moe_kernel.py --model qwen3-30b-a3b --device cpu --tokens 512 --chunks 128,256,512
+    python bench/moe_kernel.py --model qwen3-30b-a3b --profile   # where a call's time goes, by kernel
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     parser.add_argument("--chunks", default="512,1024,2048,4096,8192,16384")
     parser.add_argument("--hardware", help="a profile whose matmul curve to show beside the kernel")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", action="store_true",
+                        help="also time one call at the default chunk by operator, under torch.profiler")
     args = parser.parse_args()
     cfg = resolve_model_config(args.model)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
@@ -66,6 +69,21 @@ def main() -> None:
                   f"{dense_rate:.1f} | {profile} |", flush=True)
     finally:
         moe.chunk_tokens = default
+    if args.profile:
+        print_profile(lambda: moe.sparse_mlp(cfg, w, x), cuda)
+
+
+def print_profile(call, cuda: bool) -> None:
+    """The operators of one call (after a warm one) by their device time, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=20, max_name_column_width=60))
 
 
 if __name__ == "__main__":
