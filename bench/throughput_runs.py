@@ -53,9 +53,15 @@ def failure(code: int, output: str, timed_out: bool, timeout: int) -> str:
     elif code in (-9, 137) or "cannot allocate memory" in text or "defaultcpuallocator" in text:
         why = "out of host memory (killed)" if code in (-9, 137) else "out of host memory"
     else:
-        lines = output.strip().splitlines()
-        why = lines[-1].removeprefix("flexoff: error: ")[:160] if lines else f"exit code {code}"
+        lines = [line.strip() for line in output.strip().splitlines() if line.strip()]
+        # A warning printed at exit (torch.distributed's, say) follows the error: skip past it.
+        meant = [line for line in lines if "warning" not in line.lower()] or lines
+        errors = [line for line in meant if _ERROR_LINE.search(line)]
+        why = (errors or meant)[-1].removeprefix("flexoff: error: ")[:160] if meant else f"exit code {code}"
     return f"cannot run: {why}"
+
+
+_ERROR_LINE = re.compile(r"error\b|exception\b|\bfailed\b", re.IGNORECASE)
 
 
 def cap_flags(args, spec: dict | None = None) -> list[str]:

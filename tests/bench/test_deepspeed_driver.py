@@ -103,3 +103,19 @@ def test_an_unknown_system_is_one_line_naming_the_known_ones(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["throughput.py: error: --systems: unknown vllm; choose from flexoff, flexgen, hf, deepspeed, "
                    "llamacpp"]
+
+
+def test_a_failure_is_named_by_its_error_line_not_by_a_warning_printed_at_exit():
+    output = "\n".join([
+        "[2026-12-02 18:47:31,102] [INFO] [config.py:1003:print] zero_optimization ...",
+        "Traceback (most recent call last):",
+        '  File "bench/deepspeed_driver.py", line 120, in main',
+        "RuntimeError: CUDA error: an illegal memory access was encountered",
+        "[rank0]:[W1202 18:48:00.784666846 ProcessGroupNCCL.cpp:1575] Warning: WARNING: destroy_process_group() "
+        "was not called before program exit, which can leak resources.",
+        ""])
+    assert throughput_runs.failure(1, output, False, 60) == \
+        "cannot run: RuntimeError: CUDA error: an illegal memory access was encountered"
+    # Without an error line, the last line that is not a warning.
+    assert throughput_runs.failure(1, "loading\nstopped at layer 3\nUserWarning: x\n", False, 60) == \
+        "cannot run: stopped at layer 3"
