@@ -42,7 +42,7 @@ def _chunk_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
     expert; per pair, the gathered row (hidden), gate-up's output (2 x width) and its activation
     (width) and down's output (hidden) are live together at the largest moment, which is one of:
     the activation beside both gate halves, gate-up's or down's output beside the per-expert
-    pieces it is assembled from, or the outputs scattered back and weighted before the sum."""
+    pieces it is assembled from, or the outputs gathered back into token order and summed."""
     if not cfg.num_experts:
         return 0
     h, width, k = cfg.hidden_size, cfg.expert_intermediate_size, cfg.experts_per_token
@@ -55,7 +55,10 @@ def _chunk_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
     experts = kept + max(pairs * (INDEX_BYTES + h * itemsize),  # the gather, by token indices
                          pairs * (h + 4 * width) * itemsize,
                          pairs * (3 * h + 3 * width) * itemsize,
-                         (pairs * (4 * h + 2 * width) + tokens * h) * itemsize)
+                         # the inverse order made beside down's output (rows and gate-up kept)
+                         2 * pairs * INDEX_BYTES + pairs * (2 * h + 2 * width) * itemsize,
+                         # the rows gathered back by it, and their weighted sums
+                         pairs * INDEX_BYTES + (pairs * (3 * h + 2 * width) + tokens * h) * itemsize)
     peak = max(routing, experts)
     shared = cfg.shared_expert_intermediate_size
     if shared:

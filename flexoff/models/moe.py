@@ -108,8 +108,8 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
     """x (tokens, hidden) through each token's chosen experts, weighted: (tokens, hidden).
 
     The (token, choice) pairs are sorted by expert, so each expert multiplies its tokens in one
-    matmul, and the results are put back in pair order and summed over each token's choices in a
-    fixed order (no atomic adds, so every run gives the same sums)."""
+    matmul; the results are gathered back in pair order and each token's k rows are summed under
+    their weights by one batched matmul (no atomic adds, so every run gives the same sums)."""
     tokens, k = experts.shape
     if fetch is not None:  # route-first loading: only the chosen experts are copied in, now
         fetch.fetch_experts(experts)
@@ -122,9 +122,11 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
     rows = x[order // k]
     gate, up = grouped_linear(rows, w[GATE_UP], ends).chunk(2, dim=-1)
     out = grouped_linear(F.silu(gate) * up, w[DOWN], ends)
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out
-    return (unsorted.view(tokens, k, -1) * weights[..., None]).sum(dim=1)
+    # A gather by the inverse order, not a scatter by the order: on an H200 the scatter of a
+    # Qwen3-30B-A3B chunk took a fifth of the layer, the gather a tenth of that.
+    where = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    mine = out.index_select(0, where).view(tokens, k, -1)
+    return torch.bmm(weights.unsqueeze(1), mine).squeeze(1)
 
 
 def sparse_mlp(cfg: ModelConfig, w, x: torch.Tensor, fetch: ExpertFetch | None = None) -> torch.Tensor:

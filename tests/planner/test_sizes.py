@@ -139,7 +139,8 @@ def test_moe_counts_average_sparse_and_dense_layers(tiny_model_dir, kind):
 def test_the_sparse_mlps_matmuls_are_the_routed_ones(tiny_model_dir, monkeypatch, kind):
     """FLOPs counted while flexoff's sparse MLP runs (a matmul per expert, so that the counter sees
     them) over tokens routed by their own router: twice each token's active MLP elements, the
-    router, its k experts and any shared expert; the attention's matrices are the rest."""
+    router, its k experts and any shared expert, and the weighted sum of the k outputs; the attention's
+    matrices are the rest."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from flexoff.models import moe, stage_specs, Stage
@@ -160,4 +161,6 @@ def test_the_sparse_mlps_matmuls_are_the_routed_ones(tiny_model_dir, monkeypatch
     dense_layer = attention + 3 * config.hidden_size * config.intermediate_size
     sparse_active = (config.num_layers * layer_active_matmul_numel(config) - dense_layers * dense_layer) \
         / (config.num_layers - dense_layers) - attention
-    assert counter.get_total_flops() == pytest.approx(2 * tokens * sparse_active)
+    # Each token's k outputs are summed under their weights by a batched matmul the counter sees too.
+    combine = 2 * tokens * config.experts_per_token * config.hidden_size
+    assert counter.get_total_flops() == pytest.approx(2 * tokens * sparse_active + combine)
