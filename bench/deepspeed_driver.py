@@ -21,6 +21,7 @@ the configuration; or ``{"error": "cannot run: ..."}``.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -82,6 +83,13 @@ def world_of_one() -> None:
         os.environ.setdefault(key, value)
 
 
+def plain_arch_list(arch_list: str) -> str:
+    """TORCH_CUDA_ARCH_LIST without the architecture-specific suffixes ("9.0a", "10.0f") newer torch builds
+    name, which DeepSpeed's JIT op builder reads as numbers and fails on; "+PTX" it does read."""
+    parts = [part.strip() for part in arch_list.replace(";", " ").split() if part.strip()]
+    return ";".join(dict.fromkeys(re.sub(r"(?<=\d)[af](?=$|\+)", "", part) for part in parts))
+
+
 def build(cfg, config: dict):
     """The model, built inside zero.Init and wrapped by deepspeed.initialize, in eval mode."""
     import deepspeed
@@ -118,6 +126,9 @@ def main() -> None:
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     cap = None
     if device != "cpu":
+        # An fp16 model's 4-bit embedding dequantizes through a CUDA op DeepSpeed compiles on first use.
+        major, minor = torch.cuda.get_device_capability(0)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = plain_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", f"{major}.{minor}"))
         total = torch.cuda.get_device_properties(0).total_memory
         cap = min(total, parse_size(args.gpu_mem)) if args.gpu_mem else total
         torch.cuda.set_per_process_memory_fraction(cap / total, 0)

@@ -119,3 +119,9 @@ def test_a_failure_is_named_by_its_error_line_not_by_a_warning_printed_at_exit()
     # Without an error line, the last line that is not a warning.
     assert throughput_runs.failure(1, "loading\nstopped at layer 3\nUserWarning: x\n", False, 60) == \
         "cannot run: stopped at layer 3"
+
+
+def test_the_arch_list_deepspeed_compiles_for_has_no_suffixes_it_cannot_read():
+    assert deepspeed_driver.plain_arch_list("9.0a") == "9.0"
+    assert deepspeed_driver.plain_arch_list("8.0;9.0a;10.0f+PTX") == "8.0;9.0;10.0+PTX"
+    assert deepspeed_driver.plain_arch_list("9.0 9.0a") == "9.0"
