@@ -30,8 +30,8 @@ def make_private_folder(base: Path) -> Path:
     # The name carries the host and process id too: a process killed before its mark is written
     # leaves a folder that still names its owner.
     directory = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{_host_tag()}-{os.getpid()}-", dir=base))
-    # A folder is removed only when a whole mark names a dead owner, so another process cleaning up
-    # cannot take this one between its creation and its mark. The mark is written aside and renamed
+    # A folder is removed only when a whole mark, or else its name, names a dead owner, so another
+    # process cleaning up cannot take this one between its creation and its mark. The mark is written aside and renamed
     # into place; one whose writer was killed before the rename still names it, and counts.
     partial = directory / _PARTIAL
     try:
@@ -54,14 +54,21 @@ def owner_is_dead(owner: dict) -> bool:
     if owner.get("host") != socket.gethostname() or not isinstance(pid, int) or isinstance(pid, bool) \
             or pid <= 0 or not isinstance(started, (int, float)) or isinstance(started, bool):
         return False
+    return _exited(pid, started)
+
+
+def _exited(pid: int, started: float | None) -> bool:
+    """Whether process ``pid`` (started at ``started``, where known) has exited; unreadable counts as alive.
+    Without a start time, a live process with the id may be another one, and counts as alive."""
     try:
         process = psutil.Process(pid)
         if process.status() == psutil.STATUS_ZOMBIE:  # exited, not yet reaped by its parent
             return True
-        return abs(process.create_time() - started) > _START_TOLERANCE  # the id now names another process
+        # the id now names another process
+        return started is not None and abs(process.create_time() - started) > _START_TOLERANCE
     except psutil.NoSuchProcess:
         return True
-    except (psutil.Error, OSError):
+    except (psutil.Error, OSError, ValueError, OverflowError):  # an id too large to be one
         return False
 
 
@@ -92,14 +99,7 @@ def _unmarked_owner_is_dead(name: str) -> bool:
     """Whether the process a folder's name gives as its maker, on this host, has exited. Without the
     mark's start time a live process with that id may be another one; such a folder is kept."""
     match = re.fullmatch(re.escape(PREFIX) + r"([0-9a-f]{8})-([0-9]+)-[^/]+", name)
-    if match is None or match.group(1) != _host_tag():
-        return False
-    try:
-        return psutil.Process(int(match.group(2))).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except (psutil.Error, OSError, ValueError):
-        return False
+    return match is not None and match.group(1) == _host_tag() and _exited(int(match.group(2)), None)
 
 
 def _read_owner(folder: Path) -> dict | None:
