@@ -70,7 +70,8 @@ build() {
     rm -rf "$DIR/llama.cpp" && tar -xzf "$DIR/llama.cpp.tar.gz" -C "$DIR"
     local arch
     arch=$("$PYTHON" -c "import torch; major, minor = torch.cuda.get_device_capability(); print(f'{major}{minor}')")
-    cmake -S "$DIR/llama.cpp" -B "$DIR/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    # Git must not climb from the cut to an enclosing repository, whose commit --version would print.
+    GIT_CEILING_DIRECTORIES=$(cd "$DIR" && pwd) cmake -S "$DIR/llama.cpp" -B "$DIR/llama.cpp/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
         -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" -DBUILD_SHARED_LIBS=OFF -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF >"$DIR/cmake.log"
