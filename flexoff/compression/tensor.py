@@ -227,7 +227,8 @@ class CompressedTensor:
         The view shares storage, so :func:`quantize` with ``out=`` can fill a slice of a larger
         compressed tensor in place.
         """
-        dim = normalize_dim(dim, len(self.shape))
+        if not 0 <= dim < len(self.shape):  # the cache's many views name their dimension as it is
+            dim = normalize_dim(dim, len(self.shape))
         if dim == self.dim:
             raise CompressionError(
                 f"cannot slice a compressed tensor along its grouped dimension {dim}; "
@@ -237,10 +238,10 @@ class CompressedTensor:
         if start < 0 or length < 0 or start + length > size:
             raise CompressionError(f"slice [{start}, {start + length}) is out of range for size {size} along dim {dim}")
         row_dim = dim if dim < self.dim else dim - 1
-        parts = (t.narrow(row_dim, start, length) for t in (self.data, self.scale, self.minimum))
         shape = list(self.shape)
         shape[dim] = length
-        return self._with_parts(*parts, shape=shape)
+        return self._with_parts(self.data.narrow(row_dim, start, length), self.scale.narrow(row_dim, start, length),
+                                self.minimum.narrow(row_dim, start, length), shape=shape)
 
     def __repr__(self) -> str:
         return (
