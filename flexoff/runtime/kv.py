@@ -399,8 +399,7 @@ class BatchKV:
         for group, loaded in runs.items():
             if new is not None:
                 start, k, v = new
-                for buffer, slot in zip(loaded, (k, v)):
-                    SLOT_MAJOR.write(self.fmt, buffer, start, slot[group.rows])
+                SLOT_MAJOR.write_pair(self.fmt, loaded, start, k[group.rows], v[group.rows])
             keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
                             for buffer, space in zip(loaded, self._dequantized()))
             attend_rows(*outputs, group.rows, q[group.rows], keys, values, mask[group.rows])

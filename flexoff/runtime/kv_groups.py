@@ -34,7 +34,7 @@ class KVWorkspace:
         allocate = device_allocator(device)
         shape = SLOT_MAJOR.shape(layout.slots, layout.travelling, cfg.num_kv_heads, cfg.head_dim)
         self.fmt = fmt
-        self.sets = [(fmt.empty(shape, allocate), fmt.empty(shape, allocate)) for _ in range(layout.ring_sets)]
+        self.sets = [fmt.empty_pair(shape, allocate) for _ in range(layout.ring_sets)]
         numel = layout.dequantized_numel
         self.dequantized = (allocate((numel,), dtype), allocate((numel,), dtype)) if numel else (None, None)
         self.free_events = [None] * len(self.sets)

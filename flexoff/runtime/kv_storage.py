@@ -56,6 +56,13 @@ class Layout:
         """Store x (rows, kv_heads, seq, head_dim) at slots [start, start + seq)."""
         fmt.write(buffer.narrow(self.slot_dim, start, x.shape[2]), self.arrange(x), copy_across)
 
+    def write_pair(self, fmt: "PlainFormat | QuantizedFormat", pair: tuple, start: int, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """Store k and v (rows, kv_heads, seq, head_dim) at slots [start, start + seq) of ``pair``'s
+        (keys, values), buffers on the device where k and v are."""
+        keys, values = (buffer.narrow(self.slot_dim, start, k.shape[2]) for buffer in pair)
+        fmt.fill_pair(keys, values, self.arrange(k), self.arrange(v))
+
     def read(self, fmt: "PlainFormat | QuantizedFormat", buffer, end: int, rows: slice | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
         """Slots [0, end) of ``rows`` (all rows by default) as (rows, kv_heads, end, head_dim) in the
@@ -100,6 +107,11 @@ class _Format:
     def size_of(self, buffer) -> int:
         return sum(part.numel() * part.element_size() for part in self.parts(buffer))
 
+    def fill_pair(self, keys, values, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k into ``keys`` and v into ``values`` (on their device)."""
+        self.fill(keys, k)
+        self.fill(values, v)
+
 
 class PlainFormat(_Format):
     """Values kept as they are, in the compute dtype."""
@@ -114,6 +126,10 @@ class PlainFormat(_Format):
 
     def nbytes(self, shape: tuple[int, ...]) -> int:
         return math.prod(shape) * self.dtype.itemsize
+
+    def empty_pair(self, shape: tuple[int, ...], allocate: Allocate) -> tuple[torch.Tensor, torch.Tensor]:
+        both = allocate((2, *shape), self.dtype)
+        return both[0], both[1]
 
     @staticmethod
     def parts(buffer: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -156,6 +172,25 @@ class QuantizedFormat(_Format):
     def nbytes(self, shape: tuple[int, ...]) -> int:
         return compressed_nbytes(shape, self.bits, self.group_size, -1, self.dtype)
 
+    def empty_pair(self, shape: tuple[int, ...], allocate: Allocate) -> tuple[CompressedTensor, CompressedTensor]:
+        """(keys, values) of ``shape``, each part of the two one allocation with the keys first, so
+        that ``fill_pair`` encodes a slot of both in one call."""
+        both = self.empty((2, *shape), allocate)
+        return tuple(CompressedTensor(*(p[i] for p in self.parts(both)), shape, self.dtype, -1, self.bits,
+                                      self.group_size) for i in range(2))
+
+    def fill_pair(self, keys: CompressedTensor, values: CompressedTensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Where the two targets are the same views of one allocation (``empty_pair``'s halves,
+        narrowed alike), one quantize call over both, as one strided target: on CUDA one launch
+        instead of two, in a decode step's attention of every travelling batch and layer."""
+        both = _stacked(self.parts(keys), self.parts(values))
+        if both is None:
+            super().fill_pair(keys, values, k, v)
+            return
+        target = keys._with_parts(*both, shape=(2, *keys.shape))  # the same layout: no checks
+        target.dim = keys.dim + 1  # head_dim, behind the new leading dimension
+        quantize(torch.stack((k, v)), self.bits, self.group_size, -1, out=target)
+
     @staticmethod
     def parts(buffer: CompressedTensor) -> tuple[torch.Tensor, ...]:
         return (buffer.data, buffer.scale, buffer.minimum)
@@ -176,6 +211,19 @@ class QuantizedFormat(_Format):
         if out is not None:
             out = out[:source.numel()].view(source.shape)  # contiguous, as the fused kernel wants
         return dequantize(source, out=out)
+
+
+def _stacked(first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
+    """Each pair of parts as one (2, *shape) view of their storage, where the second lies at the
+    same positive distance after the first in each; None where they do not."""
+    stacked = []
+    for a, b in zip(first, second):
+        distance = b.storage_offset() - a.storage_offset()
+        if (a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or distance <= 0
+                or a.shape != b.shape or a.stride() != b.stride()):
+            return None
+        stacked.append(a.as_strided((2, *a.shape), (distance, *a.stride()), a.storage_offset()))
+    return stacked
 
 
 def kv_format(config: CompressionConfig | None, dtype: torch.dtype) -> PlainFormat | QuantizedFormat:
