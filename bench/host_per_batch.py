@@ -9,7 +9,7 @@ batches and a few large ones is off (an OPT-66B decode of 20 batches ran host-bo
 its charge).
 
     python bench/host_per_batch.py [--hardware h100] [--repeats 3] [--offload-dir /tmp/off] [--only TEXT]
-                                   [--cprofile DIR]
+                                   [--cprofile DIR] [--family opt|llama]
 
 `--cprofile DIR` also runs each case's deeper model once more under cProfile and writes where the
 main thread's time went (by own time and by cumulative time) to a file per case in DIR.
@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from flexoff.profiler.host_overhead import (  # noqa: E402
-    DEPTHS, OPT_FIELDS, PROMPT_LEN, STEPS, decode_seconds_per_layer, probe_sequences,
+    DEPTHS, LLAMA_FIELDS, OPT_FIELDS, PROMPT_LEN, STEPS, decode_seconds_per_layer, probe_sequences,
 )
 from flexoff.models.config import ModelConfig  # noqa: E402
 from flexoff.planner.cost_model import CostModel, Workload  # noqa: E402
@@ -56,22 +56,25 @@ def cases() -> list[Policy]:
     return policies
 
 
-def deeper_model() -> ModelConfig:
+FAMILIES = {"opt": OPT_FIELDS, "llama": LLAMA_FIELDS}  # llama: grouped-query attention, RoPE, SwiGLU
+
+
+def deeper_model(fields: dict) -> ModelConfig:
     """The deeper of the two narrow models a case is timed on: the one charged and profiled."""
-    return ModelConfig(name="host-per-batch", num_layers=DEPTHS[1], **OPT_FIELDS)
+    return ModelConfig(name="host-per-batch", num_layers=DEPTHS[1], **fields)
 
 
-def charged(policy: Policy, hardware) -> float:
+def charged(policy: Policy, hardware, fields: dict) -> float:
     """What the cost model charges the host per decode layer and batch, for the deeper model."""
-    config = deeper_model()
+    config = deeper_model(fields)
     workload = Workload(PROMPT_LEN, STEPS + 1, policy.block_size)
     return CostModel(config, workload, hardware).predict(policy).decode.io["host"] / policy.num_gpu_batches
 
 
-def profile_calls(device, dtype, policy: Policy, offload: str, path: Path) -> None:
+def profile_calls(device, dtype, policy: Policy, fields: dict, offload: str, path: Path) -> None:
     """One run of the deeper model under cProfile, after a warm-up run, written to ``path``: the
     functions by own time and by cumulative time, with the calls per decode layer and batch."""
-    engine = Engine(deeper_model(), DummyWeights(0), policy, device, dtype, offload_dir=offload)
+    engine = Engine(deeper_model(fields), DummyWeights(0), policy, device, dtype, offload_dir=offload)
 
     def block() -> None:
         engine.generate_block(probe_sequences(policy.block_size))
@@ -103,12 +106,15 @@ def main() -> int:
                         help="time only the policies whose summary holds TEXT (e.g. 'c 0/75/25'); repeatable")
     parser.add_argument("--cprofile", type=Path, metavar="DIR",
                         help="also write each case's cProfile of the main thread to a file in DIR")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="opt",
+                        help="the narrow model's family (default opt)")
     args = parser.parse_args()
+    fields = FAMILIES[args.family]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     hardware = resolve_hardware(args.hardware)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (the compute device: host and work mix)"
-    print(f"device: {name}; model: OPT, hidden {OPT_FIELDS['hidden_size']}, {DEPTHS} layers; "
+    print(f"device: {name}; model: {args.family}, hidden {fields['hidden_size']}, {DEPTHS} layers; "
           f"charges from the `{args.hardware}` profile")
     print("| policy | host ms per layer and batch, measured | charged | measured / charged |")
     print("| --- | --- | --- | --- |")
@@ -117,15 +123,15 @@ def main() -> int:
             if args.only and not any(text in policy_summary(policy) for text in args.only):
                 continue
             rows = policy.block_size
-            per_layer, _ = decode_seconds_per_layer(device, dtype, policy, OPT_FIELDS, args.repeats, sequences=rows,
+            per_layer, _ = decode_seconds_per_layer(device, dtype, policy, fields, args.repeats, sequences=rows,
                                                     offload_dir=offload)
-            measured, price = per_layer / policy.num_gpu_batches, charged(policy, hardware)
+            measured, price = per_layer / policy.num_gpu_batches, charged(policy, hardware, fields)
             print(f"| {policy_summary(policy)} | {measured * 1e3:.3f} | {price * 1e3:.3f} | {measured / price:.2f} |",
                   flush=True)
             if args.cprofile:
                 args.cprofile.mkdir(parents=True, exist_ok=True)
                 name = re.sub(r"[^A-Za-z0-9.]+", "_", policy_summary(policy)).strip("_")
-                profile_calls(device, dtype, policy, offload, args.cprofile / f"{name}.txt")
+                profile_calls(device, dtype, policy, fields, offload, args.cprofile / f"{name}.txt")
     return 0
 
 
