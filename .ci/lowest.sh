@@ -43,6 +43,6 @@ for line in open(sys.argv[1]):
 PY
 # The trained model's placement loops repeat at these versions what the main suite proves; its
 # conversion, tokenizer, chat template and GGUF tests run here, where the versions differ most.
-python -m pytest -q -p no:cacheprovider tests/planner tests/models tests/test_cli.py tests/test_default_plan.py \
+python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/planner tests/models tests/test_cli.py tests/test_default_plan.py \
     tests/harness/test_lm_eval_cli.py \
     -k "not greedy_text_equals_transformers and not scores_along_transformers and not seeded_samples" "$@"

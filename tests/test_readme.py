@@ -87,7 +87,8 @@ GPU = {
 SKIPPED = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e '.[hf]' && flexoff run":
         "set-up command 1: .ci/run runs it in a fresh venv",
-    "pip install -e '.[dev]' && python -m pytest -q": "set-up command 2: .ci/run runs it (it runs this test)",
+    "pip install -e '.[dev]' && python -m pytest -q -n 2 --dist loadfile":
+        "set-up command 2: .ci/run runs it (it runs this test)",
     "flexoff run --model facebook/opt-1.3b --prompts prompts.jsonl --output results.jsonl":
         "downloads from the Hugging Face Hub; tests/weights/test_hub.py runs Hub ids from a local cache",
     "flexoff profile --output my-machine.json":
