@@ -426,20 +426,11 @@ def _dequantize_triton(kernels, ct: CompressedTensor, out: torch.Tensor) -> None
     width = ct.group_dim_size
     if rows == 0 or width == 0:
         return
-    out_moved = out.movedim(ct.dim, -1)
-    # The kernel takes (rows, ...) operands, or (pairs, rows, ...) where the leading dimension does
-    # not fold into the rest (a cache's keys and values, halves of one allocation).
-    lead = ct.rows_shape[0] if len(ct.rows_shape) > 1 else 1
-    for shape in ((rows,), (lead, rows // lead)):
-        views = _views((ct.data, ct.scale, ct.minimum, out_moved),
-                       (ct.bytes_per_row, ct.num_groups, ct.num_groups, width), shape)
-        if views is not None:
-            kernels.dequantize_4bit(*views, ct.group_size)
-            return
-    # reshape copies where a narrowed view cannot flatten
+    # The kernel takes 2-D operands; reshape copies only where a narrowed view cannot flatten.
     data = ct.data.reshape(rows, ct.bytes_per_row)
     scale = ct.scale.reshape(rows, ct.num_groups)
     minimum = ct.minimum.reshape(rows, ct.num_groups)
+    out_moved = out.movedim(ct.dim, -1)
     try:
         target = out_moved.view(rows, width)
     except RuntimeError:
@@ -450,11 +441,3 @@ def _dequantize_triton(kernels, ct: CompressedTensor, out: torch.Tensor) -> None
     staging = torch.empty((rows, width), dtype=out.dtype, device=out.device)
     kernels.dequantize_4bit(data, scale, minimum, staging, ct.group_size)
     out_moved.copy_(staging.view(out_moved.shape))
-
-
-def _views(parts, widths, rows_shape: tuple[int, ...]) -> list[torch.Tensor] | None:
-    """Each part viewed as (*rows_shape, width) without a copy, or None where one cannot be."""
-    try:
-        return [part.view(*rows_shape, width) for part, width in zip(parts, widths)]
-    except RuntimeError:
-        return None

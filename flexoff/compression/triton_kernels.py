@@ -39,9 +39,6 @@ def _dequantize_4bit_kernel(
     out_row_stride,
     out_col_stride,
     num_col_blocks,
-    data_pair_stride,
-    meta_pair_stride,
-    out_pair_stride,
     GROUP_SIZE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_BYTES: tl.constexpr,
@@ -54,13 +51,6 @@ def _dequantize_4bit_kernel(
     row_block = program // num_col_blocks
     col_block = program % num_col_blocks
     BLOCK_VALUES: tl.constexpr = 2 * BLOCK_BYTES
-    # The second axis: one of several same-shaped operands at fixed distances (a cache's keys and
-    # values, halves of one allocation), so that the pair is one launch.
-    pair = tl.program_id(1).to(tl.int64)
-    data_ptr += pair * data_pair_stride
-    scale_ptr += pair * meta_pair_stride
-    minimum_ptr += pair * meta_pair_stride
-    out_ptr += pair * out_pair_stride
 
     row = (row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)).to(tl.int64)
     row_ok = row < rows
@@ -115,22 +105,18 @@ def dequantize_4bit(
 
     data: (rows, ceil(width / 2)) uint8; scale, minimum: (rows, ceil(width / group_size));
     out: (rows, width) of fp16, bf16 or fp32, any strides (a transposed view is fine).
-    The last dimension of data, scale and minimum must be contiguous. Each operand may also be
-    3-D, (pairs, rows, ...): that many such decodes in one launch, at any strides along the first.
+    The last dimension of data, scale and minimum must be contiguous.
     """
-    given = out
-    if out.dim() == 2:
-        data, scale, minimum, out = (t.unsqueeze(0) for t in (data, scale, minimum, out))
-    pairs, rows, width = out.shape
-    if pairs == 0 or rows == 0 or width == 0:
-        return given
+    rows, width = out.shape
+    if rows == 0 or width == 0:
+        return out
     for name, part in (("data", data), ("scale", scale), ("minimum", minimum)):
         if part.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along its last dimension")
-    if scale.stride()[:2] != minimum.stride()[:2]:
-        raise ValueError("scale and minimum must share their row and pair strides")
+    if scale.stride(0) != minimum.stride(0):
+        raise ValueError("scale and minimum must share their row stride")
     row_bytes = (width + 1) // 2
-    if out.stride(2) == 1 or out.stride(1) != 1:
+    if out.stride(1) == 1 or out.stride(0) != 1:
         # Rows are contiguous in the output: make the tile wide so stores coalesce along a row.
         block_bytes = min(128, _next_power_of_2(row_bytes))
         block_rows = max(1, _TILE_VALUES // (2 * block_bytes))
@@ -140,7 +126,7 @@ def dequantize_4bit(
         block_bytes = min(max(16, min(group_size // 2, 64)), _next_power_of_2(row_bytes))
         block_rows = max(1, _TILE_VALUES // (2 * block_bytes))
     num_col_blocks = triton.cdiv(row_bytes, block_bytes)
-    grid = (triton.cdiv(rows, block_rows) * num_col_blocks, pairs)
+    grid = (triton.cdiv(rows, block_rows) * num_col_blocks,)
     block_values = 2 * block_bytes
     # Broadcasting per group needs power-of-two groups that tile the block exactly.
     whole_groups = group_size & (group_size - 1) == 0 and block_values % group_size == 0
@@ -152,13 +138,12 @@ def dequantize_4bit(
         rows,
         width,
         row_bytes,
-        scale.shape[2],
-        data.stride(1),
-        scale.stride(1),
+        scale.shape[1],
+        data.stride(0),
+        scale.stride(0),
+        out.stride(0),
         out.stride(1),
-        out.stride(2),
         num_col_blocks,
-        *((data.stride(0), scale.stride(0), out.stride(0)) if pairs > 1 else (0, 0, 0)),
         GROUP_SIZE=group_size,
         BLOCK_ROWS=block_rows,
         BLOCK_BYTES=block_bytes,
@@ -167,7 +152,7 @@ def dequantize_4bit(
         # Separate multiply and add roundings, exactly as the torch path computes them.
         enable_fp_fusion=False,
     )
-    return given
+    return out
 
 
 # Round half to even for 0 <= x < 2**22: adding 1.5 * 2**23 leaves no fraction bits, so the IEEE

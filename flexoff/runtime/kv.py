@@ -400,7 +400,8 @@ class BatchKV:
             if new is not None:
                 start, k, v = new
                 SLOT_MAJOR.write_pair(self.fmt, loaded, start, k[group.rows], v[group.rows])
-            keys, values = SLOT_MAJOR.read_pair(self.fmt, loaded, end, self._dequantized())
+            keys, values = (SLOT_MAJOR.read(self.fmt, buffer, end, out=space)
+                            for buffer, space in zip(loaded, self._dequantized()))
             attend_rows(*outputs, group.rows, q[group.rows], keys, values, mask[group.rows])
         self.workspace.free_events[index] = self.streams.record(self.streams.compute)
         return index, runs

@@ -36,9 +36,7 @@ class KVWorkspace:
         self.fmt = fmt
         self.sets = [fmt.empty_pair(shape, allocate) for _ in range(layout.ring_sets)]
         numel = layout.dequantized_numel
-        # keys' and values' halves of one allocation, so that a compressed pair decodes in one call
-        both = allocate((2, numel), dtype) if numel else None
-        self.dequantized = (both[0], both[1]) if numel else (None, None)
+        self.dequantized = (allocate((numel,), dtype), allocate((numel,), dtype)) if numel else (None, None)
         self.free_events = [None] * len(self.sets)
         self.streams = streams
         self._next = 0

@@ -63,13 +63,6 @@ class Layout:
         keys, values = (buffer.narrow(self.slot_dim, start, k.shape[2]) for buffer in pair)
         fmt.fill_pair(keys, values, self.arrange(k), self.arrange(v))
 
-    def read_pair(self, fmt: "PlainFormat | QuantizedFormat", pair: tuple, end: int,
-                  out: tuple = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """``read`` of slots [0, end) of all rows of ``pair``'s (keys, values), each into its flat
-        workspace of ``out``."""
-        keys, values = fmt.decode_pair(*(buffer.narrow(self.slot_dim, 0, end) for buffer in pair), out)
-        return self.standard(keys), self.standard(values)
-
     def read(self, fmt: "PlainFormat | QuantizedFormat", buffer, end: int, rows: slice | None = None,
              out: torch.Tensor | None = None) -> torch.Tensor:
         """Slots [0, end) of ``rows`` (all rows by default) as (rows, kv_heads, end, head_dim) in the
@@ -118,10 +111,6 @@ class _Format:
         """Store k into ``keys`` and v into ``values`` (on their device)."""
         self.fill(keys, k)
         self.fill(values, v)
-
-    def decode_pair(self, keys, values, out: tuple = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode`` of keys and values, each into its workspace of ``out``."""
-        return self.decode(keys, out[0]), self.decode(values, out[1])
 
 
 class PlainFormat(_Format):
@@ -194,25 +183,13 @@ class QuantizedFormat(_Format):
         """Where the two targets are the same views of one allocation (``empty_pair``'s halves,
         narrowed alike), one quantize call over both, as one strided target: on CUDA one launch
         instead of two, in a decode step's attention of every travelling batch and layer."""
-        target = _stacked_compressed(keys, values)
-        if target is None:
+        both = _stacked(self.parts(keys), self.parts(values))
+        if both is None:
             super().fill_pair(keys, values, k, v)
             return
+        target = keys._with_parts(*both, shape=(2, *keys.shape))  # the same layout: no checks
+        target.dim = keys.dim + 1  # head_dim, behind the new leading dimension
         quantize(torch.stack((k, v)), self.bits, self.group_size, -1, out=target)
-
-    def decode_pair(self, keys: CompressedTensor, values: CompressedTensor,
-                    out: tuple = (None, None)) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the sources are ``empty_pair``'s halves narrowed alike, and the workspaces two
-        halves of one allocation, one dequantize call over both: on CUDA one launch instead of two."""
-        source = _stacked_compressed(keys, values)
-        target = None
-        if source is not None and None not in out:
-            target = _stacked([space[:keys.numel()].view(keys.shape) for space in out[:1]],
-                              [space[:values.numel()].view(values.shape) for space in out[1:]])
-        if target is None:
-            return super().decode_pair(keys, values, out)
-        dequantize(source, out=target[0])
-        return target[0][0], target[0][1]
 
     @staticmethod
     def parts(buffer: CompressedTensor) -> tuple[torch.Tensor, ...]:
@@ -236,18 +213,7 @@ class QuantizedFormat(_Format):
         return dequantize(source, out=out)
 
 
-def _stacked_compressed(keys: CompressedTensor, values: CompressedTensor) -> CompressedTensor | None:
-    """keys and values as one (2, *shape) compressed tensor over their storage, where each part of
-    values lies at one distance after keys' (``_stacked``); None where they do not."""
-    parts = _stacked(QuantizedFormat.parts(keys), QuantizedFormat.parts(values))
-    if parts is None:
-        return None
-    both = keys._with_parts(*parts, shape=(2, *keys.shape))  # the same layout: no checks
-    both.dim = keys.dim + 1  # head_dim, behind the new leading dimension
-    return both
-
-
-def _stacked(first, second) -> list[torch.Tensor] | None:
+def _stacked(first: tuple[torch.Tensor, ...], second: tuple[torch.Tensor, ...]) -> list[torch.Tensor] | None:
     """Each pair of parts as one (2, *shape) view of their storage, where the second lies at the
     same positive distance after the first in each; None where they do not."""
     stacked = []

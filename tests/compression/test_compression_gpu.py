@@ -13,8 +13,7 @@ import torch
 
 from flexoff.compression import CompressedTensor, dequantize, dequantize_chunks, quantize, triton_available
 from flexoff.compression.tensor import CompressionError
-from flexoff.policy import CompressionConfig
-from flexoff.runtime.kv_storage import SLOT_MAJOR, kv_format
+from flexoff.runtime.kv_storage import SLOT_MAJOR
 from tests import processes
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -123,35 +122,6 @@ def test_triton_quantize_reads_permuted_keys_into_a_narrowed_cache(dtype):
     assert caches[1].scale[0].abs().sum() == 0 and caches[1].scale[3:43, 1:4].abs().min() > 0
 
 
-@pytest.mark.gpu
-@needs_cuda
-@needs_triton
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_cache_pair_writes_and_reads_in_one_call_as_in_two(dtype):
-    # A travelling cache's workspace set: keys and values halves of one allocation, tier runs carved
-    # out of each, a decode slot written into both at once and slots [0, end) read into one
-    # workspace pair; the same bytes and values as separate calls and as the torch path.
-    fmt = kv_format(CompressionConfig(4, 64), dtype)
-    shape = SLOT_MAJOR.shape(48, 6, 8, 128)
-    allocate = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cuda")  # noqa: E731
-    pair, separate = fmt.empty_pair(shape, allocate), (fmt.empty(shape, allocate), fmt.empty(shape, allocate))
-    k, v = (random((4, 8, 5, 128), dtype, seed=seed).cuda() for seed in (8, 9))
-    carved = [tuple(fmt.carve(buffer, 2, 4) for buffer in buffers) for buffers in (pair, separate)]
-    SLOT_MAJOR.write_pair(fmt, carved[0], 3, k, v)
-    for buffer, x in zip(carved[1], (k, v)):
-        SLOT_MAJOR.write(fmt, buffer, 3, x)
-    for a, b in zip(pair, separate):
-        assert_same_compressed(a, b)
-    numel = 4 * 8 * 8 * 128
-    spaces = torch.full((2, numel), float("nan"), dtype=dtype, device="cuda")
-    got = SLOT_MAJOR.read_pair(fmt, carved[0], 8, (spaces[0], spaces[1]))
-    for g, buffer in zip(got, carved[1]):
-        assert torch.equal(g, SLOT_MAJOR.read(fmt, buffer, 8))
-        assert torch.equal(g.cpu(), SLOT_MAJOR.read(fmt, buffer.to("cpu"), 8))
-    stacked = quantize(random((2, 48, 6, 8, 128), dtype, seed=10).cuda(), 4, 64, -1).narrow(1, 0, 8)
-    assert torch.equal(dequantize(stacked, use_triton=True), dequantize(stacked, use_triton=False))
-
-
 @needs_triton
 def test_triton_quantize_refuses_layouts_it_does_not_handle():
     x = random((3, 5, 100), torch.float16, seed=7)
@@ -190,6 +160,7 @@ _INTERPRETER_CHECK = textwrap.dedent(
     import torch
     from flexoff.compression import CompressedTensor, dequantize, quantize
     from flexoff.runtime.kv_storage import SLOT_MAJOR
+from tests import processes
     cases = [((3, 5, 100), 2, 7), ((64, 96), 0, 64), ((2, 3, 40, 128), -1, 64), ((300,), 0, 64)]
     # bf16 is left out: the interpreter truncates fp32 -> bf16 instead of rounding to nearest.
     for dtype in (torch.float16, torch.float32):
@@ -215,11 +186,6 @@ _INTERPRETER_CHECK = textwrap.dedent(
                      use_triton=use_triton)
             parts.append((cache.data, cache.scale, cache.minimum))
         assert all(torch.equal(p, q) for p, q in zip(*parts)), dtype
-        # keys and values of a slot-major pair, slots [0, 10) of 16: a leading dimension that
-        # does not fold into the rows, decoded as two operands of one launch
-        pair = quantize((torch.randn(2, 16, 5, 4, 128, generator=torch.Generator().manual_seed(3))).to(dtype),
-                        4, 64, -1).narrow(1, 0, 10)
-        assert torch.equal(dequantize(pair, use_triton=True), dequantize(pair, use_triton=False)), dtype
     print("interpreter ok")
     """
 )

@@ -56,26 +56,3 @@ def test_pair_write_stores_what_two_writes_store(compressed, paired):
             assert torch.equal(a, b)
     keys = SLOT_MAJOR.read(fmt, fmt.carve(pair[0], 2, 3), 3)
     assert torch.allclose(keys[:, :, 1:3], k, atol=0.5 if compressed else 0)
-
-
-@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "4-bit"])
-@pytest.mark.parametrize("paired", [True, False], ids=["one-allocation", "two-allocations"])
-def test_pair_read_gives_what_two_reads_give(compressed, paired):
-    """read_pair of (keys, values) into a workspace pair gives the values two reads give, through
-    one decode where the buffers and the workspaces are halves of one allocation each."""
-    fmt = kv_format(CompressionConfig(bits=4, group_size=4) if compressed else None, torch.float32)
-    shape = SLOT_MAJOR.shape(SLOTS, ROWS, HEADS, HEAD_DIM)
-    allocate = lambda shape, dtype: torch.zeros(shape, dtype=dtype)  # noqa: E731
-    pair = fmt.empty_pair(shape, allocate) if paired else (fmt.empty(shape, allocate), fmt.empty(shape, allocate))
-    torch.manual_seed(2)
-    k, v = torch.randn(2, ROWS, HEADS, SLOTS, HEAD_DIM)
-    SLOT_MAJOR.write_pair(fmt, pair, 0, k, v)
-    numel = ROWS * HEADS * SLOTS * HEAD_DIM
-    spaces = torch.full((2, numel), float("nan"))
-    workspaces = (spaces[0], spaces[1]) if paired else (torch.empty(numel), torch.empty(numel))
-    keys, values = SLOT_MAJOR.read_pair(fmt, pair, 3, workspaces)
-    for got, buffer in zip((keys, values), pair):
-        assert torch.equal(got, SLOT_MAJOR.read(fmt, buffer, 3))
-    assert torch.allclose(values, v[:, :, :3], atol=0.5 if compressed else 0)
-    if compressed and paired:  # decoded into the workspaces, keys' half first
-        assert torch.equal(spaces[1][:values.numel()], values.permute(2, 0, 1, 3).reshape(-1))
