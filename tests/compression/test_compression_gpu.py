@@ -13,7 +13,8 @@ import torch
 
 from flexoff.compression import CompressedTensor, dequantize, dequantize_chunks, quantize, triton_available
 from flexoff.compression.tensor import CompressionError
-from flexoff.runtime.kv_storage import SLOT_MAJOR
+from flexoff.policy import CompressionConfig
+from flexoff.runtime.kv_storage import SLOT_MAJOR, kv_format
 from tests import processes
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -122,6 +123,29 @@ def test_triton_quantize_reads_permuted_keys_into_a_narrowed_cache(dtype):
     assert caches[1].scale[0].abs().sum() == 0 and caches[1].scale[3:43, 1:4].abs().min() > 0
 
 
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_cache_pair_written_in_one_call_holds_what_two_calls_write(dtype):
+    # A travelling cache's workspace set: keys and values halves of one allocation, a tier's run
+    # carved out of each, a decode slot written into both at once: the bytes of separate calls,
+    # which read back as the torch path reads them.
+    fmt = kv_format(CompressionConfig(4, 64), dtype)
+    shape = SLOT_MAJOR.shape(48, 6, 8, 128)
+    allocate = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device="cuda")  # noqa: E731
+    pair, separate = fmt.empty_pair(shape, allocate), (fmt.empty(shape, allocate), fmt.empty(shape, allocate))
+    k, v = (random((4, 8, 5, 128), dtype, seed=seed).cuda() for seed in (8, 9))
+    carved = [tuple(fmt.carve(buffer, 2, 4) for buffer in buffers) for buffers in (pair, separate)]
+    SLOT_MAJOR.write_pair(fmt, carved[0], 3, k, v)
+    for buffer, x in zip(carved[1], (k, v)):
+        SLOT_MAJOR.write(fmt, buffer, 3, x)
+    for a, b in zip(pair, separate):
+        assert_same_compressed(a, b)
+    for buffer in carved[0]:
+        assert torch.equal(SLOT_MAJOR.read(fmt, buffer, 8).cpu(), SLOT_MAJOR.read(fmt, buffer.to("cpu"), 8))
+
+
 @needs_triton
 def test_triton_quantize_refuses_layouts_it_does_not_handle():
     x = random((3, 5, 100), torch.float16, seed=7)
@@ -160,7 +184,6 @@ _INTERPRETER_CHECK = textwrap.dedent(
     import torch
     from flexoff.compression import CompressedTensor, dequantize, quantize
     from flexoff.runtime.kv_storage import SLOT_MAJOR
-from tests import processes
     cases = [((3, 5, 100), 2, 7), ((64, 96), 0, 64), ((2, 3, 40, 128), -1, 64), ((300,), 0, 64)]
     # bf16 is left out: the interpreter truncates fp32 -> bf16 instead of rounding to nearest.
     for dtype in (torch.float16, torch.float32):
