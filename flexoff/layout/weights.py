@@ -42,8 +42,19 @@ def buffer_copies(cfg: ModelConfig, kind: str, owned: range | None = None) -> in
 
 def largest_matrix_numel(cfg: ModelConfig, owned: range | None = None) -> int:
     """Elements of the biggest 2-D weight of the stages run here."""
-    return max((spec.numel for stage in owned_stages(cfg, owned) for spec in stage_specs(cfg, stage)
-                if compressible(spec)), default=0)
+    return _largest_numel(_spec_lists(cfg, owned), per_stage=False)
+
+
+def _spec_lists(cfg: ModelConfig, owned: range | None) -> list[list[WeightSpec]]:
+    return [stage_specs(cfg, stage) for stage in owned_stages(cfg, owned)]
+
+
+def _largest_numel(spec_lists: list[list[WeightSpec]], per_stage: bool) -> int:
+    """Elements of the biggest compressible matrix of these stages' specs, or with ``per_stage``
+    of the stage whose compressible matrices have the most together."""
+    per_list = (sum(s.numel for s in specs if compressible(s)) if per_stage
+                else max((s.numel for s in specs if compressible(s)), default=0) for specs in spec_lists)
+    return max(per_list, default=0)
 
 
 def dequantizes_once(policy) -> bool:
@@ -59,17 +70,14 @@ def dequantizes_once(policy) -> bool:
 
 def largest_stage_matrix_numel(cfg: ModelConfig, owned: range | None = None) -> int:
     """Elements of the compressible matrices of the stage run here that has the most."""
-    return max(sum(spec.numel for spec in stage_specs(cfg, stage) if compressible(spec))
-               for stage in owned_stages(cfg, owned))
+    return _largest_numel(_spec_lists(cfg, owned), per_stage=True)
 
 
 def dequantize_scratch_numel(cfg: ModelConfig, compression: CompressionConfig | None, per_stage: bool = False,
                              owned: range | None = None) -> int:
     """Elements of the buffer compressed matrices are dequantized into: the largest matrix, or with
     ``per_stage`` the largest stage's matrices together."""
-    if compression is None:
-        return 0
-    return largest_stage_matrix_numel(cfg, owned) if per_stage else largest_matrix_numel(cfg, owned)
+    return 0 if compression is None else _largest_numel(_spec_lists(cfg, owned), per_stage)
 
 
 def stored_parts(shape: tuple[int, ...], compression: CompressionConfig | None, itemsize: int,
@@ -147,28 +155,49 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, owned: r
     # Per stage kind, the stored bytes of each tensor some stage of the kind streams: its buffers
     # have a place for each (a MoE model's dense and sparse layers stream different tensors).
     streamed: dict[str, dict[str, int]] = {}
-    for stage, placed in stage_placements(cfg, policy, owned).items():
-        sizes = dict.fromkeys(TIERS, 0)
-        for placement in placed:
-            spec = placement.spec
-            compressed = compression if compression is not None and compressible(spec) else None
-            for piece in placement.pieces:
-                parts = stored_parts((piece.stop - piece.start, *spec.shape[1:]), compressed, dtype.itemsize, meta)
-                sizes[piece.tier] += sum(parts)
-                if piece.tier == "cpu":
-                    requests += parts
-            if placement.only_tier != "gpu":  # assembled whole, compressed or not
-                streamed.setdefault(stage.kind, {})[spec.name] = sum(
-                    stored_parts(spec.shape, compressed, dtype.itemsize, meta))
-        stage_tiers[stage] = sizes
+    # Stages whose tensors agree in all but their checkpoint keys (a model's decoder layers) are
+    # placed and sized alike: each kind of them is worked out once, which a search does thousands of times.
+    alike: dict[tuple, tuple[dict[str, int], list[int], dict[str, int]]] = {}
+    distinct: list[list[WeightSpec]] = []
+    for stage in owned_stages(cfg, owned):
+        specs = stage_specs(cfg, stage)
+        key = (stage.kind, *((spec.name, spec.shape, spec.quantizable, spec.experts) for spec in specs))
+        if key not in alike:
+            distinct.append(specs)
+            alike[key] = _stage_sizes(place_layer(specs, policy.weights, policy.expert_fractions), compression,
+                                      dtype.itemsize, meta)
+        sizes, on_cpu, whole = alike[key]
+        requests += on_cpu
+        streamed.setdefault(stage.kind, {}).update(whole)
+        stage_tiers[stage] = dict(sizes)
         buffers[stage.kind] = buffer_copies(cfg, stage.kind, owned) * sum(streamed.get(stage.kind, {}).values())
         staging[stage.kind] = max(staging.get(stage.kind, 0), sizes["disk"])
     # Each buffer set has its host staging for disk pieces, made after every stage's pieces.
     for kind, disk in staging.items():
         if disk and buffers[kind]:
             requests += [disk] * buffer_copies(cfg, kind, owned)
-    scratch = dequantize_scratch_numel(cfg, compression, dequantizes_once(policy), owned) * dtype.itemsize
+    # dequantize_scratch_numel's figure, from the specs at hand: stages alike have the same matrices
+    scratch = 0 if compression is None else _largest_numel(distinct, dequantizes_once(policy)) * dtype.itemsize
     return WeightLayout(stage_tiers, buffers, staging, scratch, requests)
+
+
+def _stage_sizes(placed: list[TensorPlacement], compression, itemsize: int, meta: int):
+    """A stage's stored bytes per tier, its host allocations in order, and the stored size of each
+    tensor it streams (one with any rows off the GPU, assembled whole, compressed or not)."""
+    sizes = dict.fromkeys(TIERS, 0)
+    on_cpu: list[int] = []
+    whole: dict[str, int] = {}
+    for placement in placed:
+        spec = placement.spec
+        compressed = compression if compression is not None and compressible(spec) else None
+        for piece in placement.pieces:
+            parts = stored_parts((piece.stop - piece.start, *spec.shape[1:]), compressed, itemsize, meta)
+            sizes[piece.tier] += sum(parts)
+            if piece.tier == "cpu":
+                on_cpu += parts
+        if placement.only_tier != "gpu":
+            whole[spec.name] = sum(stored_parts(spec.shape, compressed, itemsize, meta))
+    return sizes, on_cpu, whole
 
 
 def weight_bytes(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, pinned: bool = False,
