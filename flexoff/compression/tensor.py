@@ -187,13 +187,15 @@ class CompressedTensor:
     def numel(self) -> int:
         return self.shape.numel()
 
-    def _with_parts(self, data, scale, minimum, shape=None) -> "CompressedTensor":
+    def _with_parts(self, data, scale, minimum, shape=None, dim=None) -> "CompressedTensor":
         """The same layout over other parts, made from this tensor's by a view or a copy, so they
-        agree with it by construction: no checks (a cache layer's attention takes a dozen views)."""
+        agree with it by construction: no checks (a cache layer's attention takes a dozen views).
+        ``dim``: the grouped dimension where ``shape`` adds dimensions before it."""
         other = object.__new__(CompressedTensor)
         other.data, other.scale, other.minimum = data, scale, minimum
         other.shape = self.shape if shape is None else torch.Size(shape)
-        other.dtype, other.dim, other.bits, other.group_size = self.dtype, self.dim, self.bits, self.group_size
+        other.dtype, other.bits, other.group_size = self.dtype, self.bits, self.group_size
+        other.dim = self.dim if dim is None else dim
         return other
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "CompressedTensor":

@@ -170,7 +170,7 @@ def weight_layout(cfg: ModelConfig, policy: Policy, dtype: torch.dtype, owned: r
         requests += on_cpu
         streamed.setdefault(stage.kind, {}).update(whole)
         stage_tiers[stage] = dict(sizes)
-        buffers[stage.kind] = buffer_copies(cfg, stage.kind, owned) * sum(streamed.get(stage.kind, {}).values())
+        buffers[stage.kind] = buffer_copies(cfg, stage.kind, owned) * sum(streamed[stage.kind].values())
         staging[stage.kind] = max(staging.get(stage.kind, 0), sizes["disk"])
     # Each buffer set has its host staging for disk pieces, made after every stage's pieces.
     for kind, disk in staging.items():

@@ -187,8 +187,8 @@ class QuantizedFormat(_Format):
         if both is None:
             super().fill_pair(keys, values, k, v)
             return
-        target = keys._with_parts(*both, shape=(2, *keys.shape))  # the same layout: no checks
-        target.dim = keys.dim + 1  # head_dim, behind the new leading dimension
+        # the same layout behind a new leading dimension: no checks
+        target = keys._with_parts(*both, shape=(2, *keys.shape), dim=keys.dim + 1)
         quantize(torch.stack((k, v)), self.bits, self.group_size, -1, out=target)
 
     @staticmethod

@@ -24,8 +24,8 @@ def test_a_cases_profile_counts_its_calls_per_layer_and_batch(tmp_path, monkeypa
     policy = Policy(2, 3, TierFractions(1, 0, 0), TierFractions(0, 1, 0), TierFractions(1, 0, 0),
                     compress_cache=CompressionConfig(4, 64))
     path = tmp_path / "case.txt"
-    host_per_batch.profile_calls(torch.device("cpu"), torch.float32, policy, host_per_batch.FAMILIES[family], str(tmp_path),
-                                 path)
+    fields = host_per_batch.FAMILIES[family]
+    host_per_batch.profile_calls(torch.device("cpu"), torch.float32, policy, fields, str(tmp_path), path)
     text = path.read_text()
     calls, per, layer_batches = re.search(r"(\d+) calls, (\d+) per layer and batch \((\d+) layer-batches", text).groups()
     assert int(layer_batches) == (4 + 1) * 3 * 3
