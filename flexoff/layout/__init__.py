@@ -16,8 +16,8 @@ and the planner read the same figures, so memory is counted once.
 """
 
 from .block import (CPU_ATTENTION_ROWS, DISK_SLOT_RING, WorkspaceLayout, block_bytes, block_disk_files, block_gpu_parts, block_host_requests,
-                    has_dense_mlp, kv_buffer_parts, kv_cache_bytes, sparse_mlp_bytes, step_state_bytes, working_bytes,
-                    workspace_layout)
+                    has_dense_mlp, keeps_cache, kv_buffer_parts, kv_cache_bytes, sparse_mlp_bytes, step_state_bytes,
+                    working_bytes, workspace_layout)
 from .head import SORTED_ROWS, head_step_bytes, logprob_positions, sampler_state_bytes, sampler_step_bytes
 from .experts import ROUTE_FIRST_MIN_SAVING, expected_experts_touched, routes_first
 from .capacity import Capacity, check_fits, job_bytes, overflow, tier_limits, tier_name
@@ -34,6 +34,7 @@ __all__ = [
     "CPU_ATTENTION_ROWS", "DISK_SLOT_RING", "HOST_CHUNK", "HOST_JOBS_IN_FLIGHT", "PAGE", "block_bytes", "block_disk_files",
     "block_gpu_parts", "block_host_requests", "buffer_copies", "Capacity", "check_fits", "compressible",
     "dequantize_scratch_numel", "dequantizes_once", "disk_file_bytes", "expected_experts_touched", "has_dense_mlp", "head_step_bytes", "job_bytes",
+    "keeps_cache",
     "kv_buffer_parts", "kv_cache_bytes", "MemoryForm", "memory_form", "largest_matrix_numel", "largest_stage_matrix_numel", "logprob_positions", "overflow", "owned_layers", "owned_stages", "pages",
     "Piece", "sampler_state_bytes", "sampler_step_bytes", "SORTED_ROWS", "sparse_mlp_bytes", "step_state_bytes", "pins_host_memory",
     "place_layer", "place_stage", "ROUTE_FIRST_MIN_SAVING", "routes_first", "realised_fractions", "requested_fractions", "registered_bytes", "slab_bytes",

@@ -154,6 +154,14 @@ DISK_HOST_PAIRS = 3
 DISK_SLOT_RING = HOST_JOBS_IN_FLIGHT + 1
 
 
+def keeps_cache(gen_len: int) -> bool:
+    """Whether a block generating ``gen_len`` tokens keeps its keys and values. One that generates
+    at most one (a scoring pass, a prompt's logits, a one-token answer) never reads them again: its
+    prefill attends on the fresh keys and values and its head samples the only token. It stores no
+    cache, so its size is bounded by its activations and working memory alone."""
+    return gen_len > 1
+
+
 def kv_cache_bytes(cfg: ModelConfig, policy: Policy, slots: int, itemsize: int,
                    owned: range | None = None, *, prefix_len: int = 0, prefix_rows: int = 1) -> dict[str, int]:
     """One block's KV cache per tier: every batch's storage (compressed bytes where the policy
@@ -194,14 +202,17 @@ def block_host_requests(cfg: ModelConfig, policy: Policy, prompt_len: int, slots
                         owned: range | None = None, *, prefix_len: int = 0, prefix_rows: int = 1) -> list[int]:
     """Host allocations of one block in the order the engine makes them: batch by batch, its shared
     prefixes' cache and hidden states (where ``prefix_len``: ``prefix_rows`` rows), then its own
-    rows' cache and hidden states. A cache is each tier's rows for every layer, keys then values;
-    for disk rows, DISK_HOST_PAIRS pairs and DISK_SLOT_RING one-slot pairs."""
+    rows' cache and hidden states. A cache (where the block keeps one, ``keeps_cache``) is each
+    tier's rows for every layer, keys then values; for disk rows, DISK_HOST_PAIRS pairs and
+    DISK_SLOT_RING one-slot pairs."""
     layers = len(owned_layers(cfg, owned))
     sets = [(prefix_rows, prefix_len, prefix_len)] if prefix_len else []
     sets.append((policy.gpu_batch_size, slots - prefix_len, prompt_len - prefix_len))
     batch: list[int] = []
+    kept = keeps_cache(slots - prompt_len)
     for rows, length, tokens in sets:
-        batch += _cache_host_requests(cfg, policy, rows, length, itemsize, layers)
+        if kept:
+            batch += _cache_host_requests(cfg, policy, rows, length, itemsize, layers)
         batch += [count * length * cfg.hidden_size * itemsize
                   for tier, count, length in _hidden_rows(policy, rows, tokens) if tier != "gpu"]
     return batch * policy.num_gpu_batches
@@ -242,13 +253,15 @@ def activation_rows(policy: Policy, prompt_len: int, prefix_len: int = 0,
 def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: int, itemsize: int,
                      owned: range | None = None, *, prefix_len: int = 0, prefix_rows: int = 1) -> list[int]:
     """Sizes of one block's offload files: per batch, two (keys, values) for each layer of its disk
-    rows (and of its shared prefixes' rows, where on disk), and one for each of its disk rows' hidden
-    states (and its prefixes')."""
+    rows (and of its shared prefixes' rows, where on disk) where it keeps a cache, and one for each
+    of its disk rows' hidden states (and its prefixes')."""
     files: list[int] = []
     layers = len(owned_layers(cfg, owned))
     pieces = [(piece, slots - prefix_len) for piece in split_rows(policy.gpu_batch_size, policy.cache)]
     if prefix_len:
         pieces += [(piece, prefix_len) for piece in split_rows(prefix_rows, policy.cache)]
+    if not keeps_cache(slots - prompt_len):
+        pieces = []
     for piece, length in pieces:
         if piece.tier == "disk":
             size = sum(kv_buffer_parts(cfg, length, piece.stop - piece.start, policy.compress_cache, itemsize))
@@ -271,11 +284,12 @@ def block_gpu_parts(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: 
     activation_bytes = sum(count * tokens for tier, count, tokens in held if tier == "gpu") * cfg.hidden_size * itemsize
     # The host worker's queued prefill jobs (and the store stream's copies) each keep one batch's
     # new keys and values of the rows stored in host memory on the GPU until copied.
-    off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu")
+    kept = keeps_cache(gen_len)
+    off_gpu = sum(p.stop - p.start for p in split_rows(rows, policy.cache) if p.tier != "gpu") if kept else 0
     per_job = 2 * off_gpu * prompt_len * cfg.num_kv_heads * cfg.head_dim * itemsize
     return {
         "kv cache and workspace": kv_cache_bytes(cfg, policy, prompt_len + gen_len, itemsize, owned,
-                                                 prefix_len=prefix_len, prefix_rows=prefix_rows)["gpu"],
+                                                 prefix_len=prefix_len, prefix_rows=prefix_rows)["gpu"] if kept else 0,
         "activations": activation_bytes * policy.num_gpu_batches,
         # the largest step, one batch at a time
         "working memory": working_bytes(cfg, rows * prompt_len, rows, itemsize),
@@ -296,7 +310,8 @@ def block_bytes(cfg: ModelConfig, policy: Policy, prompt_len: int, gen_len: int,
     counted once per batch (see kv_cache_bytes and activation_rows)."""
     slots = prompt_len + gen_len
     shared = {"prefix_len": prefix_len, "prefix_rows": prefix_rows}
-    sizes = kv_cache_bytes(cfg, policy, slots, itemsize, owned, **shared)
+    sizes = kv_cache_bytes(cfg, policy, slots, itemsize, owned, **shared) if keeps_cache(gen_len) \
+        else dict.fromkeys(TIERS, 0)
     for tier, rows, tokens in activation_rows(policy, prompt_len, prefix_len, prefix_rows):
         if tier == "gpu":
             continue  # among the GPU parts

@@ -49,8 +49,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import ConfigError
-from ..layout import (CPU_ATTENTION_ROWS, compressible, dequantizes_once, has_dense_mlp, largest_matrix_numel,
-                      largest_stage_matrix_numel, routes_first)
+from ..layout import (CPU_ATTENTION_ROWS, compressible, dequantizes_once, has_dense_mlp, keeps_cache,
+                      largest_matrix_numel, largest_stage_matrix_numel, routes_first)
 from ..models import stage_specs, stages
 from ..models.moe import chunk_tokens
 from .sparse_rate import expert_shape
@@ -126,6 +126,9 @@ class CostModel(MemoryTerms):
                                       for spec in stage_specs(c, stage)
                                       if len(spec.shape) >= 2 and not compressible(spec)), default=0)
         self.kv_numel = c.kv_elements_per_token_per_layer
+        # A block that generates one token keeps no cache (layout.keeps_cache): none of it is
+        # stored, moved, quantized or held, which every cache term reads through this count.
+        self.kept_kv_numel = self.kv_numel if keeps_cache(workload.gen_len) else 0
         self.elementwise_bytes = layer_elementwise_bytes_per_token(c)
         self.query_width = c.num_heads * c.head_dim
         self.kv_width = c.num_kv_heads * c.head_dim
@@ -187,8 +190,8 @@ class CostModel(MemoryTerms):
         return self.workload.block_prefill_tokens(frame.gpu_batch_size, frame.num_gpu_batches)
 
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
-        """Stored KV bytes of one token in one layer."""
-        return self.kv_numel * bytes_per_element(frame.compress_cache)
+        """Stored KV bytes of one token in one layer (0 where the block keeps no cache)."""
+        return self.kept_kv_numel * bytes_per_element(frame.compress_cache)
 
     # ---- time
 
@@ -260,7 +263,7 @@ class CostModel(MemoryTerms):
             # Weights are dequantized once or for every GPU batch; the new cache is quantized once.
             "dequantize": (q.dequantized * self.matrix_numel / hw.gpu_dequant_throughput
                            if frame.compress_weight is not None else 0.0)
-            + (tokens * self.kv_numel / hw.kv_quant_throughput if frame.compress_cache is not None else 0.0),
+            + (tokens * self.kept_kv_numel / hw.kv_quant_throughput if frame.compress_cache is not None else 0.0),
             "cpu_attention": 0.0,
             "activation_copies": self._activation_copies(q, tokens),
         }

@@ -77,8 +77,8 @@ class MemoryTerms:
         def factor(key, requests, reserved) -> float:
             # The weights' factor depends on their compression alone, the cache's on the batch too.
             if key not in self._pinned_factors:
-                listed = requests()
-                self._pinned_factors[key] = reserved(listed) / sum(listed)
+                listed = requests()  # none where the block keeps no cache
+                self._pinned_factors[key] = reserved(listed) / sum(listed) if listed else 1.0
             return self._pinned_factors[key]
 
         return (factor(("weights", frame.compress_weight),
@@ -130,7 +130,7 @@ class MemoryTerms:
         shared = self.batch_shared_tokens(frame)
         kv = self.kv_bytes_per_token(frame)
         travelling = 0.0 if frame.cpu_attention else 2 * c_off * kv * s_max * gbs - 2 * c_off * kv * shared
-        kv16 = self.kv_numel * FP16_BYTES
+        kv16 = self.kept_kv_numel * FP16_BYTES
         return travelling + (gpu_att * kv16 * s_max * gbs - gpu_att * kv16 * shared
                              if frame.compress_cache is not None else 0.0)
 
@@ -138,7 +138,7 @@ class MemoryTerms:
         """The GPU's peak bytes at the prefill and at a decode step."""
         c, s, n = self.config, self.workload.prompt_len, self.workload.gen_len
         gbs, bls, nb = frame.gpu_batch_size, frame.block_size, frame.num_gpu_batches
-        act, kv16 = FP16_BYTES * self.hidden, self.kv_numel * FP16_BYTES
+        act, kv16 = FP16_BYTES * self.hidden, self.kept_kv_numel * FP16_BYTES
         # Held through both phases: the weight buffers and the block's token samplers' state.
         buffers = self.weight_buffer_bytes(frame, p.wg) + sampler_state_bytes(bls, c.vocab_size)
         workspace = self._gpu_workspace(frame, p)
@@ -203,7 +203,8 @@ class MemoryTerms:
         if frame.cpu_attention:
             # fp32 copy of one batch's keys and values, and its scores
             c_off = p.cc + p.cd
-            workspace = (c_off * gbs * s_max - c_off * shared) * (self.kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES)
+            workspace = ((c_off * gbs * s_max - c_off * shared)
+                         * (self.kept_kv_numel * FP32_BYTES + 2 * c.num_heads * FP32_BYTES))
         decode = (home + p.hc * act * bls + 2 * p.wd * W
                   + 2 * p.hd * act * gbs + (2 * p.cd * kv * s_max * gbs - 2 * p.cd * kv * shared) + workspace)
         return prefill, decode

@@ -21,7 +21,8 @@ from .batch import GpuBatch, Sequence, arrange, span_lengths
 from .block_run import BlockContext, BlockRun
 from .interpreter import BlockInterpreter, HeadReady, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
-from ..layout import Capacity, check_fits, job_bytes, logprob_positions, owned_layers, pins_host_memory, weight_bytes
+from ..layout import (Capacity, check_fits, job_bytes, keeps_cache, logprob_positions, owned_layers, pins_host_memory,
+                      weight_bytes)
 from .memory import configure_cuda_allocators
 from .metrics import MemoryMeter, Metrics
 from .offload_dir import remove_dead_folders
@@ -149,28 +150,30 @@ class Engine:
         check_fits(job_bytes(self.cfg, policy, self.dtype, own_len + longest, extra_slots, self.pins_host, self.owned,
                              blocks, prefix_len=longest, prefix_rows=max(most, 1)),
                    self.capacity, what if blocks == 1 else f"{blocks} blocks in rotation, each {what[2:]}")
+        keeps = keeps_cache(extra_slots)
         workspace = KVWorkspace.for_block(self.cfg, policy, min(size, len(seqs)), own_len + extra_slots,
-                                          self.device, self.dtype, self.streams)
+                                          self.device, self.dtype, self.streams) if keeps else None
         host = HostMemory(policy.pin_cpu_memory)  # freed with the block
         layers = None if self.owned is None else tuple(owned_layers(self.cfg, self.owned))
         shared = BlockKV(self.cfg, policy, self.device, self.dtype, self.streams, host, self.disk, self.worker,
                          workspace, layers=layers)
         # The prefixes (a row each) travel through a workspace of their own, sized for the most and longest.
-        prefix_block = replace(shared, workspace=KVWorkspace.for_block(
-            self.cfg, policy, most, longest, self.device, self.dtype, self.streams)) if longest else None
+        prefix_workspace = KVWorkspace.for_block(self.cfg, policy, most, longest, self.device, self.dtype,
+                                                 self.streams) if longest and keeps else None
+        prefix_block = replace(shared, workspace=prefix_workspace) if longest else None
         batches = []
         for number, (group, spans) in enumerate(arranged):
             name = f"b{number}" if block == 0 else f"r{block}.b{number}"
 
             def make_kv(count, slots, merges, name=name):
-                return BatchKV(shared, count, slots, name, merges)
+                return BatchKV(shared, count, slots, name, merges, keeps)
 
             def make_activations(count, length, name=name):
                 return BatchActivations(count, length * self.cfg.hidden_size, policy.activations, self.device,
                                         self.dtype, host, self.disk, name)
 
             def make_prefix(rows, length, name=f"{name}.prefix"):  # their cache and hidden state, a row each
-                return PrefixKV(prefix_block, rows, length, name), make_activations(rows, length, name)
+                return PrefixKV(prefix_block, rows, length, name, keeps=keeps), make_activations(rows, length, name)
 
             batches.append(GpuBatch(self.cfg, group, self.device, self.dtype, extra_slots, make_kv, make_activations,
                                     spans, make_prefix))

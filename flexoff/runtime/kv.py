@@ -98,7 +98,9 @@ class BatchKV:
     thread's alone.
     """
 
-    def __init__(self, block: BlockKV, rows: int, slots: int, name: str, merges: bool = False):
+    def __init__(self, block: BlockKV, rows: int, slots: int, name: str, merges: bool = False, keeps: bool = True):
+        """``keeps`` False: a block that never reads its cache again (``layout.keeps_cache``) holds
+        none; its prefill attends on the fresh keys and values alone."""
         policy = block.policy
         self.cfg = block.cfg
         self.cpu_attention = policy.cpu_attention
@@ -116,7 +118,7 @@ class BatchKV:
         layers = range(block.cfg.num_layers) if block.layers is None else block.layers
         home = RowsHome(block.cfg, layers, slots, self.fmt, block.device, block.host, block.disk)
         self.groups = [tier_rows(p, home, policy.cpu_attention, f"{name}.{p.tier}")
-                       for p in split_rows(rows, policy.cache)]
+                       for p in split_rows(rows, policy.cache)] if keeps else []
         self._disk: DiskRows | None = next((g for g in self.groups if isinstance(g, DiskRows)), None)
         self._state = {j: LayerKV(j) for j in layers}
         # CPU attention's output, (offloaded rows, heads, 1, head_dim), pinned: written by the
@@ -283,9 +285,10 @@ class BatchKV:
         if start == 0:
             # Prefill: attend on the fresh keys, then send them to their tiers.
             out = attention_lse(q, k, v, mask) if self.merges else attention(q, k, v, mask)
-            if expand is not None:
-                k, v = k.index_select(0, expand), v.index_select(0, expand)
-            self._store(layer, 0, k, v, self.groups)
+            if self.groups:
+                if expand is not None:
+                    k, v = k.index_select(0, expand), v.index_select(0, expand)
+                self._store(layer, 0, k, v, self.groups)
             return out
         if self.attends_on_cpu(start):
             return self.attend_later(layer, start, mask, q, k, v)()

@@ -65,6 +65,22 @@ def test_weights_and_cache_on_cpu_by_hand(model):
     assert p.decode_throughput == pytest.approx(2 * 2 / (2 * 2 * 9.392))
 
 
+def test_a_block_generating_one_token_keeps_no_cache(tiny_opt, round_hardware):
+    """A scoring pass never reads its cache again: the prefill sends none of it to the CPU or the
+    disk, quantizes none, and no tier holds it."""
+    kept, one = (CostModel(tiny_opt, Workload(prompt_len=4, gen_len=n), round_hardware) for n in (2, 1))
+    # with 2 new tokens, the new cache (16 B x 4 tokens x 2 sequences) goes to the CPU as above
+    assert kept.predict(offloaded()).prefill.io["gpu_to_cpu"] == pytest.approx(128 / 50)
+    p = one.predict(offloaded())
+    assert p.prefill.io["gpu_to_cpu"] == 0 and p.prefill.io["cpu_to_disk"] == 0
+    assert p.prefill.compute == kept.predict(offloaded()).prefill.compute  # the prefill computes the same
+    q = one.predict(offloaded(weights=GPU, cache=DISK, compress_cache=FOUR_BIT))
+    assert q.prefill.io["cpu_to_disk"] == 0 and q.prefill.compute["dequantize"] == 0
+    assert q.peak_memory["disk"] == 0  # the cache's share of the disk is nothing
+    # the CPU holds the weights alone: none of the cache's 16 B x 6 slots x 2 sequences x 2 layers
+    assert p.peak_memory["cpu"] == kept.predict(offloaded()).peak_memory["cpu"] - 16 * 6 * 2 * 2 == 472 * 2
+
+
 def test_cpu_attention_moves_queries_instead_of_cache(model):
     p = model.predict(offloaded(cpu_attention=True))
     # 8-byte attention output per sequence comes back instead of 176 bytes of cache

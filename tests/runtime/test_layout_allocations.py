@@ -76,7 +76,7 @@ def offload_files(base: Path) -> dict[str, int]:
     return {path.name: path.stat().st_size for path in base.rglob("*") if path.is_file() and path.name != OWNER_FILE}
 
 
-def _check_allocations(path, tmp_path, policy, device, monkeypatch):
+def _check_allocations(path, tmp_path, policy, device, monkeypatch, new=NEW):
     workspaces = []
     make = KVWorkspace.for_block.__func__
 
@@ -97,13 +97,15 @@ def _check_allocations(path, tmp_path, policy, device, monkeypatch):
         else:
             assert host == planned["cpu"]
             assert held_tensor_bytes(weights, llm.device) == planned["gpu"]
-        llm.generate([[7] * PROMPT] * policy.block_size, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        # The GPU workspace the block's batches share.
-        planned_workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, PROMPT + NEW, dtype.itemsize)
-        assert [held_tensor_bytes(w, llm.device, views_once=True) if w is not None else None for w in workspaces] == [
-            planned_workspace.nbytes(dtype.itemsize) if planned_workspace is not None else None]
+        llm.generate([[7] * PROMPT] * policy.block_size, SamplingParams(max_new_tokens=new, ignore_eos=True))
+        # The GPU workspace the block's batches share; none where the block keeps no cache.
+        planned_workspace = workspace_layout(cfg, policy, policy.gpu_batch_size, PROMPT + new, dtype.itemsize)
+        expected = ([planned_workspace.nbytes(dtype.itemsize) if planned_workspace is not None else None]
+                    if new > 1 else [])
+        assert [held_tensor_bytes(w, llm.device, views_once=True) if w is not None else None
+                for w in workspaces] == expected
         files = offload_files(tmp_path)
-        block = block_disk_files(cfg, policy, PROMPT, PROMPT + NEW, dtype.itemsize)
+        block = block_disk_files(cfg, policy, PROMPT, PROMPT + new, dtype.itemsize)
         # The stages' files keep their names; every other file is the block's cache or activations.
         assert set(layout.disk_files()) <= {"embed", "head", *(f"layer.{i}" for i in range(cfg.num_layers))}
         assert {name: files[name] for name in layout.disk_files()} == layout.disk_files()
@@ -116,6 +118,22 @@ def _check_allocations(path, tmp_path, policy, device, monkeypatch):
 def test_the_engine_allocates_what_the_layout_lists(tiny_model_dir, tmp_path, monkeypatch, name):
     path, _ = tiny_model_dir("opt-post-proj")
     _check_allocations(path, tmp_path, POLICIES[name], "cpu", monkeypatch)
+
+
+@pytest.mark.parametrize("name", ["every tier", "compressed on disk"])
+def test_a_block_generating_one_token_allocates_no_cache(tiny_model_dir, tmp_path, monkeypatch, name):
+    """Its cache would never be read: the layout lists no cache files or workspace for it, and the
+    engine makes none (only the disk rows' hidden states have files)."""
+    path, _ = tiny_model_dir("opt-post-proj")
+    policy = POLICIES[name]
+    with LLM(str(path), policy=policy, offload_dir=str(tmp_path), dtype="float32", device="cpu") as probe:
+        kept = block_disk_files(probe.config, policy, PROMPT, PROMPT + 2, probe.dtype.itemsize)
+        one = block_disk_files(probe.config, policy, PROMPT, PROMPT + 1, probe.dtype.itemsize)
+        # The cache's files are gone, the hidden states' stay.
+        assert len(one) < len(kept) if policy.cache.disk else one == kept
+        need = {new: job_bytes(probe.config, policy, probe.dtype, PROMPT, new) for new in (1, 2)}
+        assert need[1]["cpu"] < need[2]["cpu"] and need[1]["disk"] <= need[2]["disk"]
+    _check_allocations(path, tmp_path, policy, "cpu", monkeypatch, new=1)
 
 
 @pytest.mark.parametrize("kind, name", [("mixtral", "every tier"), ("qwen2-moe", "compressed on disk"),
