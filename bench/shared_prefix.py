@@ -95,7 +95,8 @@ def choices(args, out: Path) -> list[dict]:
     whole = [p + c for p, c in zip(prompts, continuations)]
     rows = []
     for share in (True, False):
-        workload = prompt_workload(whole, [1] * len(whole), args.model, None, share=share)
+        workload = prompt_workload(whole, [1] * len(whole), args.model, None, share=share,
+                                   keep=[len(c) + 1 for c in continuations])
         with LLM(args.model, dummy=True, policy="auto", gpu_mem=args.gpu_mem, compress=args.compress,
                  offload_dir=args.offload_dir, workload=workload, hardware=args.hardware,
                  prefix_sharing=share) as llm:

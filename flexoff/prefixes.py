@@ -112,16 +112,25 @@ def prompt_shares(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None =
 
 def job_shared_prefix(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,
                       minimum: int = MIN_SHARED_PREFIX) -> int:
-    """The prefix a planner plans a job's GPU batches to share (``planner.Workload.shared_prefix``):
-    the mean over the job's prompts of ``prompt_shares`` (a prompt that shares nothing counts 0),
-    rounded down, and 0 where that is below ``minimum``. It is an average, conservative in that
-    every prompt is counted and none above what it shares with its closest prompt; it supposes
-    batches formed so that prompts sharing a prefix run together, and a batch that mixes prefixes
-    shares less. A job of one prompt, or whose prompts share nothing, plans with 0."""
+    """The prefix a planner plans a job's GPU batches to share (``planner.Workload.shared_prefix``).
+    The planner pads every row to the job's longest prompt, a prefix row holding the shared prefix
+    and each row the rest; the runtime pads a batch's prefix rows to its longest prefix and its rows
+    to their longest own part. So the plan's own part is the longest own part of the prompts that
+    share (what follows a prompt's ``prompt_shares``), and its prefix what the longest prompt leaves
+    beside it, no longer than the longest share: contexts of many lengths, each with four short
+    choices, plan as long prefixes and short rows, not as their mean prefix beside rows padded to
+    the longest context. Then scaled by the share of the prompts that share anything (a batch that
+    mixes in prompts sharing nothing shares less), rounded down, and 0 below ``minimum``. A job of
+    one prompt, or whose prompts share nothing, plans with 0."""
     if not prompts:
         return 0
-    mean = sum(prompt_shares(prompts, keep, minimum)) // len(prompts)
-    return mean if mean >= minimum else 0
+    sharing = [(len(p), n) for p, n in zip(prompts, prompt_shares(prompts, keep, minimum)) if n]
+    if not sharing:
+        return 0
+    own = max(length - n for length, n in sharing)
+    prefix = min(max(n for _, n in sharing), max(map(len, prompts)) - own)
+    planned = prefix * len(sharing) // len(prompts)
+    return planned if planned >= minimum else 0
 
 
 def job_prefix_group(prompts: Sequence[Sequence[int]], keep: Sequence[int] | None = None,

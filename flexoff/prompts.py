@@ -182,13 +182,14 @@ def synthetic_prompts(cfg: ModelConfig, count: int, length: int, seed: int = 0) 
     return ids.tolist()
 
 
-def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: bool = True):
+def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: bool = True, keep=None):
     """The planner's workload for a job: its longest prompt in tokens (text tokenized as the model
     will tokenize it, a conversation as the chat template makes it; a Hub id's tokenizer files are
     fetched, not its weights), its largest generation budget, its number of prompts, and the prefix
     its GPU batches' rows share and how many prompts share each, measured from the prompts' token
     ids (``prefixes.job_shared_prefix``, ``prefixes.job_prefix_group``: 0 where they share nothing,
-    or ``share`` is off)."""
+    or ``share`` is off). ``keep``: per prompt, the last positions its head reads, its own (a
+    scored continuation and the position before it; default 1)."""
     from .planner.cost_model import Workload
     from .prefixes import job_prefix_group, job_shared_prefix
     from .tokenizer import Tokenizer
@@ -205,6 +206,6 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: 
                 raise TokenizerError(f"text prompts need a tokenizer, and model {model!r} has none; give token "
                                      "ids, --tokenizer DIR, or a checkpoint (directory or Hub id) with tokenizer files")
         ids.append(chat_prompt(encoder, prompt)[1] if is_conversation(prompt) else encoder.encode(prompt))
-    shared = job_shared_prefix(ids) if share else 0
+    shared = job_shared_prefix(ids, keep) if share else 0
     return Workload(max(map(len, ids)), max(budgets), len(ids), shared_prefix=shared,
-                    prefix_group=job_prefix_group(ids) if shared else 0)
+                    prefix_group=job_prefix_group(ids, keep) if shared else 0)

@@ -82,3 +82,18 @@ def test_search_refuses_a_bad_shared_prefix_in_one_line(value, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_contexts_of_many_lengths_plan_as_long_prefixes_and_short_rows():
+    """Four short choices behind each context: the runtime pads the batch's prefix rows to the
+    longest context and its rows to the longest choice, so the plan's prefix is what the longest
+    prompt leaves beside the longest choice, not the contexts' mean length."""
+    rng = random.Random(3)
+    prompts = []
+    for length in (100, 200, 300):
+        context = [rng.randrange(100, 1000) for _ in range(length)]
+        prompts += [context + [1000 + 10 * c + j for j in range(c)] for c in (2, 3, 4, 5)]
+    assert max(map(len, prompts)) == 305
+    assert job_shared_prefix(prompts) == 305 - 5
+    # A prompt sharing nothing, as long as the longest, dilutes the plan by its share of the prompts.
+    assert job_shared_prefix(prompts + [[7] * 305]) == 300 * 12 // 13
