@@ -216,14 +216,22 @@ class FlexoffLM(LM):
 
         return LLM(**self._llm_args, policy=policy, workload=workload, hardware=self._hardware)
 
-    def _llm_for(self, prompt_len: int, gen_len: int, count: int):
+    def _llm_for(self, prompt_len: int, gen_len: int, count: int, scored=None):
         """The LLM to run a call's requests: with policy auto, planned for the call's longest prompt
-        and generation (kept while later calls fit in what it was planned for)."""
+        and generation (kept while later calls fit in what it was planned for). ``scored``: a
+        scoring call's (prompts, continuations), planned for the prefixes they share (a context's
+        choices share it) where prefix sharing is on."""
         if self.auto and (self._planned is None or prompt_len > self._planned[0] or gen_len > self._planned[1]):
             from ..planner.cost_model import Workload
+            from ..prompts import prompt_workload
 
             self.close()
-            self.llm = self._make_llm("auto", Workload(prompt_len, max(gen_len, 1), count))
+            workload = Workload(prompt_len, max(gen_len, 1), count)
+            if scored is not None and self._llm_args["prefix_sharing"]:
+                prompts, continuations = scored
+                workload = prompt_workload([p + c for p, c in zip(prompts, continuations)], [max(gen_len, 1)] * count,
+                                           self._llm_args["model"], None, keep=[len(c) + 1 for c in continuations])
+            self.llm = self._make_llm("auto", workload)
             self._planned = (prompt_len, gen_len)
             if self.llm.plan is not None and self.llm.plan.message:
                 warnings.warn(f"flexoff: {self.llm.plan.message}", stacklevel=3)
@@ -272,10 +280,12 @@ class FlexoffLM(LM):
                                                   continue_final_message=not add_generation_prompt)
 
     # Request types
-    def _chunks(self, lengths: list[int]) -> list[list[int]]:
+    def _chunks(self, lengths: list[int], contexts=None) -> list[list[int]]:
         """Request indices, shortest first, in chunks of a few blocks: each chunk's blocks carry little
-        padding, and the progress bar moves after each."""
-        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        padding, and the progress bar moves after each. Given ``contexts``, ordered by context length
+        and then context, so that a context's choices sit together and share its prefill."""
+        key = lengths.__getitem__ if contexts is None else (lambda i: (len(contexts[i]), contexts[i], lengths[i]))
+        order = sorted(range(len(lengths)), key=key)
         size = 4 * (self.llm.policy.block_size if self.llm is not None else 32)
         return [order[start:start + size] for start in range(0, len(order), size)]
 
@@ -298,9 +308,12 @@ class FlexoffLM(LM):
         if not requests:
             return []
         lengths = [len(p) + len(c) for p, c in zip(prompts, continuations)]
-        llm = self._llm_for(max(lengths), max(len(c) for c in continuations), len(requests))
+        # A score is one prefill pass: planned as one token generated and no cache kept, unless the
+        # greedy check generates the continuation.
+        gen_len = max(len(c) for c in continuations) if self.greedy_check else 1
+        llm = self._llm_for(max(lengths), gen_len, len(requests), (prompts, continuations))
         with tqdm(total=len(requests), desc="Running loglikelihood requests", disable=disable_tqdm) as bar:
-            for chunk in self._chunks(lengths):
+            for chunk in self._chunks(lengths, prompts):
                 for i, result in zip(chunk, self._score(llm, [prompts[i] for i in chunk],
                                                         [continuations[i] for i in chunk])):
                     results[i] = result

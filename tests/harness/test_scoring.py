@@ -136,3 +136,66 @@ def test_unknown_model_args_are_refused(tiny_opt):
 
     with pytest.raises(FlexoffError, match="unknown flexoff model_args"):
         FlexoffLM(pretrained=str(tiny_opt[0]), polcy="x.json")
+
+
+CONTEXT = "Rain fell on the city all night, and by morning the river had risen over the old stone road"
+
+
+@pytest.mark.parametrize("greedy_check", [False, True])
+def test_auto_plans_a_contexts_choices_for_the_prefix_they_share(tiny_opt, monkeypatch, greedy_check):
+    """policy auto plans a scoring call from its prompts: the choices of a context share it (the
+    workload's shared prefix), and a score with no greedy check generates one token (with it, the
+    longest continuation)."""
+    pytest.importorskip("lm_eval")
+    from flexoff.harness.lm_eval_adapter import FlexoffLM
+
+    lm = FlexoffLM(pretrained=str(tiny_opt[0]), device="cpu", policy="auto", greedy_check=greedy_check)
+    planned = []
+    make = lm._make_llm
+    monkeypatch.setattr(lm, "_make_llm",
+                        lambda policy, workload=None: planned.append(workload) or make(policy, workload))
+    choices = [" and the boats", " so the town", " which no one", " yet the farmers of the valley"]
+    requests = [SimpleNamespace(args=(CONTEXT, c)) for c in choices]
+    try:
+        results = lm.loglikelihood(requests)
+        dtype = str(lm.llm.dtype).removeprefix("torch.")
+    finally:
+        lm.close()
+    (workload,) = planned
+    context = len(tiny_opt[2](CONTEXT)["input_ids"])
+    longest = max(len(tiny_opt[2](c)["input_ids"]) - 1 for c in choices)
+    assert workload.num_prompts == 4 and workload.gen_len == (longest if greedy_check else 1)
+    # The context less its last token (each choice's head reads the position before it) is shared.
+    assert workload.shared_prefix == context - 1 and workload.prompt_len == context + longest
+    assert workload.prefix_group == 4
+    # The scores as a fixed policy's in the same 16-bit dtype auto plans.
+    plain = FlexoffLM(pretrained=str(tiny_opt[0]), device="cpu", greedy_check=greedy_check, dtype=dtype)
+    try:
+        expected = plain.loglikelihood(requests)
+    finally:
+        plain.close()
+    assert [g for _, g in results] == [g for _, g in expected]
+    assert [s for s, _ in results] == pytest.approx([s for s, _ in expected], abs=1e-3)
+
+
+def test_a_contexts_choices_are_ordered_together(tiny_opt):
+    """Requests ordered by context, not by total length: a context's choices of different lengths
+    sit together, where another context's requests of lengths between them would split them."""
+    pytest.importorskip("lm_eval")
+    from flexoff.harness.lm_eval_adapter import FlexoffLM
+
+    lm = FlexoffLM(pretrained=str(tiny_opt[0]), device="cpu")
+    try:
+        contexts = [[5] * 30, [7] * 31] * 200
+        lengths = [len(c) + (1 if i < 2 else 40) for i, c in enumerate(contexts)]
+        chunks = lm._chunks(lengths, contexts)
+        size = 4 * lm.llm.policy.block_size
+        assert sorted(i for chunk in chunks for i in chunk) == list(range(len(contexts)))
+        first = [i for i, c in enumerate(contexts) if c == contexts[0]]
+        assert all(len(chunk) <= size for chunk in chunks)
+        # Each context's requests are one run of the order, whatever their total lengths.
+        order = [i for chunk in chunks for i in chunk]
+        positions = sorted(order.index(i) for i in first)
+        assert positions == list(range(positions[0], positions[0] + len(first)))
+    finally:
+        lm.close()
