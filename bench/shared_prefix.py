@@ -105,7 +105,7 @@ def choices(args, out: Path) -> list[dict]:
             wall = time.perf_counter() - start
             rows.append({"shape": "choices", "sharing": share, "rc": 0, "wall_s": round(wall, 2),
                          "prompts_per_s": round(len(contexts) / wall, 3), "policy": str(llm.policy),
-                         "workload": str(workload)})
+                         "workload": str(workload), "plan": llm.plan.message if llm.plan is not None else None})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
