@@ -386,7 +386,8 @@ class LLM:
             raise NonFiniteError(f"prompt {bad}: the model's {what} are not finite: {self.engine.non_finite_cause()}")
 
     def score(self, prompts: SequenceOf, continuations: SequenceOf) -> list[ScoreOutput]:
-        """Per-token log-probabilities of each continuation given its prompt, in one prefill pass."""
+        """Per-token log-probabilities of each continuation given its prompt, and whether greedy
+        decoding generates it (``ScoreOutput.greedy``), in one prefill pass."""
         self._check_open()
         prompt_ids = self._encode(prompts)
         cont_ids = self._encode(continuations, "continuation")
@@ -407,9 +408,9 @@ class LLM:
                                    [len(c) + 1 for c in cont_ids])
         results: list[ScoreOutput | None] = [None] * len(prompt_ids)
         for block in blocks:
-            logprobs = self.engine.score_block([prompt_ids[i] for i in block], [cont_ids[i] for i in block])
-            for i, values in zip(block, logprobs):
-                results[i] = ScoreOutput(cont_ids[i], values)
+            scored = self.engine.score_block([prompt_ids[i] for i in block], [cont_ids[i] for i in block])
+            for i, (values, greedy) in zip(block, scored):
+                results[i] = ScoreOutput(cont_ids[i], values, greedy)
         results = self._from_head(results)
         self._check_finite([all(math.isfinite(v) for v in r.logprobs) for r in results], "log-probabilities")
         return results

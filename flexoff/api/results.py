@@ -14,8 +14,13 @@ from ..runtime.metrics import Metrics
 
 @dataclass
 class ScoreOutput:
+    """A continuation's tokens, their log-probabilities given the prompt and what precedes them,
+    and ``greedy``: whether each is its position's most likely token, so that greedy decoding from
+    the prompt generates the continuation (lm-eval's is-greedy flag)."""
+
     token_ids: list[int]
     logprobs: list[float]
+    greedy: bool = False
 
     @property
     def total(self) -> float:

@@ -15,8 +15,8 @@ saved profile), ``dtype``, ``device``, ``seed``, ``tokenizer``, ``gpu_mem``, ``c
 ``offload_dir``, ``compress`` (as the command line's flags), ``prefix_sharing`` (default true:
 requests whose prompts begin alike, a context's choices among them, share that prefix's prefill
 and cache; false is ``--no-prefix-sharing``), and ``greedy_check`` (default true:
-loglikelihood's is-greedy flag costs one greedy generation of the continuation's length; false
-reports it as false and skips that work). lm_eval's ``--device`` is taken where model_args names
+loglikelihood's is-greedy flag, read off the scoring pass itself, ``ScoreOutput.greedy``; false
+reports it as false). lm_eval's ``--device`` is taken where model_args names
 no ``device`` (model_args' wins: lm_eval's own defaults to cuda:0, asked for or not). lm_eval's
 ``batch_size`` is accepted and ignored (the policy sets the batch sizes), and so is
 ``trust_remote_code`` (flexoff runs no checkpoint's code).
@@ -229,7 +229,7 @@ class FlexoffLM(LM):
             workload = Workload(prompt_len, max(gen_len, 1), count)
             if scored is not None and self._llm_args["prefix_sharing"]:
                 prompts, continuations = scored
-                workload = prompt_workload([p + c for p, c in zip(prompts, continuations)], [max(gen_len, 1)] * count,
+                workload = prompt_workload([p + c for p, c in zip(prompts, continuations)], [1] * count,
                                            self._llm_args["model"], None, keep=[len(c) + 1 for c in continuations])
             self.llm = self._make_llm("auto", workload)
             self._planned = (prompt_len, gen_len)
@@ -308,10 +308,8 @@ class FlexoffLM(LM):
         if not requests:
             return []
         lengths = [len(p) + len(c) for p, c in zip(prompts, continuations)]
-        # A score is one prefill pass: planned as one token generated and no cache kept, unless the
-        # greedy check generates the continuation.
-        gen_len = max(len(c) for c in continuations) if self.greedy_check else 1
-        llm = self._llm_for(max(lengths), gen_len, len(requests), (prompts, continuations))
+        # A score is one prefill pass: planned as one token generated, keeping no cache.
+        llm = self._llm_for(max(lengths), 1, len(requests), (prompts, continuations))
         with tqdm(total=len(requests), desc="Running loglikelihood requests", disable=disable_tqdm) as bar:
             for chunk in self._chunks(lengths, prompts):
                 for i, result in zip(chunk, self._score(llm, [prompts[i] for i in chunk],
@@ -322,13 +320,7 @@ class FlexoffLM(LM):
         return results
 
     def _score(self, llm, prompts, continuations) -> list[tuple[float, bool]]:
-        scores = llm.score(prompts, continuations)
-        greedy = [False] * len(scores)
-        if self.greedy_check:
-            params = [_sampling_params()(max_new_tokens=max(len(s.token_ids), 1), ignore_eos=True) for s in scores]
-            outputs = llm.generate(prompts, params)
-            greedy = [out.token_ids[:len(s.token_ids)] == s.token_ids for out, s in zip(outputs, scores)]
-        return [(float(sum(s.logprobs)), bool(g)) for s, g in zip(scores, greedy)]
+        return [(float(sum(s.logprobs)), s.greedy and self.greedy_check) for s in llm.score(prompts, continuations)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows = []  # per request, its (context, target) windows

@@ -274,10 +274,12 @@ class Engine:
         self._prefill_only(token_lists, keep)
         return out
 
-    def score_block(self, prompts: list[list[int]], continuations: list[list[int]]) -> list[list[float]]:
-        """Log-probability of each continuation token given its prompt, from one prefill pass."""
+    def score_block(self, prompts: list[list[int]],
+                    continuations: list[list[int]]) -> list[tuple[list[float], bool]]:
+        """Log-probability of each continuation token given its prompt, and whether every one of
+        them is its position's most likely token, from one prefill pass."""
         arch = architecture(self.cfg)
-        results: list[list[float]] = [[] for _ in prompts]
+        results: list[tuple[list[float], bool]] = [([], True) for _ in prompts]
         lengths = [len(c) for c in continuations]
 
         def score(batch: GpuBatch, weights: Mapping[str, torch.Tensor]) -> None:
@@ -286,13 +288,18 @@ class Engine:
             hidden = batch.row_hidden(slice(-span - 1, -1))
             targets = batch.prompt_ids[:, -span:]
             picked = torch.empty(targets.shape)
+            # Teacher-forced argmax: greedy decoding generates the continuation exactly when every
+            # token is its position's most likely, so no generation pass is needed to tell.
+            most_likely = torch.empty(targets.shape, dtype=torch.bool)
             for rows, positions in logprob_chunks(len(batch.seqs), span, self.logprob_positions):
                 logits = arch.head(self.cfg, weights, hidden[rows, positions]).float()
                 logprobs = torch.log_softmax(logits, dim=-1)
-                picked[rows, positions] = logprobs.gather(2, targets[rows, positions][..., None])[..., 0].cpu()
+                chosen = targets[rows, positions]
+                picked[rows, positions] = logprobs.gather(2, chosen[..., None])[..., 0].cpu()
+                most_likely[rows, positions] = (logits.argmax(dim=-1) == chosen).cpu()
             for row, seq in enumerate(batch.seqs):
                 n = lengths[seq.index]
-                results[seq.index] = picked[row, span - n:].tolist()
+                results[seq.index] = (picked[row, span - n:].tolist(), bool(most_likely[row, span - n:].all()))
 
         self._prefill_only([p + c for p, c in zip(prompts, continuations)], score, [n + 1 for n in lengths])
         return results

@@ -19,22 +19,34 @@ PAIRS = [
 ]
 
 
-def hf_logprobs(model, tok, prompt: str, continuation: str) -> list[float]:
+def hf_logprobs(model, tok, prompt: str, continuation: str) -> tuple[list[float], bool]:
+    """Each continuation token's log-probability, and whether transformers' greedy generation from
+    the prompt gives the continuation."""
     prompt_ids = tok(prompt)["input_ids"]
     cont_ids = tok(continuation)["input_ids"][1:]  # without the BOS the tokenizer adds
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + cont_ids])).logits[0].double()
+        generated = model.generate(torch.tensor([prompt_ids]), max_new_tokens=len(cont_ids), do_sample=False,
+                                   min_new_tokens=len(cont_ids))[0, len(prompt_ids):].tolist()
     logprobs = torch.log_softmax(logits, dim=-1)
-    return [float(logprobs[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(cont_ids)]
+    return [float(logprobs[len(prompt_ids) - 1 + j, t]) for j, t in enumerate(cont_ids)], generated == cont_ids
 
 
 def test_score_matches_transformers(tiny_opt, tiny_llm):
     _, model, tok = tiny_opt
-    scores = tiny_llm.score([p for p, _ in PAIRS], [c for _, c in PAIRS])
-    for (prompt, continuation), score in zip(PAIRS, scores):
-        expected = hf_logprobs(model, tok, prompt, continuation)
+    # The PAIRS, and each with its continuation replaced by what greedy decoding generates from it.
+    greedy = [(prompt, tok.decode(tiny_llm.generate([prompt], SamplingParams(max_new_tokens=3, ignore_eos=True))[0]
+                                  .token_ids)) for prompt, _ in PAIRS]
+    pairs = PAIRS + greedy
+    scores = tiny_llm.score([p for p, _ in pairs], [c for _, c in pairs])
+    flags = []
+    for (prompt, continuation), score in zip(pairs, scores):
+        expected, is_greedy = hf_logprobs(model, tok, prompt, continuation)
         assert len(score.logprobs) == len(expected)
         assert score.logprobs == pytest.approx(expected, abs=1e-4)
+        assert score.greedy == is_greedy
+        flags.append(score.greedy)
+    assert any(flags) and not all(flags)  # both answers occur
 
 
 # lm-evaluation-harness
@@ -144,8 +156,8 @@ CONTEXT = "Rain fell on the city all night, and by morning the river had risen o
 @pytest.mark.parametrize("greedy_check", [False, True])
 def test_auto_plans_a_contexts_choices_for_the_prefix_they_share(tiny_opt, monkeypatch, greedy_check):
     """policy auto plans a scoring call from its prompts: the choices of a context share it (the
-    workload's shared prefix), and a score with no greedy check generates one token (with it, the
-    longest continuation)."""
+    workload's shared prefix), and a score generates one token, the greedy check included (it is
+    read off the scoring pass)."""
     pytest.importorskip("lm_eval")
     from flexoff.harness.lm_eval_adapter import FlexoffLM
 
@@ -164,7 +176,7 @@ def test_auto_plans_a_contexts_choices_for_the_prefix_they_share(tiny_opt, monke
     (workload,) = planned
     context = len(tiny_opt[2](CONTEXT)["input_ids"])
     longest = max(len(tiny_opt[2](c)["input_ids"]) - 1 for c in choices)
-    assert workload.num_prompts == 4 and workload.gen_len == (longest if greedy_check else 1)
+    assert workload.num_prompts == 4 and workload.gen_len == 1
     # The context less its last token (each choice's head reads the position before it) is shared.
     assert workload.shared_prefix == context - 1 and workload.prompt_len == context + longest
     assert workload.prefix_group == 4
