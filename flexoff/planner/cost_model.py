@@ -44,6 +44,7 @@ fractions and streamed once per token like a layer's weights.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
@@ -399,10 +400,14 @@ class CostModel(MemoryTerms):
         decode_seconds = layers * (w.gen_len - 1) * phases["decode"].seconds_per_layer
         latency = prefill_seconds + decode_seconds
         share = self.useful_share(bls)
+        throughput = share * bls * w.gen_len / latency
+        if w.gen_lens:
+            throughput = self.retiring_throughput(frame, p, self.hardware.disk_to_cpu_cached_bandwidth
+                                                  if disk_cached else None)
         return Prediction(
             policy=policy, workload=w, prefill=phases["prefill"], decode=phases["decode"],
             prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, block_latency=latency,
-            total_throughput=share * bls * w.gen_len / latency,
+            total_throughput=throughput,
             prefill_throughput=share * bls * w.prompt_len / prefill_seconds,
             decode_throughput=(share * bls * (w.gen_len - 1) / decode_seconds) if w.gen_len > 1 else 0.0,
             peak_memory=peak,
@@ -410,6 +415,33 @@ class CostModel(MemoryTerms):
             memory_by_phase=memory,
             disk_reads_cached=disk_cached,
         )
+
+    def retiring_throughput(self, frame: PolicyFrame, p: Placement, disk_read_bandwidth: float | None) -> float:
+        """Generated tokens per second over a job whose budgets differ (``Workload.gen_lens``): the
+        budgets in order, a block of them at a time, and each GPU batch in a block retired once the
+        longest of its budgets is spent, as the runtime forms blocks and batches by budget and stops
+        a batch whose rows have all finished. A step while r of a block's batches still run costs
+        what a step of r batches costs; weights still stream once per step."""
+        budgets = sorted(self.workload.gen_lens)
+        gbs, bls = frame.gpu_batch_size, frame.block_size
+        per_layer: dict = {}
+
+        def seconds(phase: str, running: int) -> float:
+            if (phase, running) not in per_layer:
+                io, compute = self.phase_terms(replace(frame, num_gpu_batches=running), p, disk_read_bandwidth)[phase]
+                per_layer[phase, running] = float(self.phase_seconds(io, compute, frame.overlap))
+            return self.num_layers * per_layer[phase, running]
+
+        total = 0.0
+        for start in range(0, len(budgets), bls):
+            block = budgets[start:start + bls]
+            ends = [max(block[i:i + gbs]) for i in range(0, len(block), gbs)]  # ascending
+            total += seconds("prefill", len(ends))
+            done = 1  # the prefill gives each row its first token
+            for k, end in enumerate(ends):
+                total += (end - done) * seconds("decode", len(ends) - k)
+                done = end
+        return sum(budgets) / total
 
     def disk_reads_cached(self, peak: dict) -> bool:
         """Whether the page cache can hold everything on disk: the host memory flexoff leaves free

@@ -21,6 +21,10 @@ class Workload:
     (``flexoff.prefixes``), prefilled, stored and moved once per GPU batch; 0 shares nothing.
     ``prefix_group``: how many prompts share each prefix (``flexoff.prefixes.job_prefix_group``), so
     that a GPU batch holds one prefix per group of its rows; 0 means all of a batch's rows share one.
+    ``gen_lens``: each prompt's generation budget where they differ (``gen_len`` the largest; empty:
+    every prompt generates ``gen_len``). Memory is planned for ``gen_len``; the predicted throughput
+    counts the tokens the budgets generate and retires each GPU batch once its budgets are spent,
+    as the runtime does (``CostModel.retiring_throughput``).
     """
 
     prompt_len: int
@@ -28,6 +32,7 @@ class Workload:
     num_prompts: int | None = None
     shared_prefix: int = 0
     prefix_group: int = 0
+    gen_lens: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self):
         for name in ("prompt_len", "gen_len"):
@@ -44,6 +49,15 @@ class Workload:
         if not isinstance(group, int) or isinstance(group, bool) or group < 0:
             raise ConfigError(f"prefix group must be an integer >= 0 (0: a GPU batch's rows all share one), "
                               f"got {group!r}")
+        budgets = self.gen_lens
+        if budgets:
+            if not isinstance(budgets, tuple) or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
+                                                     for b in budgets):
+                raise ConfigError(f"generation budgets must be a tuple of integers >= 1, got {budgets!r}")
+            if max(budgets) != self.gen_len or len(budgets) != (self.num_prompts or len(budgets)):
+                raise ConfigError(f"generation budgets must be one per prompt ({self.num_prompts}) with the "
+                                  f"largest the generation length ({self.gen_len}), got {len(budgets)} "
+                                  f"up to {max(budgets)}")
 
     def _group_rows(self, gpu_batch_size: int) -> int:
         """The rows of a GPU batch that share each prefix."""

@@ -380,3 +380,49 @@ def test_bad_workload_is_a_user_error(tiny_opt, round_hardware):
         Workload(4, 3, num_prompts=0)
     with pytest.raises(ConfigError, match="needs 9 positions, but tiny-opt has 8"):
         CostModel(tiny_opt, Workload(6, 3), round_hardware)
+
+
+# Budgets that differ: the prediction retires each GPU batch once its budgets are spent.
+
+def test_one_budget_for_every_prompt_predicts_as_without_budgets(tiny_opt, round_hardware):
+    flat = CostModel(tiny_opt, Workload(2, 6, 8), round_hardware)
+    listed = CostModel(tiny_opt, Workload(2, 6, 8, gen_lens=(6,) * 8), round_hardware)
+    for policy in (offloaded(num_gpu_batches=2), offloaded(gpu_batch_size=4, weights=GPU, cache=GPU)):
+        assert listed.predict(policy).total_throughput == pytest.approx(flat.predict(policy).total_throughput)
+
+
+def test_one_batch_a_block_runs_each_block_to_its_longest_budget(tiny_opt, round_hardware):
+    """With one GPU batch a block, each block (the budgets in order) takes its prefill and a step
+    for each token of its longest budget after the first, a step priced at the job's largest
+    budget; the job's throughput counts the tokens the budgets generate."""
+    budgets = (6, 2, 4, 3, 6, 5)  # blocks of 2 in order: (2, 3), (4, 5), (6, 6)
+    policy = offloaded()
+    got = CostModel(tiny_opt, Workload(2, 6, 6, gen_lens=budgets), round_hardware).predict(policy)
+    top = CostModel(tiny_opt, Workload(2, 6, 6), round_hardware).predict(policy)
+    step = top.decode_seconds / 5
+    seconds = sum(top.prefill_seconds + (longest - 1) * step for longest in (3, 5, 6))
+    assert got.total_throughput == pytest.approx(sum(budgets) / seconds)
+    # Memory and one block's figures stay the largest budget's.
+    assert got.peak_memory == top.peak_memory and got.block_latency == top.block_latency
+
+
+def test_batches_that_finish_early_stop_costing_steps(tiny_opt, round_hardware):
+    """Two GPU batches a block, one of budgets 2 and one of 6: after the first's last token a step
+    costs one batch's, not two."""
+    policy = offloaded(num_gpu_batches=2)
+    budgets = (2, 2, 6, 6)
+    got = CostModel(tiny_opt, Workload(2, 6, 4, gen_lens=budgets), round_hardware).predict(policy)
+    both = CostModel(tiny_opt, Workload(2, 6, 4), round_hardware).predict(policy)
+    one = CostModel(tiny_opt, Workload(2, 6, 2), round_hardware).predict(offloaded())
+    step_both, step_one = (p.decode_seconds / 5 for p in (both, one))
+    assert step_one < step_both
+    seconds = both.prefill_seconds + 1 * step_both + 4 * step_one
+    assert got.total_throughput == pytest.approx(sum(budgets) / seconds)
+    assert got.total_throughput > sum(budgets) / both.block_latency  # faster than padding to 6
+
+
+@pytest.mark.parametrize("budgets, says", [((3, 0), "integers >= 1"), ((3, 2, 1), "one per prompt"),
+                                           ((2, 2), "the largest the generation length"), ([3, 2], "a tuple")])
+def test_bad_budgets_are_refused(budgets, says):
+    with pytest.raises(ConfigError, match=f"generation budgets must be .*{says}"):
+        Workload(4, 3, 2, gen_lens=budgets)
