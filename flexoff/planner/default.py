@@ -89,8 +89,7 @@ def fit_job(config: ModelConfig, workload: Workload, policy: Policy | None, dtyp
     # A job past the model's positions is refused later, naming its prompt; sized as it asks, it
     # could overflow the sizing first.
     prompt_len = min(workload.prompt_len, config.max_positions - 1)
-    workload = replace(workload, prompt_len=prompt_len,
-                       gen_len=max(1, min(workload.gen_len, config.max_positions - prompt_len)))
+    workload = workload.with_generation(prompt_len, max(1, config.max_positions - prompt_len))
     if policy is not None:
         policy = weights_as_stored(policy, config)
         check_job(config, policy, dtype, workload, capacity)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..errors import ConfigError
@@ -21,10 +21,11 @@ class Workload:
     (``flexoff.prefixes``), prefilled, stored and moved once per GPU batch; 0 shares nothing.
     ``prefix_group``: how many prompts share each prefix (``flexoff.prefixes.job_prefix_group``), so
     that a GPU batch holds one prefix per group of its rows; 0 means all of a batch's rows share one.
-    ``gen_lens``: each prompt's generation budget where they differ (``gen_len`` the largest; empty:
-    every prompt generates ``gen_len``). Memory is planned for ``gen_len``; the predicted throughput
-    counts the tokens the budgets generate and retires each GPU batch once its budgets are spent,
-    as the runtime does (``CostModel.retiring_throughput``).
+    ``gen_lens``: each prompt's generation budget where they differ (none past ``gen_len``, the
+    largest of the whole job where this is a share of it; empty: every prompt generates
+    ``gen_len``). Memory is planned for ``gen_len``; the predicted throughput counts the tokens the
+    budgets generate and retires each GPU batch once its budgets are spent, as the runtime does
+    (``CostModel.retiring_throughput``).
     """
 
     prompt_len: int
@@ -54,10 +55,22 @@ class Workload:
             if not isinstance(budgets, tuple) or any(not isinstance(b, int) or isinstance(b, bool) or b < 1
                                                      for b in budgets):
                 raise ConfigError(f"generation budgets must be a tuple of integers >= 1, got {budgets!r}")
-            if max(budgets) != self.gen_len or len(budgets) != (self.num_prompts or len(budgets)):
-                raise ConfigError(f"generation budgets must be one per prompt ({self.num_prompts}) with the "
-                                  f"largest the generation length ({self.gen_len}), got {len(budgets)} "
-                                  f"up to {max(budgets)}")
+            if max(budgets) > self.gen_len or len(budgets) != (self.num_prompts or len(budgets)):
+                raise ConfigError(f"generation budgets must be one per prompt ({self.num_prompts}), none past "
+                                  f"the generation length ({self.gen_len}), got {len(budgets)} up to {max(budgets)}")
+
+    def with_generation(self, prompt_len: int, gen_len: int) -> "Workload":
+        """This job with its prompts padded to ``prompt_len`` and no budget past ``gen_len``."""
+        budgets = tuple(min(b, gen_len) for b in self.gen_lens)
+        return replace(self, prompt_len=prompt_len, gen_len=min(self.gen_len, gen_len),
+                       gen_lens=budgets if len(set(budgets)) > 1 else ())
+
+    def with_prompts(self, num_prompts: int) -> "Workload":
+        """A share of this job, ``num_prompts`` of its prompts, with budgets spread as the job's
+        (every so many of them in order)."""
+        ordered = sorted(self.gen_lens)
+        budgets = tuple(ordered[i * len(ordered) // num_prompts] for i in range(num_prompts)) if ordered else ()
+        return replace(self, num_prompts=num_prompts, gen_lens=budgets if len(set(budgets)) > 1 else ())
 
     def _group_rows(self, gpu_batch_size: int) -> int:
         """The rows of a GPU batch that share each prefix."""

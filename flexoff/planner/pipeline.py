@@ -79,7 +79,7 @@ def stage_workload(workload: Workload, pipeline: int, replicas: int = 1) -> Work
     ``pipeline`` blocks a replica, so that every device of its pipeline has one."""
     if workload.num_prompts is None:
         return workload
-    return replace(workload, num_prompts=max(1, math.ceil(workload.num_prompts / (pipeline * replicas))))
+    return workload.with_prompts(max(1, math.ceil(workload.num_prompts / (pipeline * replicas))))
 
 
 def plan_pipeline(config: ModelConfig, workload: Workload, hardware: list[HardwareProfile], replicas: int = 1,

@@ -30,3 +30,42 @@ def test_the_search_plans_memory_for_the_largest_budget_and_predicts_the_budgets
     # budgets are spent stop running.
     whole = padded.throughput * sum(budgets) / (240 * max(budgets))
     assert whole < got.throughput < padded.throughput
+
+
+def test_a_share_of_the_job_keeps_its_budgets_spread():
+    job = Workload(8, 9, 6, gen_lens=(9, 1, 5, 3, 7, 2))
+    half = job.with_prompts(3)  # every other budget in order: 1, 3, 7
+    assert (half.num_prompts, half.gen_len, half.gen_lens) == (3, 9, (1, 3, 7))
+    assert job.with_prompts(6).gen_lens == (1, 2, 3, 5, 7, 9)
+    assert Workload(8, 9, 4, gen_lens=(9, 9, 9, 1)).with_prompts(1).gen_lens == ()  # one budget: none listed
+    assert Workload(8, 9, 6).with_prompts(2) == Workload(8, 9, 2)
+
+
+def test_budgets_past_the_models_positions_are_cut_to_them():
+    job = Workload(8, 9, 4, gen_lens=(9, 2, 6, 3))
+    cut = job.with_generation(8, 5)
+    assert (cut.prompt_len, cut.gen_len, cut.gen_lens) == (8, 5, (5, 2, 5, 3))
+    assert job.with_generation(8, 2).gen_lens == ()  # all 2 now
+    assert job.with_generation(4, 20) == Workload(4, 9, 4, gen_lens=(9, 2, 6, 3))
+
+
+def test_policy_auto_and_a_pipeline_plan_a_job_whose_budgets_differ():
+    """The budgets survive the job's cut to the model's positions (fit_job) and its share per
+    pipeline stage (plan_pipeline): both plan it, where a budget list that no longer matched its
+    job would be refused."""
+    import torch
+
+    from flexoff.layout import Capacity
+    from flexoff.planner.default import fit_job
+    from flexoff.planner.pipeline import plan_pipeline
+    from flexoff.policy import Policy
+
+    cfg = resolve_model_config("opt-125m")
+    hardware = resolve_hardware("h200").with_memory(gpu=1 << 30)
+    long = Workload(cfg.max_positions, cfg.max_positions, 6, gen_lens=(cfg.max_positions, 5, 9, 2, 7, 3))
+    plan = fit_job(cfg, long, None, torch.float16, Capacity(gpu=1 << 30, cpu=8 << 30, disk=0), hardware,
+                   Policy(), None, search=True)
+    assert plan.policy is not None
+    job = Workload(64, 40, 48, gen_lens=tuple(8 + i % 33 for i in range(48)))
+    staged = plan_pipeline(cfg, job, [hardware, hardware])
+    assert staged.throughput > 0

@@ -422,7 +422,7 @@ def test_batches_that_finish_early_stop_costing_steps(tiny_opt, round_hardware):
 
 
 @pytest.mark.parametrize("budgets, says", [((3, 0), "integers >= 1"), ((3, 2, 1), "one per prompt"),
-                                           ((2, 2), "the largest the generation length"), ([3, 2], "a tuple")])
+                                           ((4, 2), "none past the generation length"), ([3, 2], "a tuple")])
 def test_bad_budgets_are_refused(budgets, says):
     with pytest.raises(ConfigError, match=f"generation budgets must be .*{says}"):
         Workload(4, 3, 2, gen_lens=budgets)
