@@ -42,6 +42,7 @@ CPU = {
     "flexoff search --model opt-66b --hardware h200 --max-latency 60",
     "flexoff search --model opt-30b --hardware h200 --pareto --pareto-csv frontier.csv",
     "flexoff run --model ./opt-30b --prompts prompts.jsonl --policy auto",
+    "flexoff search --model ./opt-30b --prompts prompts.jsonl --hardware h200 --gpu-mem 16GiB",
     "flexoff search --model mixtral-8x7b --hardware h100 --gpu-mem 16GiB --compress auto",
     "flexoff search --model qwen3-30b-a3b --hardware h100 --gpu-mem 16GiB --compress auto",
     "flexoff search --model opt-66b --hardware h100 --pipeline-parallel 3 --gpu-mem 16GiB,24GiB,24GiB --compress auto",

@@ -79,12 +79,20 @@ def register(subparsers) -> None:
 
 def _add_workload_args(search) -> None:
     """The job the search plans for."""
-    search.add_argument("--prompt-len", type=COUNT, default=512,
+    search.add_argument("--prompts", metavar="FILE",
+                        help="measure the job from a prompts file, read as `flexoff run --prompts` reads it, as "
+                             "--policy auto plans it: its longest prompt (text through the model's tokenizer or "
+                             "--tokenizer), each line's max_new_tokens (else --gen-len), its number of prompts and "
+                             "the prefixes they share; instead of --prompt-len, --num-prompts, --shared-prefix and "
+                             "--prefix-group")
+    search.add_argument("--tokenizer", metavar="DIR", help="tokenizer for a --prompts file's text, if not the model's")
+    search.add_argument("--prompt-len", type=COUNT, default=None,
                         help="prompt length in tokens, after padding (default 512)")
-    search.add_argument("--gen-len", type=COUNT, default=32, help="tokens generated per prompt (default 32)")
+    search.add_argument("--gen-len", type=COUNT, default=32,
+                        help="tokens generated per prompt (default 32; with --prompts, for lines that name none)")
     search.add_argument("--num-prompts", type=COUNT, default=None,
                         help="prompts in the job; blocks larger than it waste work (default: an endless stream)")
-    search.add_argument("--shared-prefix", type=integer(0), default=0, metavar="N",
+    search.add_argument("--shared-prefix", type=integer(0), default=None, metavar="N",
                         help="tokens at the start of each prompt that the rows of its GPU batch share (few-shot "
                              "examples, a system prompt), prefilled and stored once per GPU batch; below "
                              "--prompt-len (default 0: none)")
@@ -112,7 +120,7 @@ def run_search(args) -> int:
     result = search_policy(config, workload, hardware, max_latency=args.max_latency, **options)
     print(format_prediction(result.prediction, title=(
         f"{config.name} on {describe_hardware(hardware)}: prompt {workload.prompt_len}"
-        + _shared(workload) + f", generate {workload.gen_len}"
+        + _shared(workload) + f", {_generate(workload)}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else "")
         + (f", block latency <= {args.max_latency:g} s" if args.max_latency else "")), stored=config.stored_compression))
     note = extrapolation_note(hardware, workload)
@@ -151,14 +159,41 @@ def _shared(workload: Workload) -> str:
 
 
 def _workload(args) -> Workload:
-    if args.shared_prefix >= args.prompt_len:
-        raise ConfigError(f"--shared-prefix {args.shared_prefix} must be below --prompt-len {args.prompt_len}: "
+    if args.prompts:
+        return _measured_workload(args)
+    if args.tokenizer:
+        raise ConfigError("--tokenizer reads a --prompts file's text: give --prompts FILE too")
+    prompt_len, shared = 512 if args.prompt_len is None else args.prompt_len, args.shared_prefix or 0
+    if shared >= prompt_len:
+        raise ConfigError(f"--shared-prefix {shared} must be below --prompt-len {prompt_len}: "
                           "every prompt keeps at least one token of its own")
-    if args.prefix_group is not None and not args.shared_prefix:
+    if args.prefix_group is not None and not shared:
         raise ConfigError(f"--prefix-group {args.prefix_group} needs --shared-prefix N: the prompts of a group "
                           "share N tokens")
-    return Workload(args.prompt_len, args.gen_len, args.num_prompts, shared_prefix=args.shared_prefix,
+    return Workload(prompt_len, args.gen_len, args.num_prompts, shared_prefix=shared,
                     prefix_group=args.prefix_group or 0)
+
+
+def _measured_workload(args) -> Workload:
+    """The job a prompts file holds, measured as ``--policy auto`` measures it (``prompt_workload``)."""
+    from ..prompts import prompt_workload, read_prompts
+
+    flags = {"--prompt-len": args.prompt_len, "--num-prompts": args.num_prompts,
+             "--shared-prefix": args.shared_prefix, "--prefix-group": args.prefix_group}
+    given = [flag for flag, value in flags.items() if value is not None]
+    if given:
+        raise ConfigError(f"{given[0]} describes the prompts that --prompts {args.prompts} measures: "
+                          "give one or the other")
+    lines = read_prompts(args.prompts)
+    return prompt_workload([line.prompt if line.messages is None else line.messages for line in lines],
+                           [line.max_new_tokens or args.gen_len for line in lines], args.model, args.tokenizer)
+
+
+def _generate(workload: Workload) -> str:
+    """The generation the title names: the budget, or where budgets differ their largest and mean."""
+    if not workload.gen_lens:
+        return f"generate {workload.gen_len}"
+    return f"generate up to {workload.gen_len} ({sum(workload.gen_lens) / len(workload.gen_lens):.1f} on average)"
 
 
 def _search_pipeline(args) -> int:
@@ -184,7 +219,8 @@ def _search_pipeline(args) -> int:
     plan = plan_pipeline(config, workload, hardware, replicas, compress=args.compress, cpu_attention=args.cpu_attention)
     print(format_pipeline_plan(plan, (
         f"{config.name} on {profile.name}: {stages} pipeline stages x {replicas} replica{'s' * (replicas > 1)}, "
-        f"host memory{' and links' if profile.cpu_to_all_gpus_bandwidth else ''} shared by {processes} processes; prompt {workload.prompt_len}, generate {workload.gen_len}"
+        f"host memory{' and links' if profile.cpu_to_all_gpus_bandwidth else ''} shared by {processes} processes; "
+        f"prompt {workload.prompt_len}{_shared(workload)}, {_generate(workload)}"
         + (f", {workload.num_prompts} prompts" if workload.num_prompts else ""))))
     print(_against_one_gpu(plan.throughput, config, workload, profile, gpu_caps, caps,
                            compress=args.compress, cpu_attention=args.cpu_attention))

@@ -1,6 +1,8 @@
 """A job whose generation budgets differ: the workload carries them, memory is planned for the
 largest, and the search reports the throughput of the tokens they generate."""
 
+import pytest
+
 from flexoff.planner.cost_model import CostModel, Workload
 from flexoff.planner.hardware import resolve_hardware
 from flexoff.planner.search import search_policy
@@ -69,3 +71,58 @@ def test_policy_auto_and_a_pipeline_plan_a_job_whose_budgets_differ():
     job = Workload(64, 40, 48, gen_lens=tuple(8 + i % 33 for i in range(48)))
     staged = plan_pipeline(cfg, job, [hardware, hardware])
     assert staged.throughput > 0
+
+
+def _job_file(path, count=60):
+    """A batch file of token-id prompts behind one 40-token head, each with a budget of its own."""
+    import json
+
+    rng = __import__("random").Random(5)
+    head = [rng.randrange(4, 50000) for _ in range(40)]
+    lines = [{"prompt": head + [rng.randrange(4, 50000) for _ in range(rng.randint(5, 30))],
+              "max_new_tokens": rng.randint(4, 40)} for _ in range(count)]
+    lines[0].pop("max_new_tokens")  # --gen-len's
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return lines
+
+
+def test_search_measures_the_job_of_a_prompts_file_as_policy_auto_does(tmp_path, capsys):
+    from flexoff.commands import main as cli
+    from flexoff.policy import Policy
+
+    lines = _job_file(tmp_path / "job.jsonl")
+    out = tmp_path / "policy.json"
+    assert cli.main(["search", "--model", "opt-30b", "--hardware", "h200", "--gpu-mem", "16GiB", "--compress", "auto",
+                     "--prompts", str(tmp_path / "job.jsonl"), "--gen-len", "7", "--output", str(out)]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    budgets = [line.get("max_new_tokens", 7) for line in lines]
+    workload = prompt_workload([line["prompt"] for line in lines], budgets, "opt-30b", None)
+    assert workload.shared_prefix >= 16 and workload.gen_lens == tuple(budgets)
+    assert (f"prompt {workload.prompt_len} ({workload.shared_prefix} shared" in title
+            and f"generate up to {max(budgets)} ({sum(budgets) / len(budgets):.1f} on average), 60 prompts" in title)
+    expected = search_policy(resolve_model_config("opt-30b"), workload,
+                             resolve_hardware("h200").with_memory(gpu=16 << 30), compress="auto")
+    assert Policy.load(out) == expected.policy
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--prompt-len", "100"], "--prompt-len describes the prompts that --prompts"),
+    (["--shared-prefix", "20"], "--shared-prefix describes the prompts that --prompts"),
+    (["--num-prompts", "5"], "--num-prompts describes the prompts that --prompts"),
+])
+def test_search_refuses_a_shape_beside_a_prompts_file_in_one_line(tmp_path, capsys, flags, says):
+    from flexoff.commands import main as cli
+
+    _job_file(tmp_path / "job.jsonl", 3)
+    assert cli.main(["search", "--model", "opt-30b", "--hardware", "h200", "--prompts", str(tmp_path / "job.jsonl"),
+                     *flags]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
+
+
+def test_search_refuses_a_tokenizer_without_prompts_in_one_line(capsys):
+    from flexoff.commands import main as cli
+
+    assert cli.main(["search", "--model", "opt-30b", "--hardware", "h200", "--tokenizer", "/tmp"]) == 2
+    said = "flexoff: error: --tokenizer reads a --prompts file's text: give --prompts FILE too\n"
+    assert capsys.readouterr().err == said
