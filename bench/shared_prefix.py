@@ -14,6 +14,8 @@ Each batch shape runs ``flexoff batch`` twice, sharing on then ``--no-prefix-sha
 same flags (default ``--policy auto --gpu-mem 16GiB --compress auto``: each arm plans for its own
 job, the shared one for the prefixes it shares; ``--policy-flags`` runs both at one policy), and
 reports each arm's whole-job wall time, prompts per second, the summary's lines and their ratio.
+Each batch arm gets an empty Triton cache of its own (``--triton-cache each``), so that both pay the
+4-bit codec's compilation as a first run on a machine does; ``shared`` keeps the environment's.
 
     python bench/shared_prefix.py --model opt-30b --shapes mmlu chat choices --out DIR
 """
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -70,11 +74,20 @@ def run_batch(args, shape: str, share: bool, out: Path) -> dict:
         command += ["--hardware", args.hardware]
     if not share:
         command.append("--no-prefix-sharing")
+    env = dict(os.environ)
+    if args.triton_cache == "each":
+        # An empty Triton cache of the arm's own: each arm compiles the 4-bit codec's kernels as a
+        # machine's first run does, rather than the second arm finding the first arm's.
+        cache = out / f"triton-{shape}-{'shared' if share else 'alone'}"
+        shutil.rmtree(cache, ignore_errors=True)
+        env["TRITON_CACHE_DIR"] = str(cache)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, check=False, env=env)
     wall = time.perf_counter() - start
     log = done.stdout + done.stderr
     (out / f"{shape}.{'shared' if share else 'alone'}.log").write_text(" ".join(command) + "\n" + log)
+    if args.triton_cache == "each":
+        shutil.rmtree(env["TRITON_CACHE_DIR"], ignore_errors=True)
     prompts = sum(1 for _ in job.open())
     return {"shape": shape, "sharing": share, "rc": done.returncode, "wall_s": round(wall, 2),
             "prompts_per_s": round(prompts / wall, 3),
@@ -124,6 +137,9 @@ def main(argv=None) -> None:
     parser.add_argument("--arms", nargs="+", choices=["on", "off"], default=["on", "off"],
                         help="which arms to run: sharing on, off (default both)")
     parser.add_argument("--offload-dir", default="/tmp")
+    parser.add_argument("--triton-cache", choices=["each", "shared"], default="each",
+                        help="batch arms: each an empty Triton cache of its own (default: both as a machine's "
+                             "first run), or the environment's, which the first arm fills for the second")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
