@@ -208,7 +208,5 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: 
                                      "ids, --tokenizer DIR, or a checkpoint (directory or Hub id) with tokenizer files")
         ids.append(chat_prompt(encoder, prompt)[1] if is_conversation(prompt) else encoder.encode(prompt))
     shared = job_shared_prefix(ids, keep) if share else 0
-    budgets = tuple(budgets)
     return Workload(max(map(len, ids)), max(budgets), len(ids), shared_prefix=shared,
-                    prefix_group=job_prefix_group(ids, keep) if shared else 0,
-                    gen_lens=budgets if len(set(budgets)) > 1 else ())
+                    prefix_group=job_prefix_group(ids, keep) if shared else 0, gen_lens=Workload.differing(budgets))

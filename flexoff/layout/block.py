@@ -257,11 +257,11 @@ def block_disk_files(cfg: ModelConfig, policy: Policy, prompt_len: int, slots: i
     of its disk rows' hidden states (and its prefixes')."""
     files: list[int] = []
     layers = len(owned_layers(cfg, owned))
-    pieces = [(piece, slots - prefix_len) for piece in split_rows(policy.gpu_batch_size, policy.cache)]
-    if prefix_len:
-        pieces += [(piece, prefix_len) for piece in split_rows(prefix_rows, policy.cache)]
-    if not keeps_cache(slots - prompt_len):
-        pieces = []
+    pieces = []
+    if keeps_cache(slots - prompt_len):
+        pieces = [(piece, slots - prefix_len) for piece in split_rows(policy.gpu_batch_size, policy.cache)]
+        if prefix_len:
+            pieces += [(piece, prefix_len) for piece in split_rows(prefix_rows, policy.cache)]
     for piece, length in pieces:
         if piece.tier == "disk":
             size = sum(kv_buffer_parts(cfg, length, piece.stop - piece.start, policy.compress_cache, itemsize))

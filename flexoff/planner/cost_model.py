@@ -386,7 +386,8 @@ class CostModel(MemoryTerms):
         memory = {k: float(v) for k, v in self.memory_terms(frame, p).items()}
         peak = {t: max(memory[(t, ph)] for ph in PHASES) for t in TIERS}
         disk_cached = self.disk_reads_cached(peak)
-        terms = self.phase_terms(frame, p, self.hardware.disk_to_cpu_cached_bandwidth if disk_cached else None)
+        disk_rate = self.hardware.disk_to_cpu_cached_bandwidth if disk_cached else None
+        terms = self.phase_terms(frame, p, disk_rate)
         phases = {}
         for phase in PHASES:
             io, compute = terms[phase]
@@ -402,8 +403,7 @@ class CostModel(MemoryTerms):
         share = self.useful_share(bls)
         throughput = share * bls * w.gen_len / latency
         if w.gen_lens:
-            throughput = self.retiring_throughput(frame, p, self.hardware.disk_to_cpu_cached_bandwidth
-                                                  if disk_cached else None)
+            throughput = self.retiring_throughput(frame, p, disk_rate)
         return Prediction(
             policy=policy, workload=w, prefill=phases["prefill"], decode=phases["decode"],
             prefill_seconds=prefill_seconds, decode_seconds=decode_seconds, block_latency=latency,

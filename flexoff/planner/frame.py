@@ -59,18 +59,23 @@ class Workload:
                 raise ConfigError(f"generation budgets must be one per prompt ({self.num_prompts}), none past "
                                   f"the generation length ({self.gen_len}), got {len(budgets)} up to {max(budgets)}")
 
+    @staticmethod
+    def differing(budgets) -> tuple[int, ...]:
+        """``gen_lens`` for a job of these budgets: all of them where they differ, else none."""
+        budgets = tuple(budgets)
+        return budgets if len(set(budgets)) > 1 else ()
+
     def with_generation(self, prompt_len: int, gen_len: int) -> "Workload":
         """This job with its prompts padded to ``prompt_len`` and no budget past ``gen_len``."""
-        budgets = tuple(min(b, gen_len) for b in self.gen_lens)
         return replace(self, prompt_len=prompt_len, gen_len=min(self.gen_len, gen_len),
-                       gen_lens=budgets if len(set(budgets)) > 1 else ())
+                       gen_lens=self.differing(min(b, gen_len) for b in self.gen_lens))
 
     def with_prompts(self, num_prompts: int) -> "Workload":
         """A share of this job, ``num_prompts`` of its prompts, with budgets spread as the job's
         (every so many of them in order)."""
         ordered = sorted(self.gen_lens)
-        budgets = tuple(ordered[i * len(ordered) // num_prompts] for i in range(num_prompts)) if ordered else ()
-        return replace(self, num_prompts=num_prompts, gen_lens=budgets if len(set(budgets)) > 1 else ())
+        return replace(self, num_prompts=num_prompts, gen_lens=self.differing(
+            ordered[i * len(ordered) // num_prompts] for i in range(num_prompts)) if ordered else ())
 
     def _group_rows(self, gpu_batch_size: int) -> int:
         """The rows of a GPU batch that share each prefix."""

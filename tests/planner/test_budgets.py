@@ -1,12 +1,21 @@
 """A job whose generation budgets differ: the workload carries them, memory is planned for the
 largest, and the search reports the throughput of the tokens they generate."""
 
-import pytest
+import json
+import random
 
-from flexoff.planner.cost_model import CostModel, Workload
-from flexoff.planner.hardware import resolve_hardware
-from flexoff.planner.search import search_policy
+import pytest
+import torch
+
+from flexoff.commands import main as cli
+from flexoff.layout import Capacity
 from flexoff.models.registry import resolve_model_config
+from flexoff.planner.cost_model import CostModel, Workload
+from flexoff.planner.default import fit_job
+from flexoff.planner.hardware import resolve_hardware
+from flexoff.planner.pipeline import plan_pipeline
+from flexoff.planner.search import search_policy
+from flexoff.policy import Policy
 from flexoff.prompts import prompt_workload
 
 
@@ -55,13 +64,6 @@ def test_policy_auto_and_a_pipeline_plan_a_job_whose_budgets_differ():
     """The budgets survive the job's cut to the model's positions (fit_job) and its share per
     pipeline stage (plan_pipeline): both plan it, where a budget list that no longer matched its
     job would be refused."""
-    import torch
-
-    from flexoff.layout import Capacity
-    from flexoff.planner.default import fit_job
-    from flexoff.planner.pipeline import plan_pipeline
-    from flexoff.policy import Policy
-
     cfg = resolve_model_config("opt-125m")
     hardware = resolve_hardware("h200").with_memory(gpu=1 << 30)
     long = Workload(cfg.max_positions, cfg.max_positions, 6, gen_lens=(cfg.max_positions, 5, 9, 2, 7, 3))
@@ -75,9 +77,7 @@ def test_policy_auto_and_a_pipeline_plan_a_job_whose_budgets_differ():
 
 def _job_file(path, count=60):
     """A batch file of token-id prompts behind one 40-token head, each with a budget of its own."""
-    import json
-
-    rng = __import__("random").Random(5)
+    rng = random.Random(5)
     head = [rng.randrange(4, 50000) for _ in range(40)]
     lines = [{"prompt": head + [rng.randrange(4, 50000) for _ in range(rng.randint(5, 30))],
               "max_new_tokens": rng.randint(4, 40)} for _ in range(count)]
@@ -87,9 +87,6 @@ def _job_file(path, count=60):
 
 
 def test_search_measures_the_job_of_a_prompts_file_as_policy_auto_does(tmp_path, capsys):
-    from flexoff.commands import main as cli
-    from flexoff.policy import Policy
-
     lines = _job_file(tmp_path / "job.jsonl")
     out = tmp_path / "policy.json"
     assert cli.main(["search", "--model", "opt-30b", "--hardware", "h200", "--gpu-mem", "16GiB", "--compress", "auto",
@@ -111,8 +108,6 @@ def test_search_measures_the_job_of_a_prompts_file_as_policy_auto_does(tmp_path,
     (["--num-prompts", "5"], "--num-prompts describes the prompts that --prompts"),
 ])
 def test_search_refuses_a_shape_beside_a_prompts_file_in_one_line(tmp_path, capsys, flags, says):
-    from flexoff.commands import main as cli
-
     _job_file(tmp_path / "job.jsonl", 3)
     assert cli.main(["search", "--model", "opt-30b", "--hardware", "h200", "--prompts", str(tmp_path / "job.jsonl"),
                      *flags]) == 2
@@ -121,8 +116,6 @@ def test_search_refuses_a_shape_beside_a_prompts_file_in_one_line(tmp_path, caps
 
 
 def test_search_refuses_a_tokenizer_without_prompts_in_one_line(capsys):
-    from flexoff.commands import main as cli
-
     assert cli.main(["search", "--model", "opt-30b", "--hardware", "h200", "--tokenizer", "/tmp"]) == 2
     said = "flexoff: error: --tokenizer reads a --prompts file's text: give --prompts FILE too\n"
     assert capsys.readouterr().err == said
