@@ -14,6 +14,7 @@ from ..models.common import attention_bias, attention_mask
 from ..prefixes import batch_groups
 from .activations import BatchActivations
 from .kv import BatchKV
+from .packed_prefill import PackedPrefill
 from .prefix_kv import Prefixes
 from .sampler import Ranked
 from .sampling import SamplingParams
@@ -139,6 +140,11 @@ class GpuBatch:
         self._source = source if shared else None
         self._expand = torch.tensor(source, device=device) if shared else None
         self._firsts = torch.tensor(firsts, device=device) if shared else None
+        # The prefill's matmuls run over its real positions alone where its rows pad enough.
+        fill_lengths = [len(own[row]) for row in (firsts if shared else range(len(seqs)))]
+        self._packed = PackedPrefill(fill_lengths, self.prompt_len, device) \
+            if PackedPrefill.pays(fill_lengths, self.prompt_len) else None
+        self._packed_context = None
         slot = torch.arange(self.slots, device=device)
         # (batch, slots): False on left padding; every generated slot is real.
         self.valid = slot[None, :] >= (self.prompt_len - own_lengths)[:, None]
@@ -180,6 +186,9 @@ class GpuBatch:
             if self.prefix is not None:
                 self.positions += self._prefix_lengths[:, None]
                 self.prefix.context = self.arch.step_context(self.cfg, self.prefix.positions, self.dtype)
+            if self._packed is not None:
+                packed = self._packed.pack(self.positions)
+                self._packed_context = self.arch.step_context(self.cfg, packed, self.dtype)
         else:
             if self.prefix is not None:
                 self.prefix.hidden = None  # the prefix is cached; its last layer's output is not read
@@ -219,7 +228,28 @@ class GpuBatch:
         if prefix is not None:
             attend = self._prefill_prefix(layer, weights, attend) if self.start == 0 else \
                 prefix.merged(attend, partial(prefix.kv.attend_shared, layer, mask=prefix.key_mask))
-        self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
+        if self.start == 0 and self._packed is not None:
+            self.hidden = self._packed_layer(weights, attend)
+        else:
+            self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
+
+    def _packed_layer(self, weights: StageWeights, attend) -> torch.Tensor:
+        """The prefill's layer over its real positions (``PackedPrefill``), attention over the rows
+        apart. Each tensor is dropped once its other form exists, so that no moment holds more than
+        the padded layer did."""
+        arch, cfg, packed = self.arch, self.cfg, self._packed
+        hidden = packed.pack(self.hidden)
+        self.hidden = None
+        q, k, v = arch.attention_inputs(cfg, weights, hidden, self._packed_context)
+        q = packed.unpack_heads(q)
+        k = packed.unpack_heads(k)
+        v = packed.unpack_heads(v)
+        attn = attend(q, k, v)
+        del q, k, v
+        attn = packed.pack_heads(attn)
+        out = arch.after_attention(cfg, weights, hidden, attn, weights)
+        del hidden, attn
+        return packed.unpack(out)
 
     def _prefill_prefix(self, layer: int, weights: StageWeights, own):
         """Run the prefix's layer once; returns the rows' attention, merged with the prefix's."""
