@@ -116,6 +116,23 @@ def test_packed_prefill_under_shared_prefixes_samples_and_stops(tiny_model_dir, 
     assert_same_outputs(packed, padded)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_prefill_of_a_prompts_samples(tiny_model_dir, tmp_path, monkeypatch, packs, device):
+    """n samples of ragged prompts: the prefill packs each distinct prompt once, and every sample's
+    cache is filled from its prompt's."""
+    path, _ = tiny_model_dir("llama-gqa")
+    params = SamplingParams(max_tokens=5, ignore_eos=True, temperature=1.0, seed=5, n=3, logprobs=1)
+    # Under MIN_SHARED_PREFIX ids: no prefix groups, only a prompt's samples sharing its prefill.
+    prompts = [p[:n] for p, n in zip(ragged(count=3), (3, 9, 15))]
+    packed, padded = padded_and_packed(monkeypatch, packs, path, "cache-spread", device, tmp_path, prompts, params)
+    assert sum(len(lengths) for lengths, _ in packs[:len(packs) // 2]) < 3 * len(prompts)  # samples prefilled once
+    for a, b in zip(packed, padded, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+        assert len({tuple(o.token_ids) for o in a.outputs}) > 1  # the samples differ
+        torch.testing.assert_close(torch.tensor([o.cumulative_logprob for o in a.outputs]),
+                                   torch.tensor([o.cumulative_logprob for o in b.outputs]), rtol=0, atol=1e-4)
+
+
 def test_the_layers_see_only_real_positions(tiny_model_dir, tmp_path, monkeypatch, packs):
     """Each prefill layer's MLP multiplies as many positions as the packed prompts hold."""
     from flexoff.models import moe
