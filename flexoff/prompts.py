@@ -188,9 +188,9 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: 
     fetched, not its weights), its largest generation budget, its number of prompts, and the prefix
     its GPU batches' rows share and how many prompts share each, measured from the prompts' token
     ids (``prefixes.job_shared_prefix``, ``prefixes.job_prefix_group``: 0 where they share nothing,
-    or ``share`` is off), and each prompt's budget where they differ (``Workload.gen_lens``).
-    ``keep``: per prompt, the last positions its head reads, its own (a scored continuation and the
-    position before it; default 1)."""
+    or ``share`` is off), each prompt's budget where they differ (``Workload.gen_lens``), and their
+    mean length where they differ (``Workload.mean_prompt_len``). ``keep``: per prompt, the last
+    positions its head reads, its own (a scored continuation and the position before it; default 1)."""
     from .planner.cost_model import Workload
     from .prefixes import job_prefix_group, job_shared_prefix
     from .tokenizer import Tokenizer
@@ -208,5 +208,8 @@ def prompt_workload(prompts, budgets, model: str, tokenizer: str | None, share: 
                                      "ids, --tokenizer DIR, or a checkpoint (directory or Hub id) with tokenizer files")
         ids.append(chat_prompt(encoder, prompt)[1] if is_conversation(prompt) else encoder.encode(prompt))
     shared = job_shared_prefix(ids, keep) if share else 0
-    return Workload(max(map(len, ids)), max(budgets), len(ids), shared_prefix=shared,
-                    prefix_group=job_prefix_group(ids, keep) if shared else 0, gen_lens=Workload.differing(budgets))
+    lengths = [len(p) for p in ids]
+    mean = sum(lengths) / len(lengths) if len(set(lengths)) > 1 else 0.0
+    return Workload(max(lengths), max(budgets), len(ids), shared_prefix=shared,
+                    prefix_group=job_prefix_group(ids, keep) if shared else 0, gen_lens=Workload.differing(budgets),
+                    mean_prompt_len=mean)

@@ -151,11 +151,13 @@ def run_search(args) -> int:
 
 
 def _shared(workload: Workload) -> str:
-    """The prompts' shared prefix as the title names it ("" for none)."""
-    if not workload.shared_prefix:
-        return ""
-    groups = f" by groups of {workload.prefix_group}" if workload.prefix_group else ""
-    return f" ({workload.shared_prefix} shared{groups})"
+    """The prompts' mean length where they differ and their shared prefix, as the title names them
+    ("" for neither)."""
+    parts = [f"{workload.mean_prompt_len:.1f} on average"] if workload.mean_prompt_len else []
+    if workload.shared_prefix:
+        groups = f" by groups of {workload.prefix_group}" if workload.prefix_group else ""
+        parts.append(f"{workload.shared_prefix} shared{groups}")
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _workload(args) -> Workload:

@@ -187,7 +187,7 @@ class CostModel(MemoryTerms):
         return frame.num_gpu_batches * self.workload.batch_saved_tokens(frame.gpu_batch_size)
 
     def prefill_tokens(self, frame: PolicyFrame) -> int:
-        """Tokens one block's prefill computes: s per sequence, less what shared prefixes save."""
+        """Tokens one block's prefill runs its matmuls over (``Workload.block_prefill_tokens``)."""
         return self.workload.block_prefill_tokens(frame.gpu_batch_size, frame.num_gpu_batches)
 
     def kv_bytes_per_token(self, frame: PolicyFrame) -> float:
@@ -251,11 +251,13 @@ class CostModel(MemoryTerms):
         s, gbs, bls, nb = self.workload.prompt_len, frame.gpu_batch_size, frame.block_size, frame.num_gpu_batches
         prefix, groups = self.workload.batch_prefix(gbs), self.workload.prefix_rows(gbs)
         tokens = self.prefill_tokens(frame)
+        # The cache's new slots and the activations stay padded (``runtime.packed_prefill``).
+        positions = self.workload.block_prefill_positions(gbs, nb)
         # Every query attends over s keys (A.3); a batch's G shared prefixes are G rows' P queries
         # over their P keys instead of every row's P queries over s.
         queries_saved = nb * prefix * (gbs * s - groups * prefix)
         return {
-            "gpu_matmul": self.matmul_seconds(tokens, bls, gbs * s - self.workload.batch_saved_tokens(gbs)),
+            "gpu_matmul": self.matmul_seconds(tokens, bls, tokens // nb),
             "gpu_attention": (4 * s * s * self.query_width * bls - 4 * self.query_width * queries_saved)
             / hw.prefill_attention_flops,
             # Norms, residual adds and activations stream every prompt token through GPU memory
@@ -264,9 +266,9 @@ class CostModel(MemoryTerms):
             # Weights are dequantized once or for every GPU batch; the new cache is quantized once.
             "dequantize": (q.dequantized * self.matrix_numel / hw.gpu_dequant_throughput
                            if frame.compress_weight is not None else 0.0)
-            + (tokens * self.kept_kv_numel / hw.kv_quant_throughput if frame.compress_cache is not None else 0.0),
+            + (positions * self.kept_kv_numel / hw.kv_quant_throughput if frame.compress_cache is not None else 0.0),
             "cpu_attention": 0.0,
-            "activation_copies": self._activation_copies(q, tokens),
+            "activation_copies": self._activation_copies(q, positions),
         }
 
     def _decode_terms(self, q: _Shares) -> tuple[dict, dict]:

@@ -25,7 +25,11 @@ class Workload:
     largest of the whole job where this is a share of it; empty: every prompt generates
     ``gen_len``). Memory is planned for ``gen_len``; the predicted throughput counts the tokens the
     budgets generate and retires each GPU batch once its budgets are spent, as the runtime does
-    (``CostModel.retiring_throughput``).
+    (``CostModel.retiring_throughput``). ``mean_prompt_len``: the prompts' mean length where they
+    differ (0: every prompt is ``prompt_len`` long). Memory, the cache and the activations are
+    planned padded to ``prompt_len``; the prefill's matmuls are priced at the mean, since blocks are
+    formed by length and a GPU batch whose rows still pad runs them over its real positions alone
+    (``runtime.packed_prefill``).
     """
 
     prompt_len: int
@@ -34,6 +38,7 @@ class Workload:
     shared_prefix: int = 0
     prefix_group: int = 0
     gen_lens: tuple[int, ...] = field(default=(), repr=False)
+    mean_prompt_len: float = 0.0
 
     def __post_init__(self):
         for name in ("prompt_len", "gen_len"):
@@ -59,6 +64,12 @@ class Workload:
                 raise ConfigError(f"generation budgets must be one per prompt ({self.num_prompts}), none past "
                                   f"the generation length ({self.gen_len}), got {len(budgets)} up to {max(budgets)}")
 
+        mean = self.mean_prompt_len
+        numeric = isinstance(mean, (int, float)) and not isinstance(mean, bool)
+        if not numeric or not (mean == 0 or 1 <= mean <= self.prompt_len):
+            raise ConfigError(f"mean prompt length must be 0 (every prompt is the prompt length) or from 1 to the "
+                              f"prompt length ({self.prompt_len}), got {mean!r}")
+
     @staticmethod
     def differing(budgets) -> tuple[int, ...]:
         """``gen_lens`` for a job of these budgets: all of them where they differ, else none."""
@@ -68,7 +79,8 @@ class Workload:
     def with_generation(self, prompt_len: int, gen_len: int) -> "Workload":
         """This job with its prompts padded to ``prompt_len`` and no budget past ``gen_len``."""
         return replace(self, prompt_len=prompt_len, gen_len=min(self.gen_len, gen_len),
-                       gen_lens=self.differing(min(b, gen_len) for b in self.gen_lens))
+                       gen_lens=self.differing(min(b, gen_len) for b in self.gen_lens),
+                       mean_prompt_len=min(self.mean_prompt_len, prompt_len))
 
     def with_prompts(self, num_prompts: int) -> "Workload":
         """A share of this job, ``num_prompts`` of its prompts, with budgets spread as the job's
@@ -98,11 +110,22 @@ class Workload:
         but one per prefix row."""
         return (gpu_batch_size - self.prefix_rows(gpu_batch_size)) * self.batch_prefix(gpu_batch_size)
 
+    def block_prefill_positions(self, gpu_batch_size: int, num_gpu_batches: int) -> int:
+        """Positions a block's prefill holds, padded: s per sequence, less what its batches' shared
+        prefixes save. The cache's new slots and the activations are this many."""
+        return num_gpu_batches * (self.prompt_len * gpu_batch_size - self.batch_saved_tokens(gpu_batch_size))
+
     def block_prefill_tokens(self, gpu_batch_size: int, num_gpu_batches: int) -> int:
-        """Token positions a block's prefill computes: s per sequence, less what its batches'
-        shared prefixes save."""
-        return (self.prompt_len * gpu_batch_size * num_gpu_batches
-                - num_gpu_batches * self.batch_saved_tokens(gpu_batch_size))
+        """Positions a block's prefill runs its matmuls over: the mean prompt's per sequence where
+        the prompts differ (at least one a row, beside its batch's prefixes), less what shared
+        prefixes save; never more than the padded positions."""
+        padded = self.block_prefill_positions(gpu_batch_size, num_gpu_batches)
+        if not self.mean_prompt_len:
+            return padded
+        saved = self.batch_saved_tokens(gpu_batch_size)
+        floor = gpu_batch_size + self.prefix_rows(gpu_batch_size) * self.batch_prefix(gpu_batch_size)
+        per_batch = max(floor, round(self.mean_prompt_len * gpu_batch_size) - saved)
+        return min(padded, num_gpu_batches * per_batch)
 
 
 class Placement(NamedTuple):

@@ -95,7 +95,9 @@ def test_search_measures_the_job_of_a_prompts_file_as_policy_auto_does(tmp_path,
     budgets = [line.get("max_new_tokens", 7) for line in lines]
     workload = prompt_workload([line["prompt"] for line in lines], budgets, "opt-30b", None)
     assert workload.shared_prefix >= 16 and workload.gen_lens == tuple(budgets)
-    assert (f"prompt {workload.prompt_len} ({workload.shared_prefix} shared" in title
+    assert workload.mean_prompt_len  # the file's prompts differ in length; the title names their mean
+    assert (f"prompt {workload.prompt_len} ({workload.mean_prompt_len:.1f} on average, {workload.shared_prefix} shared"
+            in title
             and f"generate up to {max(budgets)} ({sum(budgets) / len(budgets):.1f} on average), 60 prompts" in title)
     expected = search_policy(resolve_model_config("opt-30b"), workload,
                              resolve_hardware("h200").with_memory(gpu=16 << 30), compress="auto")
