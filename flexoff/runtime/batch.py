@@ -142,9 +142,7 @@ class GpuBatch:
         self._firsts = torch.tensor(firsts, device=device) if shared else None
         # The prefill's matmuls run over its real positions alone where its rows pad enough.
         fill_lengths = [len(own[row]) for row in (firsts if shared else range(len(seqs)))]
-        self._packed = PackedPrefill(fill_lengths, self.prompt_len, device) \
-            if PackedPrefill.pays(fill_lengths, self.prompt_len) else None
-        self._packed_context = None
+        self._packed = PackedPrefill.where_it_pays(fill_lengths, self.prompt_len, device)
         slot = torch.arange(self.slots, device=device)
         # (batch, slots): False on left padding; every generated slot is real.
         self.valid = slot[None, :] >= (self.prompt_len - own_lengths)[:, None]
@@ -185,10 +183,8 @@ class GpuBatch:
             self.positions = (torch.cumsum(valid[:, :self.prompt_len].long(), dim=1) - 1).clamp(min=0)
             if self.prefix is not None:
                 self.positions += self._prefix_lengths[:, None]
-                self.prefix.context = self.arch.step_context(self.cfg, self.prefix.positions, self.dtype)
-            if self._packed is not None:
-                packed = self._packed.pack(self.positions)
-                self._packed_context = self.arch.step_context(self.cfg, packed, self.dtype)
+                self.prefix.context = self._prefill_context(self.prefix.packed, self.prefix.positions)
+            self.context = self._prefill_context(self._packed, self.positions)
         else:
             if self.prefix is not None:
                 self.prefix.hidden = None  # the prefix is cached; its last layer's output is not read
@@ -202,7 +198,14 @@ class GpuBatch:
             # One bias for all of a decode step's layers, where each call converting the mask was
             # host time; the prefill keeps the boolean mask, half the memory of a bias over its keys.
             self.mask = attention_bias(self.mask, self.dtype)
-        self.context = self.arch.step_context(self.cfg, self.positions, self.dtype)
+            self.context = self.arch.step_context(self.cfg, self.positions, self.dtype)
+
+    def _prefill_context(self, packed: PackedPrefill | None, positions: torch.Tensor):
+        """The prefill's step context: of the packed positions where its layers run packed."""
+        if packed is None:
+            return self.arch.step_context(self.cfg, positions, self.dtype)
+        packed.context = self.arch.step_context(self.cfg, packed.pack(positions), self.dtype)
+        return None
 
     def prefill_row(self, row: int) -> int:
         """The row of the prefill's hidden state that holds ``row``'s prompt."""
@@ -228,28 +231,15 @@ class GpuBatch:
         if prefix is not None:
             attend = self._prefill_prefix(layer, weights, attend) if self.start == 0 else \
                 prefix.merged(attend, partial(prefix.kv.attend_shared, layer, mask=prefix.key_mask))
-        if self.start == 0 and self._packed is not None:
-            self.hidden = self._packed_layer(weights, attend)
-        else:
-            self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
+        self.hidden = self._prefill_layer(self, self._packed, weights, attend) if self.start == 0 else \
+            self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
 
-    def _packed_layer(self, weights: StageWeights, attend) -> torch.Tensor:
-        """The prefill's layer over its real positions (``PackedPrefill``), attention over the rows
-        apart. Each tensor is dropped once its other form exists, so that no moment holds more than
-        the padded layer did."""
-        arch, cfg, packed = self.arch, self.cfg, self._packed
-        hidden = packed.pack(self.hidden)
-        self.hidden = None
-        q, k, v = arch.attention_inputs(cfg, weights, hidden, self._packed_context)
-        q = packed.unpack_heads(q)
-        k = packed.unpack_heads(k)
-        v = packed.unpack_heads(v)
-        attn = attend(q, k, v)
-        del q, k, v
-        attn = packed.pack_heads(attn)
-        out = arch.after_attention(cfg, weights, hidden, attn, weights)
-        del hidden, attn
-        return packed.unpack(out)
+    def _prefill_layer(self, owner, packed: PackedPrefill | None, weights: StageWeights, attend) -> torch.Tensor:
+        """A prefill layer of ``owner``'s hidden state (the batch's rows, or its prefixes'), packed
+        where its rows pad enough."""
+        if packed is not None:
+            return packed.layer(self.arch, self.cfg, weights, owner, attend)
+        return self.arch.layer(self.cfg, weights, owner.hidden, owner.context, attend, weights)
 
     def _prefill_prefix(self, layer: int, weights: StageWeights, own):
         """Run the prefix's layer once; returns the rows' attention, merged with the prefix's."""
@@ -259,7 +249,7 @@ class GpuBatch:
             kept.append((k, v))
             return prefix.kv.attender(layer, 0, prefix.prefill_mask)(q, k, v)
 
-        prefix.hidden = self.arch.layer(self.cfg, weights, prefix.hidden, prefix.context, attend_prefix, weights)
+        prefix.hidden = self._prefill_layer(prefix, prefix.packed, weights, attend_prefix)
         (k_prefix, v_prefix), = kept
         return prefix.merged(own, prefix.attend_fresh(k_prefix, v_prefix))
 

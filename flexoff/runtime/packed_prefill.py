@@ -26,11 +26,35 @@ class PackedPrefill:
         self.positions = int(real.sum())
         self.index = real.flatten().nonzero().squeeze(1).to(device)
 
+        self.context = None  # the architecture's step context at the packed positions, set per prefill
+
     @staticmethod
     def pays(lengths: list[int], width: int) -> bool:
         """Whether packing ``lengths`` rows of ``width`` positions saves enough to pay for itself."""
         padded = len(lengths) * width
         return padded > 0 and padded - sum(lengths) >= MIN_PADDING_SHARE * padded
+
+    @classmethod
+    def where_it_pays(cls, lengths: list[int], width: int, device: torch.device) -> "PackedPrefill | None":
+        return cls(lengths, width, device) if cls.pays(lengths, width) else None
+
+    def layer(self, arch, cfg, weights, owner, attend) -> torch.Tensor:
+        """One prefill layer of ``owner.hidden`` (its padded rows, dropped once packed) over the real
+        positions, attention over the rows apart; returns the layer's output, padded. Each tensor is
+        dropped once its other form exists, so that no moment holds more than the padded layer did.
+        ``weights`` is also where a sparse layer's experts load once routed."""
+        hidden = self.pack(owner.hidden)
+        owner.hidden = None
+        q, k, v = arch.attention_inputs(cfg, weights, hidden, self.context)
+        q = self.unpack_heads(q)
+        k = self.unpack_heads(k)
+        v = self.unpack_heads(v)
+        attn = attend(q, k, v)
+        del q, k, v
+        attn = self.pack_heads(attn)
+        out = arch.after_attention(cfg, weights, hidden, attn, weights)
+        del hidden, attn
+        return self.unpack(out)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """(rows, width, *rest) -> (1, positions, *rest): the real positions, row after row."""

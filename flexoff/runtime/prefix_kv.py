@@ -21,6 +21,7 @@ import torch
 
 from ..models.common import attention_bias, attention_lse, attention_mask, merge_attention
 from .kv import BatchKV
+from .packed_prefill import PackedPrefill
 
 Shared = Callable[[], tuple[torch.Tensor, torch.Tensor]]  # finish() -> (output, log-sum-exp), folded
 
@@ -58,6 +59,8 @@ class Prefixes:
         padded = [[pad] * (self.length - len(p)) + p for p in ids]
         self.ids = torch.tensor(padded, device=device)
         lengths = torch.tensor([len(p) for p in ids], device=device)
+        # Prefixes of different lengths (contexts of multiple-choice questions) pack as the rows do.
+        self.packed = PackedPrefill.where_it_pays([len(p) for p in ids], self.length, device)
         self.valid = torch.arange(self.length, device=device)[None] >= (self.length - lengths)[:, None]
         self.positions = (torch.cumsum(self.valid.long(), dim=1) - 1).clamp(min=0)
         self.prefill_mask = attention_mask(self.valid, 0, self.length)

@@ -116,6 +116,33 @@ def test_packed_prefill_under_shared_prefixes_samples_and_stops(tiny_model_dir, 
     assert_same_outputs(packed, padded)
 
 
+def choices(seed: int = 2) -> list[list[int]]:
+    """Contexts of MIN_SHARED_PREFIX to 3 x MIN_SHARED_PREFIX ids, each with two continuations of 1
+    to 4 ids: a multiple-choice job, whose prefixes differ in length (two to a GPU batch of four)."""
+    rng = random.Random(seed)
+    prompts = []
+    for _ in range(4):
+        context = [rng.randrange(4, 60) for _ in range(rng.randrange(MIN_SHARED_PREFIX, 3 * MIN_SHARED_PREFIX))]
+        prompts += [context + [rng.randrange(4, 60) for _ in range(rng.randrange(1, 5))] for _ in range(2)]
+    return prompts
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["opt-pre", "llama-gqa", "qwen3-moe"])
+@pytest.mark.parametrize("name", ["on-device", "cache-cpu-attention", "compressed"])
+def test_prefixes_of_different_lengths_pack_too(tiny_model_dir, tmp_path, monkeypatch, packs, device, kind, name):
+    path, _ = tiny_model_dir(kind)
+    prompts = choices()
+    params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=1)
+    packed, padded = padded_and_packed(monkeypatch, packs, path, name, device, tmp_path, prompts, params,
+                                       prefix_sharing=True)
+    assert_same_outputs(packed, padded)
+    assert packed.metrics.shared_prompt_tokens > 0
+    # A packing of the prefixes themselves: two rows of a batch's two contexts' lengths.
+    assert any(len(lengths) == 2 and min(lengths) >= MIN_SHARED_PREFIX and len(set(lengths)) == 2
+               for lengths, _ in packs[:len(packs) // 2]), packs
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_packed_prefill_of_a_prompts_samples(tiny_model_dir, tmp_path, monkeypatch, packs, device):
     """n samples of ragged prompts: the prefill packs each distinct prompt once, and every sample's
