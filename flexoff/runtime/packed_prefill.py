@@ -62,10 +62,11 @@ class PackedPrefill:
         return flat.index_select(0, self.index).unsqueeze(0)
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, positions, *rest) -> (rows, width, *rest), zeros at the padding."""
+        """(1, positions, *rest) -> (rows, width, *rest), zeros at the padding. x may be a strided
+        view (attention's layout transposed): it is read as it lies, not copied first."""
         rest = x.shape[2:]
         out = x.new_zeros((self.rows * self.width, *rest))
-        out.index_copy_(0, self.index, x.reshape(self.positions, *rest))
+        out.index_copy_(0, self.index, x[0])
         return out.view(self.rows, self.width, *rest)
 
     def unpack_heads(self, x: torch.Tensor) -> torch.Tensor:
