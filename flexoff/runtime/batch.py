@@ -201,11 +201,9 @@ class GpuBatch:
             self.context = self.arch.step_context(self.cfg, self.positions, self.dtype)
 
     def _prefill_context(self, packed: PackedPrefill | None, positions: torch.Tensor):
-        """The prefill's step context: of the packed positions where its layers run packed."""
-        if packed is None:
-            return self.arch.step_context(self.cfg, positions, self.dtype)
-        packed.context = self.arch.step_context(self.cfg, packed.pack(positions), self.dtype)
-        return None
+        """The prefill's step context, of the positions its layers see: the packed ones where they
+        run packed."""
+        return self.arch.step_context(self.cfg, positions if packed is None else packed.pack(positions), self.dtype)
 
     def prefill_row(self, row: int) -> int:
         """The row of the prefill's hidden state that holds ``row``'s prompt."""
@@ -235,8 +233,8 @@ class GpuBatch:
             self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
 
     def _prefill_layer(self, owner, packed: PackedPrefill | None, weights: StageWeights, attend) -> torch.Tensor:
-        """A prefill layer of ``owner``'s hidden state (the batch's rows, or its prefixes'), packed
-        where its rows pad enough."""
+        """A prefill layer of ``owner``'s hidden state and context (the batch's rows, or its
+        prefixes'), packed where its rows pad enough."""
         if packed is not None:
             return packed.layer(self.arch, self.cfg, weights, owner, attend)
         return self.arch.layer(self.cfg, weights, owner.hidden, owner.context, attend, weights)

@@ -22,11 +22,9 @@ class PackedPrefill:
 
     def __init__(self, lengths: list[int], width: int, device: torch.device):
         self.rows, self.width = len(lengths), width
+        # Built on the host from the lengths: a nonzero over the device's mask would wait for it.
         real = torch.arange(width)[None, :] >= width - torch.tensor(lengths)[:, None]
-        self.positions = int(real.sum())
         self.index = real.flatten().nonzero().squeeze(1).to(device)
-
-        self.context = None  # the architecture's step context at the packed positions, set per prefill
 
     @staticmethod
     def pays(lengths: list[int], width: int) -> bool:
@@ -40,12 +38,13 @@ class PackedPrefill:
 
     def layer(self, arch, cfg, weights, owner, attend) -> torch.Tensor:
         """One prefill layer of ``owner.hidden`` (its padded rows, dropped once packed) over the real
-        positions, attention over the rows apart; returns the layer's output, padded. Each tensor is
-        dropped once its other form exists, so that no moment holds more than the padded layer did.
-        ``weights`` is also where a sparse layer's experts load once routed."""
+        positions, ``owner.context`` being the step context of those positions; attention over the
+        rows apart. Returns the layer's output, padded. Each tensor is dropped once its other form
+        exists, so that no moment holds more than the padded layer did. ``weights`` is also where a
+        sparse layer's experts load once routed."""
         hidden = self.pack(owner.hidden)
         owner.hidden = None
-        q, k, v = arch.attention_inputs(cfg, weights, hidden, self.context)
+        q, k, v = arch.attention_inputs(cfg, weights, hidden, owner.context)
         q = self.unpack_heads(q)
         k = self.unpack_heads(k)
         v = self.unpack_heads(v)

@@ -58,9 +58,10 @@ class Prefixes:
         width = self.width = max(stop - start for start, stop, _ in spans)
         padded = [[pad] * (self.length - len(p)) + p for p in ids]
         self.ids = torch.tensor(padded, device=device)
-        lengths = torch.tensor([len(p) for p in ids], device=device)
+        sizes = [len(p) for p in ids]
+        lengths = torch.tensor(sizes, device=device)
         # Prefixes of different lengths (contexts of multiple-choice questions) pack as the rows do.
-        self.packed = PackedPrefill.where_it_pays([len(p) for p in ids], self.length, device)
+        self.packed = PackedPrefill.where_it_pays(sizes, self.length, device)
         self.valid = torch.arange(self.length, device=device)[None] >= (self.length - lengths)[:, None]
         self.positions = (torch.cumsum(self.valid.long(), dim=1) - 1).clamp(min=0)
         self.prefill_mask = attention_mask(self.valid, 0, self.length)
