@@ -1,9 +1,9 @@
 """The prefill of jobs whose GPU batches pad, with the packed prefill (runtime.packed_prefill) and
 without it, in one process: one LLM, the arms taking turns so that neither has the warmer machine.
 
-Shapes: ``mmlu``, the 5-shot job of bench/shared_prefix.py (subjects of 12 questions behind a shared
-prefix: the rows' own parts pad), shared; ``choices``, contexts of 300-500 tokens with 4
-continuations each (the prefixes pad too), shared; ``ragged``, prompts of 64-512 tokens in one
+Shapes, from bench/shared_prefix.py: ``mmlu``, its 5-shot job (subjects of 12 questions behind a
+shared prefix: the rows' own parts pad), shared; ``choices``, its multiple-choice job (contexts of
+300-500 tokens with 4 continuations each: the prefixes pad too), shared; ``ragged``, prompts of 64-512 tokens in one
 block, unshared, as a fixed policy's GPU batch meets them. Each arm's prefill seconds, the
 positions its layers computed, and the ratio are printed as one JSON line per shape.
 
@@ -21,44 +21,37 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import shared_prefix  # noqa: E402  (the shapes, from the script beside this one)
 from flexoff import LLM, Policy, SamplingParams  # noqa: E402
 from flexoff.planner.report import policy_summary  # noqa: E402
 from flexoff.runtime import packed_prefill  # noqa: E402
 
 
-class Ids:
-    """Random token ids below a model's vocabulary (and its first special ids)."""
+def drawing(vocab: int, scale: float):
+    """``draw(rng, count)`` for the shapes of bench/shared_prefix.py: ids below the model's
+    vocabulary (and its first special ids), every length times ``scale`` (a small model's few
+    positions)."""
+    low, high = min(100, vocab // 4), min(30000, vocab)
 
-    def __init__(self, seed: int, vocab: int, scale: float = 1.0):
-        self.rng, self.low, self.high = random.Random(seed), min(100, vocab // 4), min(30000, vocab)
-        self.scale = scale  # every length times this (a small model's few positions)
+    def draw(rng: random.Random, count: int) -> list[int]:
+        return [rng.randrange(low, high) for _ in range(max(1, round(count * scale)))]
 
-    def __call__(self, count: int) -> list[int]:
-        return [self.rng.randrange(self.low, self.high) for _ in range(max(1, round(count * self.scale)))]
-
-    def length(self, low: int, high: int) -> int:
-        return self.rng.randint(low, high)
+    return draw
 
 
-def mmlu(ids: Ids, subjects: int) -> list[list[int]]:
-    prompts = []
-    for _ in range(subjects):
-        shots = ids(480)
-        prompts += [shots + ids(ids.length(40, 120)) for _ in range(12)]
-    return prompts
+def mmlu(rng: random.Random, subjects: int, draw) -> list[list[int]]:
+    return shared_prefix.mmlu_prompts(rng, subjects, draw)
 
 
-def choices(ids: Ids, subjects: int) -> list[list[int]]:
-    prompts = []
-    for _ in range(subjects * 3):
-        context = ids(ids.length(300, 500))
-        prompts += [context + ids(ids.length(1, 8)) for _ in range(4)]
-    return prompts
+def choices(rng: random.Random, subjects: int, draw) -> list[list[int]]:
+    prompts, continuations = shared_prefix.choice_prompts(rng, subjects * 3, draw)
+    return [p + c for p, c in zip(prompts, continuations)]
 
 
-def ragged(ids: Ids, subjects: int) -> list[list[int]]:
-    return [ids(ids.length(64, 512)) for _ in range(subjects * 12)]
+def ragged(rng: random.Random, subjects: int, draw) -> list[list[int]]:
+    return [draw(rng, rng.randint(64, 512)) for _ in range(subjects * 12)]
 
 
 SHAPES = {"mmlu": (mmlu, True), "choices": (choices, True), "ragged": (ragged, False)}
@@ -114,7 +107,8 @@ def main(argv=None) -> list[dict]:
     rows = []
     for shape in args.shapes:
         make, share = SHAPES[shape]
-        prompts = make(Ids(0, resolve_model_config(args.model).vocab_size, args.scale), args.subjects)
+        draw = drawing(resolve_model_config(args.model).vocab_size, args.scale)
+        prompts = make(random.Random(0), args.subjects, draw)
         if args.policy == "auto":
             workload = prompt_workload(prompts, [1] * len(prompts), args.model, None, share=share)
             planned = dict(policy="auto", workload=workload, hardware=args.hardware, compress="auto")

@@ -42,14 +42,27 @@ def ids(rng: random.Random, count: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(count)]
 
 
+def mmlu_prompts(rng: random.Random, subjects: int, draw=ids) -> list[list[int]]:
+    """Subjects of 12 questions of 40-120 tokens, each subject's behind its 480-token head of
+    in-context examples. ``draw(rng, count)``: the ids of ``count`` tokens."""
+    prompts = []
+    for _ in range(subjects):
+        head = draw(rng, 480)
+        prompts += [head + draw(rng, rng.randint(40, 120)) for _ in range(12)]
+    return prompts
+
+
 def mmlu(rng: random.Random, subjects: int = 57) -> list[dict]:
-    lines = []
-    for subject in range(subjects):
-        head = ids(rng, 480)
-        for question in range(12):
-            lines.append({"id": f"{subject}.{question}", "prompt": head + ids(rng, rng.randint(40, 120)),
-                          "max_new_tokens": 4})
-    return lines
+    return [{"id": f"{n // 12}.{n % 12}", "prompt": prompt, "max_new_tokens": 4}
+            for n, prompt in enumerate(mmlu_prompts(rng, subjects))]
+
+
+def choice_prompts(rng: random.Random, contexts: int, draw=ids) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, continuations): ``contexts`` contexts of 300-500 tokens, each the prompt of four
+    continuations of 1-8 tokens. ``draw`` as for :func:`mmlu_prompts`."""
+    heads = [draw(rng, rng.randint(300, 500)) for _ in range(contexts)]
+    prompts = [c for c in heads for _ in range(4)]
+    return prompts, [draw(rng, rng.randint(1, 8)) for _ in prompts]
 
 
 def chat(rng: random.Random) -> list[dict]:
@@ -101,10 +114,7 @@ def choices(args, out: Path) -> list[dict]:
     from flexoff import LLM
     from flexoff.prompts import prompt_workload
 
-    rng = random.Random(7)
-    contexts = [ids(rng, rng.randint(300, 500)) for _ in range(200)]
-    prompts = [c for c in contexts for _ in range(4)]
-    continuations = [ids(rng, rng.randint(1, 8)) for _ in prompts]
+    prompts, continuations = choice_prompts(random.Random(7), 200)
     whole = [p + c for p, c in zip(prompts, continuations)]
     rows = []
     for share in (True, False):
@@ -117,7 +127,7 @@ def choices(args, out: Path) -> list[dict]:
             llm.score(prompts, continuations)
             wall = time.perf_counter() - start
             rows.append({"shape": "choices", "sharing": share, "rc": 0, "wall_s": round(wall, 2),
-                         "prompts_per_s": round(len(contexts) / wall, 3), "policy": str(llm.policy),
+                         "prompts_per_s": round(len(prompts) / 4 / wall, 3), "policy": str(llm.policy),
                          "workload": str(workload), "plan": llm.plan.message if llm.plan is not None else None})
         print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared_prefix import mmlu  # noqa: E402
+from shared_prefix import mmlu_prompts  # noqa: E402
 
 
 def profile_arm(args, prompts: list[list[int]], share: bool) -> None:
@@ -58,7 +58,7 @@ def main(argv=None) -> None:
     parser.add_argument("--offload-dir", default="/tmp")
     parser.add_argument("--rows", type=int, default=22, help="kernels listed per arm")
     args = parser.parse_args(argv)
-    prompts = [line["prompt"] for line in mmlu(random.Random(0), args.subjects)]
+    prompts = mmlu_prompts(random.Random(0), args.subjects)
     for share in (True, False):
         profile_arm(args, prompts, share)
 

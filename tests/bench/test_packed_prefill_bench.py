@@ -11,7 +11,9 @@ import packed_prefill  # noqa: E402
 
 def test_each_shape_runs_both_arms_to_the_same_tokens(tiny_model_dir):
     path, _ = tiny_model_dir("llama-gqa")
-    rows = packed_prefill.main(["--model", str(path), "--device", "cpu", "--subjects", "1", "--policy", "12 1",
+    # Two subjects in one GPU batch of 24: each shape's rows (or, for choices, its six contexts) pad
+    # past a sixteenth of their positions.
+    rows = packed_prefill.main(["--model", str(path), "--device", "cpu", "--subjects", "2", "--policy", "24 1",
                                 "--rounds", "1", "--scale", "0.1", "--shapes", "mmlu", "ragged", "choices"])
     assert [row["shape"] for row in rows] == ["mmlu", "ragged", "choices"]
     for row in rows:
