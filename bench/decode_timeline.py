@@ -295,8 +295,9 @@ def main() -> None:
                         help="the same for N decoder layers of the prefill (its kernels against the cost "
                              "model's prefill terms)")
     parser.add_argument("--layers", type=int, default=2, help="layers of the last token to print step by step")
-    parser.add_argument("--cprofile", action="store_true",
-                        help="also run a 2-token generation under cProfile (the main thread's Python time)")
+    parser.add_argument("--cprofile", type=int, nargs="?", const=2, default=0, metavar="TOKENS",
+                        help="also run a generation of TOKENS tokens (default 2) under cProfile (the main "
+                             "thread's Python time); more tokens weigh decode against the prefill")
     parser.add_argument("--sync-debug", action="store_true",
                         help="also run a 2-token generation in torch's sync debug mode and print where the "
                              "main thread synchronised with the GPU")
@@ -314,7 +315,8 @@ def main() -> None:
               cpu_mem=args.cpu_mem)
     bandwidth = pinned_bandwidth()
     print(f"pinned host-to-GPU copy: {bandwidth / 1e9:.1f} GB/s; {torch.cuda.get_device_name()}")
-    prompts = [[100 + (i + j) % 500 for j in range(args.prompt_len)] for i in range(num_prompts)]
+    # Distinct from their first token, so no two rows share a prefix (7 and the 5000 are coprime).
+    prompts = [[100 + (7 * i + 13 * j) % 5000 for j in range(args.prompt_len)] for i in range(num_prompts)]
     llm.generate([p[:16] for p in prompts], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
     timeline = Timeline(llm.engine)
     llm.engine.observer = timeline
@@ -354,10 +356,10 @@ def main() -> None:
         llm.engine.observer = None
         profiler = cProfile.Profile()
         profiler.enable()
-        llm.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        llm.generate(prompts, SamplingParams(max_new_tokens=args.cprofile, ignore_eos=True))
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(45)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(70)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     llm.close()
