@@ -119,6 +119,8 @@ class Job:
     parallel_timeout: float | None = None
     # Rows whose prompts begin alike share that prefix's prefill and cache (--no-prefix-sharing: off).
     prefix_sharing: bool = True
+    # Decode layers run from CUDA graphs where the device can (--no-cuda-graphs: off).
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -135,6 +137,7 @@ class Job:
             raise ConfigError(f"stop strings must be non-empty text, got {list(self.stop)!r}")
         check_bool(self.ignore_eos, "ignore_eos")
         check_bool(self.prefix_sharing, "prefix_sharing")
+        check_bool(self.cuda_graphs, "cuda_graphs")
         if self.gpu_mem is not None:  # one size, or one per pipeline stage
             for size in self.gpu_mem.split(",") if isinstance(self.gpu_mem, str) else [self.gpu_mem]:
                 check_size(size.strip() if isinstance(size, str) else size, "gpu_mem")

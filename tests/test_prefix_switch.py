@@ -15,6 +15,7 @@ from flexoff.commands.main import build_parser, main
 from flexoff.commands.report import format_summary
 from flexoff.errors import FlexoffError
 from flexoff.job import Job
+from flexoff.runtime.decode_graphs import DecodeGraphs
 from flexoff.runtime.metrics import Metrics
 from flexoff.runtime.sampling import SamplingParams
 
@@ -118,7 +119,8 @@ def fake_llm():
     return SimpleNamespace(policy=Policy(), ranks=None, dtype=torch.float32, device=torch.device("cpu"),
                            config=SimpleNamespace(name="tiny", stored_compression=None, num_layers=2),
                            engine=SimpleNamespace(placement_report={"requested": tiers, "realised": tiers,
-                                                                    "bytes": {"gpu": 100, "cpu": 0, "disk": 0}}))
+                                                                    "bytes": {"gpu": 100, "cpu": 0, "disk": 0}},
+                                                  graphs=DecodeGraphs(torch.device("cpu"))))
 
 
 def tokens_line(metrics: Metrics) -> str:

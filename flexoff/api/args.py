@@ -15,10 +15,11 @@ from ..policy import Policy, check_choice
 
 
 def check_llm_args(*, dummy, policy, dtype, device, seed, tokenizer, offload_dir, gpu_mem, cpu_mem,
-                   compress="off", prefix_sharing=True) -> None:
+                   compress="off", prefix_sharing=True, cuda_graphs=True) -> None:
     """LLM's arguments (all but the model), by type and range, before anything is loaded."""
     check_bool(dummy, "dummy")
     check_bool(prefix_sharing, "prefix_sharing")
+    check_bool(cuda_graphs, "cuda_graphs")
     check_choice(compress, "compress")
     if policy is not None and not isinstance(policy, (Policy, str, os.PathLike)):
         raise ArgumentTypeError(f"policy must be a Policy, a policy file's path or None, got {type(policy).__name__}")

@@ -47,7 +47,7 @@ class LLM:
                  gpu_mem: str | int | None = None, cpu_mem: str | int | None = None,
                  workload=None, hardware=None, compress: str = "off", pipeline_parallel_size: int | None = None,
                  data_parallel_size: int | None = None, pipeline_layers: SequenceOf[int] | None = None,
-                 prefix_sharing: bool = True):
+                 prefix_sharing: bool = True, cuda_graphs: bool = True):
         """``workload`` (a planner Workload, or a callable giving one or None): the job this LLM will run.
         With it, a job that cannot fit the machine is refused before anything is allocated, and with
         no ``policy``, a job the compute device cannot hold under DEFAULT_POLICY runs a policy
@@ -63,27 +63,31 @@ class LLM:
         (default: split evenly). Every process calls the same methods with the same prompts, and
         every one returns the same outputs. ``prefix_sharing``: rows whose prompts begin alike run
         in one GPU batch, which prefills that prefix once and keeps one copy of its cache
-        (``flexoff.prefixes``); the outputs are those of False, which runs every row whole."""
+        (``flexoff.prefixes``); the outputs are those of False, which runs every row whole.
+        ``cuda_graphs``: on CUDA, each decode layer's halves around attention replay as CUDA graphs
+        (``flexoff.runtime.decode_graphs``); the outputs are those of False."""
         check_llm_args(dummy=dummy, policy=policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                        offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress,
-                       prefix_sharing=prefix_sharing)
+                       prefix_sharing=prefix_sharing, cuda_graphs=cuda_graphs)
         layers = tuple(pipeline_layers) if pipeline_layers is not None else None
         request = Request(model, dummy, policy, dtype=dtype, device=device, seed=seed, tokenizer=tokenizer,
                           offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, compress=compress,
                           hardware=hardware, parallel=Parallel(pipeline_parallel_size, data_parallel_size,
                                                                layers=layers))
-        self._start(resolve_deployment(request), workload, prefix_sharing)
+        self._start(resolve_deployment(request), workload, prefix_sharing, cuda_graphs)
 
     @classmethod
-    def from_deployment(cls, deployment: Deployment, workload=None, prefix_sharing: bool = True) -> "LLM":
+    def from_deployment(cls, deployment: Deployment, workload=None, prefix_sharing: bool = True,
+                        cuda_graphs: bool = True) -> "LLM":
         """The LLM of a deployment resolved already (``flexoff.deploy.resolve_deployment``), planned
         here for ``workload`` as ``LLM(...)`` plans it."""
         check_bool(prefix_sharing, "prefix_sharing")
+        check_bool(cuda_graphs, "cuda_graphs")
         llm = cls.__new__(cls)
-        llm._start(deployment, workload, prefix_sharing)
+        llm._start(deployment, workload, prefix_sharing, cuda_graphs)
         return llm
 
-    def _start(self, deployment: Deployment, workload, prefix_sharing: bool) -> None:
+    def _start(self, deployment: Deployment, workload, prefix_sharing: bool, cuda_graphs: bool = True) -> None:
         """Load the tokenizer, check the weights, plan the deployment for ``workload`` and build the engine."""
         request = deployment.request
         self.prefix_sharing = prefix_sharing
@@ -108,7 +112,7 @@ class LLM:
             link = PipelineLink(self.ranks.place, self.device, self.dtype)
         self.engine = Engine(self.config, source, self.policy, self.device, self.dtype, request.seed,
                              offload_dir=deployment.offload_dir, capacity=capacity, link=link,
-                             share_prefixes=prefix_sharing)
+                             share_prefixes=prefix_sharing, cuda_graphs=cuda_graphs)
 
     def close(self) -> None:
         """Free the model's memory and offload files; later calls raise ClosedError. Closing twice is fine."""

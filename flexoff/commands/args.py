@@ -172,12 +172,15 @@ def add_policy_args(parser: argparse.ArgumentParser, planning: bool = True):
     return group
 
 
-def add_prefix_sharing_arg(group) -> None:
-    """``--no-prefix-sharing``, the same on every command that generates."""
+def add_runtime_switches(group) -> None:
+    """``--no-prefix-sharing`` and ``--no-cuda-graphs``, the same on every command that generates."""
     group.add_argument("--no-prefix-sharing", dest="prefix_sharing", action="store_false",
                        help="prefill and cache every prompt whole, even where prompts begin alike (by default "
                             "rows sharing a long prefix run in one GPU batch, which prefills it once and keeps one "
                             "copy of its KV cache; the outputs are the same)")
+    group.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="enqueue every decode layer's kernels one by one (by default, on CUDA, the halves of a "
+                            "decode layer around attention replay as CUDA graphs; the outputs are the same)")
 
 
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -236,7 +239,8 @@ def job_from_args(args) -> Job:
                top_p=flag("top_p", 1.0), stop=tuple(flag("stop", ())), ignore_eos=flag("ignore_eos", False),
                offload_dir=flag("offload_dir"), gpu_mem=flag("gpu_mem"), cpu_mem=flag("cpu_mem"),
                pipeline_parallel=flag("pipeline_parallel"), data_parallel=flag("data_parallel"),
-               parallel_timeout=flag("parallel_timeout"), prefix_sharing=flag("prefix_sharing", True))
+               parallel_timeout=flag("parallel_timeout"), prefix_sharing=flag("prefix_sharing", True),
+               cuda_graphs=flag("cuda_graphs", True))
 
 
 def unused_flags(args, llm) -> list[str]:

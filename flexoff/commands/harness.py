@@ -12,7 +12,7 @@ import time
 
 from ..errors import FlexoffError, OutputError
 from ..progress import TOKEN_BAR_FORMAT
-from .args import (COUNT, SEED, add_model_args, add_parallel_args, add_policy_args, add_prefix_sharing_arg,
+from .args import (COUNT, SEED, add_model_args, add_parallel_args, add_policy_args, add_runtime_switches,
                    add_quiet_arg, add_sampling_args, integer, job_from_args)
 from .llm import job_deployment, make_llm
 from .paths import check_outputs
@@ -176,7 +176,7 @@ def register(subparsers) -> None:
     files.add_argument("--output", required=True, metavar="FILE.jsonl",
                        help="results; created, or resumed if it holds results of this same job")
     add_model_args(batch)
-    add_prefix_sharing_arg(add_policy_args(batch))
+    add_runtime_switches(add_policy_args(batch))
     add_parallel_args(batch)
     add_sampling_args(batch)
     batch.add_argument("--max-new-tokens", type=COUNT, default=32, metavar="N",
@@ -206,6 +206,6 @@ def register(subparsers) -> None:
     bench.add_argument("--output-dir", metavar="DIR", help="where results go (default flexoff-bench/NAME)")
     add_quiet_arg(bench)
     add_model_args(bench)
-    add_prefix_sharing_arg(add_policy_args(bench, planning=False))  # bench runs the policy it is given: it plans nothing
+    add_runtime_switches(add_policy_args(bench, planning=False))  # bench runs the policy it is given: it plans nothing
     bench.set_defaults(handler=run_bench)
 

@@ -95,7 +95,8 @@ def make_llm(deployment: Deployment, job: Job, workload: Callable[[], Workload] 
             return None
 
     planned = workload if job.policy.searched else measured_workload if workload is not None else None
-    llm = LLM.from_deployment(deployment, planned, prefix_sharing=job.prefix_sharing)
+    llm = LLM.from_deployment(deployment, planned, prefix_sharing=job.prefix_sharing,
+                              cuda_graphs=job.cuda_graphs)
     if llm.ranks is None or llm.ranks.rank == 0:
         if llm.plan is not None and llm.plan.message:
             _log(llm.plan.message)

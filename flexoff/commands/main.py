@@ -16,7 +16,7 @@ from ..errors import FlexoffError, OutputError, error_line
 from ..fileio import check_destination, json_text, write_or_keep
 from ..job import DEFAULT_MODEL
 from . import harness, search
-from .args import (COUNT, Parser, add_model_args, add_parallel_args, add_policy_args, add_prefix_sharing_arg,
+from .args import (COUNT, Parser, add_model_args, add_parallel_args, add_policy_args, add_runtime_switches,
                    add_quiet_arg, add_sampling_args, job_from_args)
 from .launch import check_before_launch, launch, needs_launch
 from .llm import job_deployment, make_llm
@@ -132,7 +132,7 @@ def register_run(subparsers) -> None:
     source.add_argument("--num-prompts", type=COUNT, default=16, help="number of synthetic prompts (default 16)")
     source.add_argument("--gen-len", "--max-new-tokens", dest="gen_len", type=COUNT, default=32,
                         help="tokens to generate per prompt (default 32)")
-    add_prefix_sharing_arg(add_policy_args(parser))
+    add_runtime_switches(add_policy_args(parser))
     add_parallel_args(parser)
     add_sampling_args(parser)
     out = parser.add_argument_group("output")

@@ -293,8 +293,8 @@ def format_summary(llm, metrics, ranks_memory: list[dict] | None = None) -> str:
         f"policy     % on {'/'.join(tier_name(t, llm.device) for t in TIERS)}: weights requested "
         f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
         f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
-        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'}"
-        + _lossy(policy, llm.config.stored_compression),
+        f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'} · "
+        f"cuda graphs {llm.engine.graphs.describe()}" + _lossy(policy, llm.config.stored_compression),
         *_parallel_lines(llm, ranks_memory),
         "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",

@@ -13,6 +13,7 @@ from ..models import ModelConfig, architecture
 from ..models.common import attention_bias, attention_mask
 from ..prefixes import batch_groups
 from .activations import BatchActivations
+from .decode_graphs import DecodeGraphs
 from .kv import BatchKV
 from .packed_prefill import PackedPrefill
 from .prefix_kv import Prefixes
@@ -220,17 +221,22 @@ class GpuBatch:
         if prefix is not None and self.start == 0:
             prefix.hidden = self.arch.embed(self.cfg, weights, prefix.ids, prefix.positions)
 
-    def layer(self, layer: int, weights: StageWeights) -> None:
+    def layer(self, layer: int, weights: StageWeights, graphs: DecodeGraphs | None = None) -> None:
         """Decoder layer ``layer``, attention included (on the GPU, or waited for); a sparse layer's
         experts load into ``weights`` once routed, where they load route first. A shared prefix's
-        rows run first at the prefill; the rows then attend over it and over their own tokens."""
+        rows run first at the prefill; the rows then attend over it and over their own tokens. At
+        decode, ``graphs`` (if any) runs the layer's halves around attention."""
         attend = self.kv.attender(layer, self.start, self.mask, self._expand if self.start == 0 else None)
         prefix = self.prefix
         if prefix is not None:
             attend = self._prefill_prefix(layer, weights, attend) if self.start == 0 else \
                 prefix.merged(attend, partial(prefix.kv.attend_shared, layer, mask=prefix.key_mask))
-        self.hidden = self._prefill_layer(self, self._packed, weights, attend) if self.start == 0 else \
-            self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
+        if self.start == 0:
+            self.hidden = self._prefill_layer(self, self._packed, weights, attend)
+        elif graphs is not None:
+            self.hidden = graphs.layer(self.arch, self.cfg, weights, self.hidden, self.context, attend)
+        else:
+            self.hidden = self.arch.layer(self.cfg, weights, self.hidden, self.context, attend, weights)
 
     def _prefill_layer(self, owner, packed: PackedPrefill | None, weights: StageWeights, attend) -> torch.Tensor:
         """A prefill layer of ``owner``'s hidden state and context (the batch's rows, or its

@@ -19,6 +19,7 @@ from ..weights import WeightSource
 from .activations import BatchActivations
 from .batch import GpuBatch, Sequence, arrange, span_lengths
 from .block_run import BlockContext, BlockRun
+from .decode_graphs import DecodeGraphs
 from .interpreter import BlockInterpreter, HeadReady, Observer
 from .kv import BatchKV, BlockKV, KVWorkspace
 from ..layout import (Capacity, check_fits, job_bytes, keeps_cache, logprob_positions, owned_layers, pins_host_memory,
@@ -63,10 +64,11 @@ def logprob_chunks(rows: int, positions: int, per_chunk: int):
 class Engine:
     def __init__(self, cfg: ModelConfig, source: WeightSource, policy: Policy, device: torch.device, dtype: torch.dtype,
                  seed: int = 0, offload_dir: str | None = None, capacity: Capacity | None = None,
-                 link: PipelineLink | None = None, share_prefixes: bool = True):
+                 link: PipelineLink | None = None, share_prefixes: bool = True, cuda_graphs: bool = True):
         """``link``: this device is one stage of a pipeline, running its range of the model's
         stages (``link.place``); it holds only their weights and caches. ``share_prefixes``: a GPU
-        batch whose rows begin alike runs that prefix once (``flexoff.prefixes``)."""
+        batch whose rows begin alike runs that prefix once (``flexoff.prefixes``). ``cuda_graphs``:
+        decode layers run from CUDA graphs where they can (``decode_graphs``)."""
         self.cfg = cfg
         self.policy = policy
         self.device = device
@@ -76,6 +78,7 @@ class Engine:
         self.stages = stages(cfg)
         self.link = link
         self.share_prefixes = share_prefixes
+        self.graphs = DecodeGraphs(device, cuda_graphs, self.capacity.gpu)
         self.owned = link.place.owned if link is not None else None
         configure_cuda_allocators(device)
         self.streams = Streams(device, policy.overlap)
@@ -115,6 +118,7 @@ class Engine:
 
     def close(self) -> None:
         """Free device buffers and pinned memory, and delete every offload file."""
+        self.graphs.close()
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -180,7 +184,7 @@ class Engine:
         return batches
 
     def interpreter(self, batches: list[GpuBatch]) -> BlockInterpreter:
-        return BlockInterpreter(batches, self.stages, self.weights, self.worker, self.observer, self.link)
+        return BlockInterpreter(batches, self.stages, self.weights, self.worker, self.observer, self.link, self.graphs)
 
     def _block_run(self, seqs: list[Sequence], decode: Decode | None, context: BlockContext, blocks: int, place: int,
                    on_step: Callable[[int], None] | None, on_prefill: Callable[[], None] | None) -> BlockRun:

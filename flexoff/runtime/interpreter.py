@@ -11,6 +11,7 @@ import torch
 
 from ..models import Stage
 from .batch import GpuBatch, Running
+from .decode_graphs import DecodeGraphs
 from .pipeline import PipelineLink
 from .schedule import BlockShape, Step, block_schedule
 from .tiers import HostWorker
@@ -69,8 +70,10 @@ class BlockInterpreter:
     the event its step makes, or None. ``observer`` (if any) sees each step before it runs."""
 
     def __init__(self, batches: list[GpuBatch], stages: list[Stage], weights: TieredWeights, worker: HostWorker,
-                 observer: Observer | None = None, link: PipelineLink | None = None):
+                 observer: Observer | None = None, link: PipelineLink | None = None,
+                 graphs: DecodeGraphs | None = None):
         self.batches = batches
+        self.graphs = graphs  # decode layers' CUDA graphs (None: layers run eagerly)
         self.stages = stages
         self.weights = weights
         self.worker = worker
@@ -121,7 +124,7 @@ class BlockInterpreter:
         if step.stage == 0:
             batch.embed(weights)
         elif step.stage < len(self.stages) - 1:
-            batch.layer(step.stage - 1, weights)
+            batch.layer(step.stage - 1, weights, self.graphs)
         else:
             self._head_weights[step.batch] = weights
 

@@ -140,6 +140,14 @@ class StageWeights(Mapping):
             self._dequantized[name] = done
         return done
 
+    def dequantizes_on_read(self, name: str) -> bool:
+        """Whether reading ``name`` dequantizes it into the scratch that the next read reuses."""
+        return self._dequantized is None and isinstance(self._tensors[name], CompressedTensor)
+
+    def read_tensors(self, name: str) -> list[torch.Tensor]:
+        """The GPU tensors a read of ``name`` touches: those it is stored as, and any scratch it is dequantized into."""
+        return _parts(self._tensors[name]) + ([self._scratch] if self.dequantizes_on_read(name) else [])
+
     def fetch_experts(self, experts: torch.Tensor) -> None:
         """Copy in those of the experts a sparse layer's tokens chose (tokens, k) that its buffers
         lack, for compute enqueued after this call; without route-first loading all are in place."""
