@@ -304,6 +304,7 @@ def main() -> None:
     parser.add_argument("--jobs-in-flight", default="",
                         help="comma-separated values of the host worker's job limit to time in turn (default: as built)")
     parser.add_argument("--json", help="write every step and the summaries here")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode layers enqueued kernel by kernel")
     args = parser.parse_args()
     config, hardware, policy, num_prompts = cuda_job(args, "decode_timeline needs CUDA (the timeline is of the GPU's "
                                                            "streams)")
@@ -312,12 +313,13 @@ def main() -> None:
     print(f"policy: {policy_summary(policy)}")
     print(f"predicted decode {predicted.decode_throughput:.1f} token/s, total {predicted.total_throughput:.1f}")
     llm = LLM(args.model, dummy=True, policy=policy, offload_dir=args.offload_dir, gpu_mem=args.gpu_mem,
-              cpu_mem=args.cpu_mem)
+              cpu_mem=args.cpu_mem, cuda_graphs=not args.no_cuda_graphs)
     bandwidth = pinned_bandwidth()
     print(f"pinned host-to-GPU copy: {bandwidth / 1e9:.1f} GB/s; {torch.cuda.get_device_name()}")
     # Distinct from their first token, so no two rows share a prefix (7 and the 5000 are coprime).
     prompts = [[100 + (7 * i + 13 * j) % 5000 for j in range(args.prompt_len)] for i in range(num_prompts)]
     llm.generate([p[:16] for p in prompts], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
+    print(f"cuda graphs after the warm-up: {llm.engine.graphs.describe()}")
     timeline = Timeline(llm.engine)
     llm.engine.observer = timeline
     report = {"policy": policy.to_dict(), "bandwidth": bandwidth, "runs": []}

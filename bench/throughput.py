@@ -349,6 +349,7 @@ def parse_args(argv=None):
     parser.add_argument("--flexgen-at-searched", action="store_true",
                         help="with --policy auto, FlexGen also runs flexoff's searched policy (whole percents)")
     parser.add_argument("--gpu-mem", metavar="SIZE", help="GPU memory cap of every system, e.g. 16GiB")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="flexoff's decode layers without CUDA graphs")
     parser.add_argument("--cpu-mem", metavar="SIZE", help="flexoff's host memory cap, e.g. 64GiB")
     parser.add_argument("--dtype", default="auto", help="flexoff's --dtype (on a CPU, float16 or bfloat16 for auto)")
     parser.add_argument("--hf-batch-sizes", help="batch sizes HF tries, largest first (default: from its estimate)")

@@ -76,6 +76,8 @@ def _flexoff(args, workdir: Path, policy_argv: list[str], num_prompts: int) -> d
             "--warmup", "--dtype", args.dtype, "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
             "--num-prompts", str(num_prompts), "--offload-dir", args.offload_dir,
             "--metrics-json", str(metrics_file), *policy_argv]
+    if getattr(args, "no_cuda_graphs", False):
+        argv.append("--no-cuda-graphs")
     code, output, rss, timed_out = run_process(argv, args.timeout, workdir / "flexoff.log")
     if code != 0 or not metrics_file.exists():
         return {"error": failure(code, output, timed_out, args.timeout), "rss": rss}
