@@ -238,6 +238,14 @@ def _split(fractions) -> str:
     return "/".join(f"{100 * value:.1f}" for value in fractions)
 
 
+def _experts(llm) -> str:
+    """How a mixture's routed experts run, for the policy line; nothing for a dense model."""
+    if not llm.config.num_experts:
+        return ""
+    from ..models.moe import expert_kernels
+    return f" · experts by {expert_kernels(llm.device, llm.dtype)}"
+
+
 def _lossy(policy: Policy, stored: CompressionConfig | None = None) -> str:
     """' · weights 4-bit (lossy)' and the like for each compressed part: compression changes the
     outputs, so a run says so; nothing when lossless. Weights read in ``stored``, the format the
@@ -294,7 +302,7 @@ def format_summary(llm, metrics, ranks_memory: list[dict] | None = None) -> str:
         f"{_split(placement['requested'].values())}, realised {_split(placement['realised'].values())} · "
         f"cache {_split(policy.cache.as_tuple())} · activations {_split(policy.activations.as_tuple())} · "
         f"cpu attention {'on' if policy.cpu_attention else 'off'} · overlap {'on' if policy.overlap else 'off'} · "
-        f"cuda graphs {llm.engine.graphs.describe()}" + _lossy(policy, llm.config.stored_compression),
+        f"cuda graphs {llm.engine.graphs.describe()}" + _experts(llm) + _lossy(policy, llm.config.stored_compression),
         *_parallel_lines(llm, ranks_memory),
         "weights    " + " · ".join(f"{tier_name(t, llm.device)} {format_size(placement['bytes'][t])}" for t in TIERS),
         f"prefill    {metrics.prefill_throughput:12.1f} token/s  ({metrics.prefill_time:.3f} s)",

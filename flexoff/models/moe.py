@@ -9,6 +9,7 @@ tokens are grouped by expert so that each expert's rows run as one matmul.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -103,13 +104,45 @@ def _grouped_kernel_fits(rows: torch.Tensor, weight: torch.Tensor) -> bool:
             and all(t.data_ptr() % 16 == 0 for t in (rows, weight)))
 
 
+def fused_kernels(x: torch.Tensor):
+    """The fused Triton kernels of :mod:`.moe_triton` where they run for ``x``: 16-bit values on a
+    CUDA GPU of compute capability 8.0 or later (the grouped matmul's own floor), with Triton
+    installed; else None."""
+    if x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return _fused_module(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _fused_module(device_index: int):
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return None
+    try:
+        from . import moe_triton
+    except ImportError:
+        return None
+    return moe_triton
+
+
+def expert_kernels(device: torch.device, dtype: torch.dtype) -> str:
+    """How a sparse layer's routed experts run on ``device`` in ``dtype``, for a run's summary."""
+    if fused_kernels(torch.empty(0, device=device, dtype=dtype)) is not None:
+        return "grouped matmuls, fused triton steps"
+    reason = "no gpu" if device.type != "cuda" else (
+        "no triton or a gpu before compute capability 8.0" if dtype in (torch.float16, torch.bfloat16)
+        else f"{str(dtype).removeprefix('torch.')} values")
+    return f"grouped matmuls, unfused steps ({reason})"
+
+
 def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                fetch: ExpertFetch | None = None) -> torch.Tensor:
     """x (tokens, hidden) through each token's chosen experts, weighted: (tokens, hidden).
 
     The (token, choice) pairs are sorted by expert, so each expert multiplies its tokens in one
     matmul; the results are gathered back in pair order and each token's k rows are summed under
-    their weights by one batched matmul (no atomic adds, so every run gives the same sums)."""
+    their weights by one batched matmul (no atomic adds, so every run gives the same sums). Where
+    the fused kernels run (``fused_kernels``), the steps between and after the matmuls are one pass
+    each."""
     tokens, k = experts.shape
     if fetch is not None:  # route-first loading: only the chosen experts are copied in, now
         fetch.fetch_experts(experts)
@@ -120,11 +153,15 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
     ends = torch.searchsorted(flat[order], torch.arange(1, cfg.num_experts + 1, device=flat.device,
                                                         dtype=flat.dtype)).to(torch.int32)
     rows = x[order // k]
-    gate, up = grouped_linear(rows, w[GATE_UP], ends).chunk(2, dim=-1)
-    out = grouped_linear(F.silu(gate) * up, w[DOWN], ends)
     # A gather by the inverse order, not a scatter by the order: on an H200 the scatter of a
     # Qwen3-30B-A3B chunk took a fifth of the layer, the gather a tenth of that.
     where = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
+    kernels = fused_kernels(x)
+    if kernels is not None:  # the routing weights applied before the down matmul, then one sum
+        inner = kernels.silu_mul(grouped_linear(rows, w[GATE_UP], ends), weights, order)
+        return kernels.combine(grouped_linear(inner, w[DOWN], ends), where, tokens, k)
+    gate, up = grouped_linear(rows, w[GATE_UP], ends).chunk(2, dim=-1)
+    out = grouped_linear(F.silu(gate) * up, w[DOWN], ends)
     mine = out.index_select(0, where).view(tokens, k, -1)
     return torch.bmm(weights.unsqueeze(1), mine).squeeze(1)
 
