@@ -2,10 +2,11 @@
 
 A decode step runs each layer once per GPU batch, a few tokens each: the host's time to enqueue a
 layer's dozens of small kernels is longer than the GPU's to run them. So the two halves of a
-layer around attention (``attention_inputs``, and ``after_attention`` where the layer is dense)
-are captured once per shape and weight placement and replayed; attention itself, whose cache
-grows every step, runs as before. A sparse layer's experts are chosen on the host (their tokens
-are grouped by count), so its second half is never captured.
+layer around attention (``attention_inputs`` and ``after_attention``) are captured once per shape
+and weight placement and replayed; attention itself, whose cache grows every step, runs as before.
+A sparse layer's second half is captured where the fused expert kernels run it (``moe.fused_kernels``:
+routing, sorting and the experts all stay on the device) and its experts are all in place; with
+route-first loading the host copies in the experts its tokens chose, so that half runs eagerly.
 
 A graph reads its inputs from fixed addresses. The activations and the small weights (norms,
 biases: each layer's own, where the layer's weights stay on the GPU) are copied into buffers of
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..models import ModelConfig
-from ..models.moe import ROUTER
+from ..models.moe import ROUTER, fused_kernels
 
 # More keys than this means the weights' addresses do not repeat; later keys run eagerly.
 MAX_GRAPHS = 512
@@ -157,7 +158,7 @@ class DecodeGraphs:
 
         q, k, v = self._half("inputs", inputs, weights, [hidden, *parts])
         attn = attend(q, k, v)
-        if ROUTER in weights:
+        if ROUTER in weights and (getattr(weights, "routes_first", False) or fused_kernels(hidden) is None):
             return arch.after_attention(cfg, weights, hidden, attn, weights)
 
         def after(w, h, a):

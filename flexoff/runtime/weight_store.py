@@ -154,6 +154,11 @@ class StageWeights(Mapping):
         if self._fetch is not None:
             self._fetch(experts)
 
+    @property
+    def routes_first(self) -> bool:
+        """Whether a sparse layer's experts are copied in only once it has routed (``fetch_experts``)."""
+        return self._fetch is not None
+
     def __contains__(self, name) -> bool:  # without reading (and dequantizing) the tensor
         return name in self._tensors
 

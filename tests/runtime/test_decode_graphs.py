@@ -8,6 +8,7 @@ from flexoff import LLM, CompressionConfig, Policy, SamplingParams, TierFraction
 from flexoff.commands.args import job_from_args
 from flexoff.commands.main import build_parser
 from flexoff.compression import quantize
+from flexoff.models import moe
 from flexoff.runtime.decode_graphs import DecodeGraphs
 from flexoff.runtime.weight_store import StageWeights
 from tests.conftest import PROMPTS
@@ -116,3 +117,30 @@ def test_a_capture_without_room_runs_eagerly_and_says_so(tiny_model_dir, eager_r
         assert graphs.replays == 0 and graphs.short_of_memory > 0
         assert "not captured for want of GPU memory" in graphs.describe()
     assert [o.logprobs for o in outs] == [o.logprobs for o in eager_runs["llama-gqa", "all-gpu"]]
+
+
+def _sparse_halves(graphs: DecodeGraphs) -> int:
+    """Graphs of a sparse layer's second half: keys of kind "after" whose weights hold a router."""
+    return sum(1 for key in graphs._graphs if key[0][0][0] == "after" and moe.ROUTER in key[0][0][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe"])
+@pytest.mark.parametrize(("policy", "replays_sparse"), [
+    (Policy(gpu_batch_size=2, num_gpu_batches=3, weights=TierFractions(0.5, 0.5, 0), compress_weight=FOUR_BIT), True),
+    # One GPU batch of one sequence loads its experts once routed: that half stays eager.
+    (Policy(gpu_batch_size=1, num_gpu_batches=1, weights=ON_CPU), False),
+], ids=["all-experts", "route-first"])
+def test_a_sparse_layers_second_half_replays_where_the_fused_kernels_run(tiny_model_dir, kind, policy, replays_sparse):
+    if not torch.cuda.is_available() or moe.fused_kernels(torch.zeros(1, device="cuda", dtype=torch.bfloat16)) is None:
+        pytest.skip("needs CUDA and Triton")
+    path, _ = tiny_model_dir(kind)
+    outs = {}
+    for graphs in (False, True):
+        with LLM(str(path), policy=policy, device="cuda", dtype="bfloat16", cuda_graphs=graphs) as llm:
+            outs[graphs] = llm.generate(PROMPTS, PARAMS)
+            if graphs:
+                assert llm.engine.graphs.replays > 0, llm.engine.graphs.describe()
+                assert (_sparse_halves(llm.engine.graphs) > 0) == replays_sparse
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert [o.logprobs for o in outs[True]] == [o.logprobs for o in outs[False]]
