@@ -240,7 +240,7 @@ def _split(fractions) -> str:
 
 def _experts(llm) -> str:
     """How a mixture's routed experts run, for the policy line; nothing for a dense model."""
-    if not llm.config.num_experts:
+    if not getattr(llm.config, "num_experts", 0):
         return ""
     from ..models.moe import expert_kernels
     return f" · experts by {expert_kernels(llm.device, llm.dtype)}"

@@ -17,8 +17,7 @@ are then a mapping (:class:`StageWeights`) whose compressed entries are valid un
 is read, and the layers read each matrix just before the matmul that consumes it. Otherwise the
 block's GPU batches share one dequantization of the stage: each matrix is dequantized on its first
 read into its own place in a buffer the size of the largest stage, and later batches read it there
-(a pass per batch cost as much GPU time as the copies it overlaps, and a kernel launch per matrix
-and batch on the host).
+(a pass per batch cost as much GPU time as the copies it overlaps, and a launch per matrix and batch).
 """
 
 from __future__ import annotations
@@ -123,6 +122,7 @@ class StageWeights(Mapping):
                  dequantized: dict[str, torch.Tensor] | None = None,
                  fetch: Callable[[torch.Tensor], None] | None = None):
         self._fetch = fetch  # with route-first loading: copies chosen experts in
+        self.routes_first = fetch is not None  # experts are copied in only once a layer has routed
         self._tensors = tensors
         self._scratch = scratch
         self._dequantized = dequantized
@@ -153,11 +153,6 @@ class StageWeights(Mapping):
         lack, for compute enqueued after this call; without route-first loading all are in place."""
         if self._fetch is not None:
             self._fetch(experts)
-
-    @property
-    def routes_first(self) -> bool:
-        """Whether a sparse layer's experts are copied in only once it has routed (``fetch_experts``)."""
-        return self._fetch is not None
 
     def __contains__(self, name) -> bool:  # without reading (and dequantizing) the tensor
         return name in self._tensors
