@@ -66,7 +66,7 @@ def main() -> None:
             moe.chunk_tokens = lambda _cfg, chunk=chunk: chunk
             x = torch.randn(1, tokens, cfg.hidden_size, device=device).to(dtype)
             flops = active * tokens
-            grouped = median_seconds(lambda: _grouped(cfg, w, x), args.repeats, cuda)
+            grouped = median_seconds(lambda: moe.sparse_mlp(cfg, w, x, fused=False), args.repeats, cuda)
             fused_s = median_seconds(lambda: moe.sparse_mlp(cfg, w, x), args.repeats, cuda) if fused else None
             pairs = min(chunk, tokens) * k
             dense = _dense_seconds(cfg, pairs, dtype, device, args.repeats, cuda)
@@ -82,20 +82,10 @@ def main() -> None:
         moe.chunk_tokens = default
     if args.profile:
         x = torch.randn(1, args.tokens, cfg.hidden_size, device=device).to(dtype)
-        for name, call in (("unfused", lambda: _grouped(cfg, w, x)), ("fused", lambda: moe.sparse_mlp(cfg, w, x))):
+        for name, fused_steps in (("unfused", False), ("fused", True)):
             if name == "unfused" or fused:
                 print(f"\n{name}:")
-                print_profile(call, cuda)
-
-
-def _grouped(cfg, w, x):
-    """The layer with its steps unfused, the fused kernels set aside."""
-    kept = moe.fused_kernels
-    moe.fused_kernels = lambda _x: None
-    try:
-        return moe.sparse_mlp(cfg, w, x)
-    finally:
-        moe.fused_kernels = kept
+                print_profile(lambda: moe.sparse_mlp(cfg, w, x, fused=fused_steps), cuda)
 
 
 def _dense_seconds(cfg, pairs: int, dtype, device, repeats: int, cuda: bool) -> float:

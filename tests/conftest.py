@@ -165,6 +165,14 @@ def tiny_model_dir(tmp_path_factory):
     return make
 
 
+@pytest.fixture
+def fused_moe_kernels():
+    """Skips the test where a sparse layer's fused Triton kernels do not run (no CUDA, no Triton)."""
+    from flexoff.models import moe
+    if not torch.cuda.is_available() or moe.fused_kernels(torch.zeros(1, device="cuda", dtype=torch.bfloat16)) is None:
+        pytest.skip("needs CUDA and Triton")
+
+
 def untimed_records(path) -> list[dict]:
     """A results file's records without their timing fields, which differ from run to run."""
     import json

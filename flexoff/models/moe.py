@@ -135,14 +135,14 @@ def expert_kernels(device: torch.device, dtype: torch.dtype) -> str:
 
 
 def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-               fetch: ExpertFetch | None = None) -> torch.Tensor:
+               fetch: ExpertFetch | None = None, fused: bool = True) -> torch.Tensor:
     """x (tokens, hidden) through each token's chosen experts, weighted: (tokens, hidden).
 
     The (token, choice) pairs are sorted by expert, so each expert multiplies its tokens in one
     matmul; the results are gathered back in pair order and each token's k rows are summed under
     their weights by one batched matmul (no atomic adds, so every run gives the same sums). Where
-    the fused kernels run (``fused_kernels``), the steps between and after the matmuls are one pass
-    each."""
+    the fused kernels run (``fused_kernels``) and ``fused`` allows them, the steps between and after
+    the matmuls are one pass each."""
     tokens, k = experts.shape
     if fetch is not None:  # route-first loading: only the chosen experts are copied in, now
         fetch.fetch_experts(experts)
@@ -153,7 +153,7 @@ def expert_mlp(cfg: ModelConfig, w, x: torch.Tensor, weights: torch.Tensor, expe
     ends = torch.searchsorted(flat[order], torch.arange(1, cfg.num_experts + 1, device=flat.device,
                                                         dtype=flat.dtype)).to(torch.int32)
     rows = x[order // k]
-    kernels = fused_kernels(x)
+    kernels = fused_kernels(x) if fused else None
     if kernels is not None:  # the routing weights applied before the down matmul, then one sum
         inner = kernels.silu_mul(grouped_linear(rows, w[GATE_UP], ends), weights, order)
         del rows
@@ -173,21 +173,23 @@ def _inverse(order: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))
 
 
-def sparse_mlp(cfg: ModelConfig, w, x: torch.Tensor, fetch: ExpertFetch | None = None) -> torch.Tensor:
+def sparse_mlp(cfg: ModelConfig, w, x: torch.Tensor, fetch: ExpertFetch | None = None,
+               fused: bool = True) -> torch.Tensor:
     """A sparse layer's MLP on the normalised hidden x (batch, seq, hidden), chunk_tokens at a time;
-    ``fetch``: where its experts load once routed (route-first loading), if anywhere."""
+    ``fetch``: where its experts load once routed (route-first loading), if anywhere; ``fused``:
+    as :func:`expert_mlp` takes it."""
     flat, chunk = x.reshape(-1, x.shape[-1]), chunk_tokens(cfg)
     if len(flat) <= chunk:
-        return _sparse_chunk(cfg, w, flat, fetch).view_as(x)
+        return _sparse_chunk(cfg, w, flat, fetch, fused).view_as(x)
     out = torch.empty_like(flat)
     for start in range(0, len(flat), chunk):
-        out[start:start + chunk] = _sparse_chunk(cfg, w, flat[start:start + chunk], fetch)
+        out[start:start + chunk] = _sparse_chunk(cfg, w, flat[start:start + chunk], fetch, fused)
     return out.view_as(x)
 
 
-def _sparse_chunk(cfg: ModelConfig, w, flat: torch.Tensor, fetch: ExpertFetch | None) -> torch.Tensor:
+def _sparse_chunk(cfg: ModelConfig, w, flat: torch.Tensor, fetch: ExpertFetch | None, fused: bool) -> torch.Tensor:
     weights, experts = route(cfg, w[ROUTER], flat)
-    out = expert_mlp(cfg, w, flat, weights, experts, fetch)
+    out = expert_mlp(cfg, w, flat, weights, experts, fetch, fused)
     if cfg.shared_expert_intermediate_size:
         shared = swiglu(w, flat, "mlp.shared_expert.")
         out = out + torch.sigmoid(linear(flat, w["mlp.shared_expert_gate.weight"])) * shared

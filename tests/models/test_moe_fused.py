@@ -25,14 +25,6 @@ def _reference(x, gate_up, down, weights, experts):
     return out
 
 
-def _fused_here() -> bool:
-    return torch.cuda.is_available() and moe.fused_kernels(torch.zeros(1, device="cuda", dtype=torch.bfloat16)) is not None
-
-
-def needs_fused(test):
-    return pytest.mark.gpu(pytest.mark.skipif(not _fused_here(), reason="needs CUDA and Triton")(test))
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(("tokens", "hidden", "width", "experts", "k"), [
     (1, 64, 128, 8, 2),  # one token: six experts without rows
@@ -42,8 +34,8 @@ def needs_fused(test):
     (1200, 64, 64, 4, 2),  # hundreds of rows an expert
     (200, 64, 32, 128, 8),  # Qwen3's 128 experts, most with few rows
 ])
-@needs_fused
-def test_fused_steps_give_each_experts_matmuls(dtype, tokens, hidden, width, experts, k):
+@pytest.mark.gpu
+def test_fused_steps_give_each_experts_matmuls(fused_moe_kernels, dtype, tokens, hidden, width, experts, k):
     assert moe.expert_kernels(torch.device("cuda"), dtype) == "grouped matmuls, fused triton steps"
     generator = torch.Generator().manual_seed(tokens)
     x = torch.randn(tokens, hidden, generator=generator).to("cuda", dtype)
@@ -56,14 +48,14 @@ def test_fused_steps_give_each_experts_matmuls(dtype, tokens, hidden, width, exp
     fused = moe.expert_mlp(cfg, w, x, weights, chosen)
     expected = _reference(x, gate_up, down, weights, chosen)
     torch.testing.assert_close(fused.float(), expected, rtol=2e-2, atol=2e-2)
-    grouped = _grouped(lambda: moe.expert_mlp(cfg, w, x, weights, chosen))
+    grouped = moe.expert_mlp(cfg, w, x, weights, chosen, fused=False)
     # Never further from the fp32 sums than the unfused path, which rounds gate, up and the
     # product to 16 bits on the way.
     assert (fused.float() - expected).abs().max() <= (grouped.float() - expected).abs().max() * 1.5 + 1e-3
 
 
-@needs_fused
-def test_a_chunked_sparse_layer_by_the_fused_kernels_matches_the_grouped_one(monkeypatch):
+@pytest.mark.gpu
+def test_a_chunked_sparse_layer_by_the_fused_kernels_matches_the_grouped_one(fused_moe_kernels, monkeypatch):
     """The whole sparse layer, routed in chunks, with shared experts (Qwen2-MoE's): the fused
     kernels give the grouped path's outputs."""
     cfg = REGISTRY["qwen1.5-moe-a2.7b"].replace(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -76,23 +68,15 @@ def test_a_chunked_sparse_layer_by_the_fused_kernels_matches_the_grouped_one(mon
     x = torch.randn(2, 300, 64, generator=generator).to("cuda", torch.bfloat16)
     monkeypatch.setattr(moe, "chunk_tokens", lambda _cfg: 128)
     fused = moe.sparse_mlp(cfg, w, x)
-    grouped = _grouped(lambda: moe.sparse_mlp(cfg, w, x))
+    grouped = moe.sparse_mlp(cfg, w, x, fused=False)
     torch.testing.assert_close(fused, grouped, rtol=3e-2, atol=3e-2)
 
 
-def _grouped(call):
-    kept = moe.fused_kernels
-    moe.fused_kernels = lambda _x: None
-    try:
-        return call()
-    finally:
-        moe.fused_kernels = kept
-
-
-@needs_fused
+@pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["mixtral", "qwen3-moe", "qwen2-moe"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_a_model_by_the_fused_kernels_scores_as_transformers_does(tiny_model_dir, kind, dtype):
+def test_a_model_by_the_fused_kernels_scores_as_transformers_does(fused_moe_kernels, monkeypatch, tiny_model_dir,
+                                                                  kind, dtype):
     """A whole tiny model in 16 bits on CUDA, its experts by the fused kernels: teacher-forced
     log-probabilities within 16-bit error of transformers' fp32 ones, and no further from them than
     the grouped path's in the same dtype."""
@@ -113,7 +97,8 @@ def test_a_model_by_the_fused_kernels_scores_as_transformers_does(tiny_model_dir
             return [x for out in llm.score(prompts, continuations) for x in out.logprobs]
 
     fused = torch.tensor(scores())
-    grouped = torch.tensor(_grouped(scores))
+    monkeypatch.setattr(moe, "fused_kernels", lambda _x: None)  # the whole model by the unfused steps
+    grouped = torch.tensor(scores())
     reference = torch.tensor(expected)
     tolerance = 0.4 if dtype == "bfloat16" else 0.1  # as tests/models/test_smollm2_dtypes.py allows
     torch.testing.assert_close(fused, reference, rtol=0, atol=tolerance)

@@ -131,9 +131,8 @@ def _sparse_halves(graphs: DecodeGraphs) -> int:
     # One GPU batch of one sequence loads its experts once routed: that half stays eager.
     (Policy(gpu_batch_size=1, num_gpu_batches=1, weights=ON_CPU), False),
 ], ids=["all-experts", "route-first"])
-def test_a_sparse_layers_second_half_replays_where_the_fused_kernels_run(tiny_model_dir, kind, policy, replays_sparse):
-    if not torch.cuda.is_available() or moe.fused_kernels(torch.zeros(1, device="cuda", dtype=torch.bfloat16)) is None:
-        pytest.skip("needs CUDA and Triton")
+def test_a_sparse_layers_second_half_replays_where_the_fused_kernels_run(fused_moe_kernels, tiny_model_dir, kind,
+                                                                         policy, replays_sparse):
     path, _ = tiny_model_dir(kind)
     outs = {}
     for graphs in (False, True):
