@@ -127,7 +127,7 @@ def test_a_quick_profile_reports_its_progress_and_measures_what_the_planner_read
                                        progress=lambda fraction, step: heard.append((fraction, step)))
     fractions = [fraction for fraction, _ in heard]
     assert fractions == sorted(fractions) and fractions[0] == 0.0 and heard[-1] == (1.0, None)
-    assert [step for _, step in heard[:-1]] == list(profiler._step_weights(False, True, 1))
+    assert [step for _, step in heard[:-1]] == list(profiler._step_weights(False, 1))
     assert profile.measurements["host_overhead"]["depths"] == [1, 2]
     # every figure the cost model reads is measured, none left at its "not measured" default
     unmeasured = {"cpu_to_all_gpus_bandwidth", "gpu_to_cpu_cache_bandwidth", "cpu_to_disk_cache_bandwidth",
@@ -152,3 +152,28 @@ def test_a_disk_that_fills_while_the_quick_profile_measures_it_is_one_error(monk
     with pytest.raises(ConfigError, match=f"^cannot measure the disk under {tmp_path} \\(No space left on device\\)"):
         profiler.saved_or_measured_profile(torch.device("cpu"), str(tmp_path), lambda message: None)
     assert not (tmp_path / "cache" / "flexoff" / "hardware.json").exists()
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_gpu_profile_quick_or_full_times_the_routed_experts(monkeypatch, quick):
+    """Without the routed experts' rates the planner prices them at the dense curve, which put a
+    quick profile's Qwen3-30B-A3B prefill at 1.6x what it ran at: a quick GPU profile measures them too."""
+    from flexoff.planner.sparse_rate import SparseRate
+    from flexoff.profiler import machine as profiler
+
+    rate = SparseRate((2048, 768, 128, 8), ((8192.0, 3e14),))
+    asked = []
+
+    def measured(device, dtype, seconds, log=lambda message: None):
+        asked.append((device.type, dtype))
+        return (rate,), {"2048x768x128x8": {"tokens": [8192.0], "flop_per_s": [3e14]}}
+
+    monkeypatch.setattr(profiler, "measure_sparse_rates", measured)
+    sizes = profiler.QUICK_GPU if quick else profiler.FULL
+    run = profiler._Profiling(quick, True, sizes, "/tmp", 1, profiler.Budget(None, profiler._step_weights(True, 1)),
+                              lambda message: None)
+    assert profiler._routed_experts(run) == {"sparse_mlp_flops": (rate,)}
+    assert asked == [("cuda", torch.bfloat16)]
+    cpu = profiler._Profiling(quick, False, sizes, "/tmp", 1, profiler.Budget(None, profiler._step_weights(False, 1)),
+                              lambda message: None)
+    assert profiler._routed_experts(cpu) == {"sparse_mlp_flops": ()}
