@@ -24,26 +24,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def touch(gib: float, threads: list[int]) -> list[dict]:
-    """For each thread count, seconds to allocate and zero ``gib`` GiB as the pinned tiers
-    allocate host memory, and to fill it again (memory already backed); every buffer held to the end."""
+    """For each thread count, seconds to allocate and zero ``gib`` GiB as the pinned tiers allocate
+    host memory (``touched_pages``), and to fill it again (memory already backed); every buffer held
+    to the end."""
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from flexoff.runtime.tiers import HUGE_PAGE, advise_huge_pages
+    from flexoff.runtime.tiers import touched_pages
 
     nbytes, held, out = int(gib * (1 << 30)), [], []
     for count in threads:
         torch.set_num_threads(count)
         started = time.perf_counter()
-        raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
-        buffer = raw[(-raw.data_ptr()) % HUGE_PAGE:][:nbytes]
-        advise_huge_pages(buffer)
-        buffer.zero_()
+        buffer = touched_pages(nbytes)
         first = time.perf_counter() - started
         started = time.perf_counter()
         buffer.fill_(1)
         again = time.perf_counter() - started
-        held.append(raw)
+        held.append(buffer)
         out.append({"threads": count, "gib": gib, "first_s": first, "again_s": again, "nbytes": nbytes})
     return out
 

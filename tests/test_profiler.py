@@ -170,10 +170,11 @@ def test_a_gpu_profile_quick_or_full_times_the_routed_experts(monkeypatch, quick
 
     monkeypatch.setattr(profiler, "measure_sparse_rates", measured)
     sizes = profiler.QUICK_GPU if quick else profiler.FULL
-    run = profiler._Profiling(quick, True, sizes, "/tmp", 1, profiler.Budget(None, profiler._step_weights(True, 1)),
-                              lambda message: None)
-    assert profiler._routed_experts(run) == {"sparse_mlp_flops": (rate,)}
+
+    def run(use_cuda: bool):
+        budget = profiler.Budget(None, profiler._step_weights(use_cuda, 1))
+        return profiler._Profiling(quick, use_cuda, sizes, "/tmp", 1, budget, lambda message: None)
+
+    assert profiler._routed_experts(run(True)) == {"sparse_mlp_flops": (rate,)}
     assert asked == [("cuda", torch.bfloat16)]
-    cpu = profiler._Profiling(quick, False, sizes, "/tmp", 1, profiler.Budget(None, profiler._step_weights(False, 1)),
-                              lambda message: None)
-    assert profiler._routed_experts(cpu) == {"sparse_mlp_flops": ()}
+    assert profiler._routed_experts(run(False)) == {"sparse_mlp_flops": ()}

@@ -116,14 +116,7 @@ class HostMemory:
     def _register(self, nbytes: int) -> torch.Tensor:
         # Whole pages of its own: two registrations must never share a page.
         size = pages(nbytes)
-        align = HUGE_PAGE if size >= HUGE_PAGE_MIN else PAGE
-        base = torch.empty(size + align, dtype=torch.uint8)  # the slack is address space, never touched
-        buffer = base[-base.data_ptr() % align:][:size]
-        if align == HUGE_PAGE:
-            advise_huge_pages(buffer)
-        # Registering faults the pages in on one thread (2.2 GB/s on the H200 machine); touched
-        # on every thread first, and in huge pages, 4 GiB registered at 19 GB/s.
-        buffer.zero_()
+        buffer = touched_pages(size)
         error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), size, 0))
         if error:
             raise PolicyError(f"cannot pin {format_size(size)} of host memory (CUDA error {error}); run without "
@@ -134,6 +127,20 @@ class HostMemory:
     def close(self) -> None:
         self._unregister()
         self._slabs.clear()
+
+
+def touched_pages(size: int) -> torch.Tensor:
+    """``size`` bytes (whole pages) of zeroed host memory on pages of their own, huge pages from
+    HUGE_PAGE_MIN up, faulted in on every thread."""
+    align = HUGE_PAGE if size >= HUGE_PAGE_MIN else PAGE
+    base = torch.empty(size + align, dtype=torch.uint8)  # the slack is address space, never touched
+    buffer = base[-base.data_ptr() % align:][:size]
+    if align == HUGE_PAGE:
+        advise_huge_pages(buffer)
+    # Registering faults the pages in on one thread (2.2 GB/s on the H200 machine); touched on
+    # every thread first, and in huge pages, 4 GiB registered at 19 GB/s.
+    buffer.zero_()
+    return buffer
 
 
 def advise_huge_pages(buffer: torch.Tensor) -> None:

@@ -192,10 +192,8 @@ def _mapping_flags(address: int) -> list[str]:
 def test_advised_buffers_are_marked_for_huge_pages():
     # "hg": the kernel backs the mapping with huge pages where it can. Whether it could depends on
     # the machine's free memory at the time, so that is not what is asserted.
-    size = 64 * MiB
-    base = torch.empty(size + tiers.HUGE_PAGE, dtype=torch.uint8)
-    buffer = base[-base.data_ptr() % tiers.HUGE_PAGE:][:size]
-    tiers.advise_huge_pages(buffer)
+    buffer = tiers.touched_pages(64 * MiB)
+    assert buffer.data_ptr() % tiers.HUGE_PAGE == 0 and buffer.numel() == 64 * MiB
     assert "hg" in _mapping_flags(buffer.data_ptr())
 
 
